@@ -1,0 +1,59 @@
+"""Settings: every knob kvstage reads, with its environment variable and default.
+
+docs/configuration.md lists the same table for users; keep the two in step.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field, fields
+
+from kvstage.errors import ConfigError
+
+
+def _env(name: str, default, kind):
+    raw = os.environ.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        if kind is bool:
+            if raw.lower() in ("1", "true", "yes", "on"):
+                return True
+            if raw.lower() in ("0", "false", "no", "off"):
+                return False
+            raise ValueError(raw)
+        return kind(raw)
+    except ValueError:
+        raise ConfigError(f"{name}={raw!r}: must be a {kind.__name__}") from None
+
+
+@dataclass
+class Settings:
+    """Per-endpoint settings. Defaults come from ``KVSTAGE_*`` variables."""
+
+    arena_mb: float = field(default_factory=lambda: _env("KVSTAGE_ARENA_MB", 512.0, float))
+    slot_mb: float = field(default_factory=lambda: _env("KVSTAGE_SLOT_MB", 64.0, float))
+    auth_token: str = field(default_factory=lambda: _env("KVSTAGE_AUTH_TOKEN", "", str))
+    handshake_timeout_s: float = field(default_factory=lambda: _env("KVSTAGE_HANDSHAKE_TIMEOUT_S", 5.0, float))
+    ready_timeout_s: float = field(default_factory=lambda: _env("KVSTAGE_READY_TIMEOUT_S", 120.0, float))
+    stall_timeout_s: float = field(default_factory=lambda: _env("KVSTAGE_STALL_TIMEOUT_S", 10.0, float))
+    direct: bool = field(default_factory=lambda: _env("KVSTAGE_DIRECT", True, bool))
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            v = getattr(self, f.name)
+            if f.name in ("arena_mb", "slot_mb") and not (isinstance(v, (int, float)) and v * (1 << 20) >= 4096):
+                raise ConfigError(f"{f.name}={v!r}: must be at least 4 KiB (0.00390625 MiB)")
+            if f.name.endswith("_s") and not v > 0:
+                raise ConfigError(f"{f.name}={v!r}: must be > 0 seconds")
+        if self.slot_mb > self.arena_mb:
+            raise ConfigError(f"slot_mb={self.slot_mb} > arena_mb={self.arena_mb}: a slot must fit in the arena")
+
+    @property
+    def slot_bytes(self) -> int:
+        """Slot size, rounded down to 4 KiB so every slot starts aligned."""
+        return int(self.slot_mb * (1 << 20)) // 4096 * 4096
+
+    @property
+    def slots(self) -> int:
+        return int(self.arena_mb * (1 << 20)) // self.slot_bytes

@@ -1,0 +1,411 @@
+"""The destination (decode) side: grants slots, scatters landed chunks.
+
+Per request: wait until every writer the plan names has announced the request
+(``ready``), then grant one arena slot per chunk to all writers at once. A
+chunk whose writers have all landed is scattered into this rank's pages and
+its slot is freed for the next grant. Sources never learn KV addresses on the
+staged path; on the direct path (whole shards, same paging) they get the
+registered KV regions and page ids, and write pages in place.
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+import socket
+import threading
+import time
+from dataclasses import dataclass, field as dc_field
+
+import numpy as np
+
+from kvstage.errors import IncompatibleGeometry, KVStageError, ProtocolError
+from kvstage.protocol.endpoint import Endpoint, check_pages, md_from_wire, md_to_wire, spec_from_wire, spec_to_wire
+from kvstage.protocol.request import State, TransferHandle
+from kvstage.protocol.wire import PROTOCOL_VERSION, Connection, decode_notice, field
+from kvstage.staging.copy import TokenIndex, scatter
+from kvstage.tp import Piece, TransferPlan, plan
+from kvstage.transports.base import Region
+
+log = logging.getLogger("kvstage")
+
+MAX_EARLY = 4096  # ready messages kept for requests this side has not been told about yet
+
+
+@dataclass
+class Writer:
+    rank: int
+    conn: Connection
+    agent: str
+    piece: Piece
+    slot_bytes: int
+
+
+@dataclass
+class Chunk:
+    index: int
+    start: int
+    count: int
+    slot: int | None
+    pending: set = dc_field(default_factory=set)  # writer ranks not landed yet
+
+
+@dataclass
+class Incoming:
+    handle: TransferHandle
+    pages: np.ndarray
+    ready: dict = dc_field(default_factory=dict)  # writer rank -> tokens announced
+    direct: bool = False
+    chunk_tokens: int = 0
+    chunks: int = 0
+    next_chunk: int = 0
+    open: dict = dc_field(default_factory=dict)  # chunk index -> Chunk (granted, not scattered)
+    quarantine: dict = dc_field(default_factory=dict)  # chunk index -> Chunk (failed, writes may land)
+    scattered: int = 0
+    stage: str = "waiting for writers"
+    touched: float = dc_field(default_factory=time.monotonic)
+
+
+class Destination(Endpoint):
+    """A destination rank. ``address`` is where sources connect."""
+
+    role = "dst"
+
+    def __init__(self, cache, settings=None, transport=None, listen: tuple[str, int] = ("127.0.0.1", 0)):
+        super().__init__(cache, settings, transport)
+        self.plan: TransferPlan | None = None
+        self.writers: dict[int, Writer] = {}
+        self.requests: dict[str, Incoming] = {}
+        self._early: dict[str, dict[int, int]] = {}
+        self._rr: list[str] = []  # grant order (round robin)
+        self._listener = socket.create_server(listen)
+        self.address = self._listener.getsockname()[:2]
+        self._start()
+        threading.Thread(target=self._accept, name=f"kvstage-accept{self.rank}", daemon=True).start()
+        log.info("dst %d: listening on %s:%d (%d slots of %d bytes)", self.rank, *self.address,
+                 self.arena.allocator.count, self.arena.slot_bytes)
+
+    def _accept(self) -> None:
+        while not self._closing:
+            try:
+                sock, addr = self._listener.accept()
+            except OSError:
+                return
+            conn = Connection(sock, f"{addr[0]}:{addr[1]}")
+            self._start_reader(conn, first_timeout=self.settings.handshake_timeout_s)
+
+    # -- public --------------------------------------------------------------
+    def expect(self, req: str, page_ids, tokens: int) -> TransferHandle:
+        """Receive ``tokens`` tokens of request ``req`` into ``page_ids`` (this rank's pages)."""
+        if not isinstance(req, str) or not 0 < len(req) <= 256:
+            raise ValueError(f"req={req!r}: must be a non-empty string of at most 256 characters")
+        pages = check_pages(self.cache, page_ids, tokens)
+        handle = TransferHandle(req, "dst", int(tokens))
+        handle._abort = lambda reason: self._post("call", lambda: self._fail(req, "local", "abort", reason, tell=True))
+        self._call(lambda: self._add(handle, pages))
+        return handle
+
+    def slots_free(self) -> int:
+        return self._call(lambda: self.arena.allocator.free)
+
+    # -- loop thread -----------------------------------------------------------
+    def _add(self, handle: TransferHandle, pages: np.ndarray) -> None:
+        if handle.req in self.requests:
+            raise ValueError(f"request {handle.req!r} is already in flight on destination rank {self.rank}")
+        inc = Incoming(handle, pages)
+        self.requests[handle.req] = inc
+        for w, tokens in self._early.pop(handle.req, {}).items():
+            self._on_ready_tokens(inc, w, tokens)
+        self._maybe_start(inc)
+
+    def _busy(self) -> bool:
+        return any(r.open or r.quarantine for r in self.requests.values())
+
+    def _on_message(self, conn: Connection, msg: dict) -> None:
+        kind = msg["type"]
+        writer = next((w for w in self.writers.values() if w.conn is conn), None)
+        try:
+            if kind == "hello":
+                if writer is not None:
+                    raise ProtocolError("second hello on one connection")
+                self._on_hello(conn, msg)
+            elif writer is None:
+                raise ProtocolError(f"{kind!r} before a successful hello")
+            elif kind == "ready":
+                self._on_ready(writer, msg)
+            elif kind == "abort":
+                req = field(msg, "req", str)
+                self._fail(req, f"source rank {writer.rank}", "abort", "source aborted: " + str(msg.get("reason"))[:200], tell=False)
+            elif kind == "abort_ack":
+                self._on_abort_ack(writer.rank, field(msg, "req", str))
+            else:
+                raise ProtocolError(f"unknown message type {kind!r}")
+        except KVStageError as e:
+            self._reject(conn, msg, e)
+            if kind == "hello":
+                conn.close()
+
+    def _on_hello(self, conn: Connection, msg: dict) -> None:
+        version = field(msg, "version", int)
+        if version != PROTOCOL_VERSION:
+            raise ProtocolError(f"protocol version {version} unsupported; this side speaks {PROTOCOL_VERSION}")
+        if not hmac.compare_digest(str(msg.get("token", "")).encode(), self.settings.auth_token.encode()):
+            raise ProtocolError("auth token does not match KVSTAGE_AUTH_TOKEN on the destination")
+        src = spec_from_wire(field(msg, "spec", dict))
+        p = plan(src, self.spec)
+        if self.plan is not None and p.src != self.plan.src:
+            raise IncompatibleGeometry(f"source spec {src} differs from the first source's {self.plan.src}")
+        rank = field(msg, "rank", int, minimum=0, maximum=src.tp - 1)
+        piece = next((x for x in p.writers_of(self.rank) if x.src_rank == rank), None)
+        welcome = {"type": "welcome", "version": PROTOCOL_VERSION, "spec": spec_to_wire(self.spec), "rank": self.rank}
+        if piece is None:  # nothing to send here; the source closes this connection
+            conn.send(welcome)
+            return
+        if rank in self.writers:
+            raise ProtocolError(f"source rank {rank} is already connected from {self.writers[rank].conn.peer}")
+        slot_bytes = field(msg, "slot_bytes", int, minimum=1)
+        agent = field(msg, "agent", str)
+        md_from_wire(field(msg, "metadata", str))  # well-formed; the destination only receives
+        need = p.piece_token_bytes(piece)
+        if not p.direct and (slot_bytes < need or self.arena.slot_bytes < p.dst_token_bytes()):
+            raise ProtocolError(
+                f"slot too small for one token: source slot {slot_bytes} B (needs {need}), destination slot "
+                f"{self.arena.slot_bytes} B (needs {p.dst_token_bytes()}); raise KVSTAGE_SLOT_MB"
+            )
+        self.plan = p
+        direct = p.direct and self.settings.direct
+        self.writers[rank] = Writer(rank, conn, agent, piece, slot_bytes)
+        conn.peer = f"source rank {rank} ({conn.peer})"
+        kv = [r.to_wire() for r in self.kv_regions()] if direct else []  # registered before the metadata is taken
+        conn.send(welcome | {
+            "metadata": md_to_wire(self.transport.metadata()), "arena": self.arena_region.to_wire(), "kv": kv,
+        })
+        log.info("dst %d: source rank %d connected from %s, heads %d..%d, %s path", self.rank, rank, conn.peer,
+                 piece.heads.start, piece.heads.stop, "direct" if direct else "staged")
+
+    def _on_ready(self, writer: Writer, msg: dict) -> None:
+        req = field(msg, "req", str)
+        tokens = field(msg, "tokens", int, minimum=1)
+        inc = self.requests.get(req)
+        if inc is None:
+            early = self._early.setdefault(req, {})
+            if len(self._early) > MAX_EARLY:
+                self._early.pop(req)
+                raise ProtocolError(f"more than {MAX_EARLY} announced requests unknown to this destination")
+            early[writer.rank] = tokens
+            return
+        self._on_ready_tokens(inc, writer.rank, tokens)
+        self._maybe_start(inc)
+
+    def _on_ready_tokens(self, inc: Incoming, rank: int, tokens: int) -> None:
+        if inc.handle.done():
+            return
+        if tokens != inc.handle.tokens:
+            self._fail(inc.handle.req, f"source rank {rank}", "ready",
+                       f"source announced {tokens} tokens, destination expects {inc.handle.tokens}", tell=True)
+            return
+        inc.ready[rank] = tokens
+        inc.touched = time.monotonic()
+
+    def _maybe_start(self, inc: Incoming) -> None:
+        if inc.handle.state is not State.PENDING or self.plan is None:
+            return
+        pieces = self.plan.writers_of(self.rank)
+        if any(p.src_rank not in inc.ready or p.src_rank not in self.writers for p in pieces):
+            return
+        inc.direct = self.plan.direct and self.settings.direct
+        if inc.direct:
+            inc.chunk_tokens, inc.chunks = inc.handle.tokens, 1
+        else:
+            per = min(self.writers[p.src_rank].slot_bytes // self.plan.piece_token_bytes(p) for p in pieces)
+            inc.chunk_tokens = min(per, self.arena.slot_bytes // self.plan.dst_token_bytes())
+            inc.chunks = -(-inc.handle.tokens // inc.chunk_tokens)
+        inc.stage = "grant"
+        inc.handle.path = "direct" if inc.direct else "staged"
+        inc.handle._move(State.TRANSFERRING)
+        self._rr.append(inc.handle.req)
+        log.debug("dst %d: %s starts, %d chunks of %d tokens, %s", self.rank, inc.handle.req, inc.chunks,
+                  inc.chunk_tokens, "direct" if inc.direct else "staged")
+
+    def _grant(self) -> None:
+        """Hand free slots to waiting chunks, one request at a time in turn."""
+        progressed = True
+        while progressed and self._rr:
+            progressed = False
+            for req in list(self._rr):
+                inc = self.requests[req]
+                if inc.next_chunk >= inc.chunks:
+                    self._rr.remove(req)
+                    continue
+                if inc.direct:
+                    self._grant_direct(inc)
+                    progressed = True
+                    continue
+                slot = self.arena.allocator.acquire()
+                if slot is None:
+                    return
+                self._grant_chunk(inc, slot)
+                progressed = True
+
+    def _grant_direct(self, inc: Incoming) -> None:
+        (piece,) = self.plan.writers_of(self.rank)
+        inc.open[0] = Chunk(0, 0, inc.handle.tokens, None, {piece.src_rank})
+        inc.next_chunk = 1
+        self.writers[piece.src_rank].conn.send({
+            "type": "grant", "req": inc.handle.req, "chunk": 0, "chunks": 1, "start": 0,
+            "count": inc.handle.tokens, "pages": inc.pages.tolist(),
+        })
+
+    def _grant_chunk(self, inc: Incoming, slot: int) -> None:
+        c = inc.next_chunk
+        start = c * inc.chunk_tokens
+        count = min(inc.chunk_tokens, inc.handle.tokens - start)
+        offsets = self.plan.writer_offsets(self.rank, count)
+        inc.open[c] = Chunk(c, start, count, slot, set(offsets))
+        inc.next_chunk += 1
+        inc.touched = time.monotonic()
+        base = self.arena.offset(slot)
+        for rank, off in offsets.items():
+            self.writers[rank].conn.send({
+                "type": "grant", "req": inc.handle.req, "chunk": c, "chunks": inc.chunks, "start": start,
+                "count": count, "offset": base + off,
+            })
+
+    def _progress(self) -> None:
+        for agent, data in self.transport.notifications():
+            try:
+                self._on_notice(agent, data)
+            except ProtocolError as e:
+                log.warning("dst %d: ignored a notification from %s: %s", self.rank, agent, e)
+        self._grant()
+
+    def _on_notice(self, agent: str, data: bytes) -> None:
+        req, c, rank = decode_notice(data)
+        writer = self.writers.get(rank)
+        if writer is None or writer.agent != agent:
+            raise ProtocolError(f"notice for writer {rank} came from agent {agent}, not that writer's")
+        inc = self.requests.get(req)
+        if inc is None:
+            raise ProtocolError(f"notice for unknown request {req!r}")
+        if c in inc.quarantine:
+            self._unquarantine(inc, c, rank)
+            return
+        chunk = inc.open.get(c)
+        if chunk is None or rank not in chunk.pending:
+            raise ProtocolError(f"notice for chunk {c} of {req!r} from writer {rank}, which was not granted or already landed")
+        chunk.pending.discard(rank)
+        inc.touched = time.monotonic()
+        if chunk.pending:
+            return
+        del inc.open[c]
+        if not inc.direct:
+            inc.stage = "scatter"
+            t0 = time.perf_counter()
+            idx = TokenIndex(self.cache, inc.pages, chunk.start, chunk.count)
+            base = self.arena.offset(chunk.slot)
+            offsets = self.plan.writer_offsets(self.rank, chunk.count)
+            for p in self.plan.writers_of(self.rank):
+                nbytes = self.plan.piece_token_bytes(p) * chunk.count
+                scatter(self.cache, idx, p.dst_offset, p.heads.count, self.arena.view(base + offsets[p.src_rank], nbytes))
+            if self.cache.device.type == "cuda":
+                import torch
+
+                torch.cuda.current_stream(self.cache.device).synchronize()
+            inc.handle.stages["scatter"] += time.perf_counter() - t0
+            self.arena.allocator.release(chunk.slot)
+            inc.stage = "grant"
+        inc.handle.bytes += self.plan.dst_token_bytes() * chunk.count
+        inc.scattered += 1
+        if inc.scattered == inc.chunks:
+            inc.handle._move(State.DONE)
+            del self.requests[req]
+            for p in self.plan.writers_of(self.rank):
+                self._send(p.src_rank, {"type": "done", "req": req})
+
+    def _send(self, rank: int, msg: dict) -> None:
+        w = self.writers.get(rank)
+        if w is not None:
+            try:
+                w.conn.send(msg)
+            except OSError as e:
+                log.debug("dst %d: send to source rank %d failed: %s", self.rank, rank, e)
+
+    # -- failures --------------------------------------------------------------
+    def _fail(self, req: str, peer: str, stage: str, cause: str, tell: bool) -> None:
+        inc = self.requests.get(req)
+        if inc is None or inc.handle.done():
+            return
+        inc.handle._fail(peer, stage, cause)
+        log.warning("dst %d: request %s failed at %s with %s: %s", self.rank, req, stage, peer, cause)
+        if req in self._rr:
+            self._rr.remove(req)
+        for c, chunk in list(inc.open.items()):
+            chunk.pending &= set(self.writers)  # a gone writer writes nothing more
+            if chunk.pending:
+                inc.quarantine[c] = chunk
+            elif chunk.slot is not None:
+                self.arena.allocator.release(chunk.slot)
+        inc.open.clear()
+        if tell and self.plan is not None:
+            for p in self.plan.writers_of(self.rank):
+                self._send(p.src_rank, {"type": "abort", "req": req, "reason": cause})
+        self._forget_if_clear(inc)
+
+    def _unquarantine(self, inc: Incoming, c: int, rank: int) -> None:
+        chunk = inc.quarantine[c]
+        chunk.pending.discard(rank)
+        if not chunk.pending:
+            del inc.quarantine[c]
+            if chunk.slot is not None:
+                self.arena.allocator.release(chunk.slot)
+        self._forget_if_clear(inc)
+
+    def _forget_if_clear(self, inc: Incoming) -> None:
+        if inc.handle.done() and not inc.quarantine and not inc.open:
+            self.requests.pop(inc.handle.req, None)
+
+    def _on_abort_ack(self, rank: int, req: str) -> None:
+        """The writer has no write in flight for ``req`` any more: its slots can be reused."""
+        inc = self.requests.get(req)
+        if inc is None:
+            return
+        for c in [c for c, ch in inc.quarantine.items() if rank in ch.pending]:
+            self._unquarantine(inc, c, rank)
+
+    def _on_closed(self, conn: Connection, reason: str) -> None:
+        writer = next((w for w in self.writers.values() if w.conn is conn), None)
+        conn.close()
+        if writer is None:
+            return
+        del self.writers[writer.rank]
+        live = [r for r, inc in self.requests.items() if not inc.handle.done()]
+        (log.warning if live else log.info)("dst %d: source rank %d disconnected (%s), %d requests affected",
+                                            self.rank, writer.rank, reason, len(live))
+        for req, inc in list(self.requests.items()):
+            if not inc.handle.done():
+                self._fail(req, f"source rank {writer.rank}", inc.stage, f"connection lost ({reason})", tell=True)
+            for c in [c for c, ch in inc.quarantine.items() if writer.rank in ch.pending]:
+                self._unquarantine(inc, c, writer.rank)
+
+    def _check_stalls(self, now: float) -> None:
+        for req, inc in list(self.requests.items()):
+            if inc.handle.done():
+                continue
+            pending = inc.handle.state is State.PENDING
+            limit = self.settings.ready_timeout_s if pending else self.settings.stall_timeout_s
+            if now - inc.touched <= limit:
+                continue
+            if pending and self.plan is not None:
+                missing = sorted({p.src_rank for p in self.plan.writers_of(self.rank)} - set(inc.ready))
+                who = "source ranks " + ",".join(map(str, missing))
+            else:
+                who = "sources"
+            self._fail(req, who, inc.stage, f"no progress for {limit:g} s", tell=True)
+
+    def _shutdown(self) -> None:
+        self._listener.close()
+        for w in list(self.writers.values()):
+            w.conn.close()
+        for req in list(self.requests):
+            self._fail(req, "local", "shutdown", "destination closed", tell=False)
+        super()._shutdown()

@@ -1,0 +1,214 @@
+"""What source and destination endpoints share: the transport, the staging
+arena, the control connections and the single thread that drives them all.
+
+One loop thread per endpoint owns every piece of mutable state; other threads
+(the caller, one reader per connection) only post events to its queue. That
+keeps the state machines free of locks and makes the order of events the
+order they are handled in.
+"""
+
+from __future__ import annotations
+
+import base64
+import logging
+import queue
+import threading
+import time
+from typing import Callable
+
+import numpy as np
+
+from kvstage.config import Settings
+from kvstage.errors import ConfigError, KVStageError, ProtocolError
+from kvstage.layout import KVGeometry, PageLayout, pages_needed
+from kvstage.protocol.wire import Connection, field
+from kvstage.staging.arena import StagingArena
+from kvstage.staging.cache import RankCache
+from kvstage.tp import SideSpec
+from kvstage.transports.base import Region, Transport
+
+log = logging.getLogger("kvstage")
+
+_BUSY_WAIT = 0.0002  # seconds between transport polls while writes or notices are expected
+_IDLE_WAIT = 0.05
+
+
+def spec_to_wire(spec: SideSpec) -> dict:
+    g = spec.geometry
+    return {
+        "layers": g.layers, "kv_heads": g.kv_heads, "head_dim": g.head_dim, "dtype": g.dtype, "mla": g.mla,
+        "tp": spec.tp, "page_size": spec.page.page_size, "order": spec.page.order,
+    }
+
+
+def spec_from_wire(d: dict) -> SideSpec:
+    try:
+        geo = KVGeometry(
+            field(d, "layers", int), field(d, "kv_heads", int), field(d, "head_dim", int),
+            field(d, "dtype", str), field(d, "mla", bool),
+        )
+        return SideSpec(geo, field(d, "tp", int), PageLayout(field(d, "page_size", int), field(d, "order", str)))
+    except ConfigError as e:
+        raise ProtocolError(f"peer's spec is invalid: {e}") from e
+
+
+def md_to_wire(md: bytes) -> str:
+    return base64.b64encode(md).decode()
+
+
+def md_from_wire(s: str) -> bytes:
+    try:
+        return base64.b64decode(s, validate=True)
+    except ValueError as e:
+        raise ProtocolError("agent metadata is not base64") from e
+
+
+def check_pages(cache: RankCache, page_ids, tokens: int) -> np.ndarray:
+    """Validate a request's page list against this rank's cache (caller's thread)."""
+    if not isinstance(tokens, (int, np.integer)) or tokens < 1:
+        raise ConfigError(f"tokens={tokens!r}: must be a positive integer")
+    ids = np.asarray(page_ids, dtype=np.int64).reshape(-1)
+    need = pages_needed(int(tokens), cache.spec.page.page_size)
+    if len(ids) < need:
+        raise ConfigError(
+            f"page_ids: {len(ids)} pages given, {tokens} tokens of page size {cache.spec.page.page_size} need {need}"
+        )
+    ids = ids[:need]
+    if ids.min() < 0 or ids.max() >= cache.pages:
+        raise ConfigError(f"page_ids: values must lie in [0, {cache.pages}); got {ids.min()}..{ids.max()}")
+    if len(np.unique(ids)) != len(ids):
+        raise ConfigError("page_ids: a page appears twice; each token needs its own place")
+    return ids
+
+
+class Endpoint:
+    """Base of ``Source`` and ``Destination``."""
+
+    role = "endpoint"
+
+    def __init__(self, cache: RankCache, settings: Settings | None = None, transport: Transport | None = None):
+        self.cache = cache
+        self.spec = cache.spec
+        self.rank = cache.rank
+        self.settings = settings or Settings()
+        if transport is None:
+            from kvstage.transports.nixl import NixlTransport
+
+            transport = NixlTransport(f"kvstage-{self.role}{self.rank}")
+        self.transport = transport
+        self.arena = StagingArena(self.settings.slot_bytes, self.settings.slots, cache.device)
+        self.arena_region: Region = self.transport.register(self.arena.buffer)
+        self._kv_regions: list[Region] | None = None
+        self._events: queue.Queue = queue.Queue()
+        self._closing = False
+        self._thread = threading.Thread(target=self._run, name=f"kvstage-{self.role}{self.rank}", daemon=True)
+
+    def _start(self) -> None:
+        """Start the loop; subclasses call this last in their constructor."""
+        self._thread.start()
+
+    # -- threads ------------------------------------------------------------
+    def _post(self, kind: str, *args) -> None:
+        self._events.put((kind, args))
+
+    def _call(self, fn: Callable, timeout: float = 30.0):
+        """Run ``fn`` on the loop thread and return its result (or raise its error)."""
+        box: dict = {}
+        done = threading.Event()
+
+        def run():
+            try:
+                box["value"] = fn()
+            except BaseException as e:  # handed back to the caller's thread
+                box["error"] = e
+            done.set()
+
+        self._post("call", run)
+        if not done.wait(timeout):
+            raise TimeoutError(f"{self.role} {self.rank}: loop did not answer in {timeout} s")
+        if "error" in box:
+            raise box["error"]
+        return box.get("value")
+
+    def _start_reader(self, conn: Connection, first_timeout: float | None = None) -> None:
+        def read():
+            conn.sock.settimeout(first_timeout)
+            try:
+                while True:
+                    msg = conn.recv()
+                    conn.sock.settimeout(None)
+                    self._post("msg", conn, msg)
+            except (ConnectionError, OSError, ProtocolError) as e:
+                self._post("closed", conn, str(e) or type(e).__name__)
+
+        threading.Thread(target=read, name=f"kvstage-read-{conn.peer}", daemon=True).start()
+
+    def _run(self) -> None:
+        while True:
+            try:
+                kind, args = self._events.get(timeout=_BUSY_WAIT if self._busy() else _IDLE_WAIT)
+            except queue.Empty:
+                kind, args = None, ()
+            if kind == "stop":
+                break
+            try:
+                if kind == "call":
+                    args[0]()
+                elif kind == "msg":
+                    self._on_message(*args)
+                elif kind == "closed":
+                    self._on_closed(*args)
+                self._progress()
+                self._check_stalls(time.monotonic())
+            except Exception:  # a bug must not kill the loop silently
+                log.exception("%s %d: loop error", self.role, self.rank)
+        self._shutdown()
+
+    # -- for subclasses ------------------------------------------------------
+    def _busy(self) -> bool:
+        return False
+
+    def _on_message(self, conn: Connection, msg: dict) -> None:
+        raise NotImplementedError
+
+    def _on_closed(self, conn: Connection, reason: str) -> None:
+        raise NotImplementedError
+
+    def _progress(self) -> None:
+        """Poll the transport and move work forward."""
+
+    def _check_stalls(self, now: float) -> None:
+        """Fail requests that made no progress for ``stall_timeout_s``."""
+
+    def _shutdown(self) -> None:
+        self.transport.close()
+
+    def _reject(self, conn: Connection, msg: dict, err: KVStageError) -> None:
+        log.warning("%s %d: rejected %s message from %s: %s", self.role, self.rank, msg.get("type"), conn.peer, err)
+        try:
+            reply = {"type": "error", "reason": str(err), "about": str(msg.get("type"))[:32]}
+            if isinstance(msg.get("req"), str) and len(msg["req"]) <= 256:
+                reply["req"] = msg["req"]
+            conn.send(reply)
+        except OSError:
+            pass
+
+    def kv_regions(self) -> list[Region]:
+        """Register this rank's KV buffers (the direct path only) once."""
+        if self._kv_regions is None:
+            self._kv_regions = [self.transport.register(b) for b in self.cache.buffers]
+        return self._kv_regions
+
+    # -- public --------------------------------------------------------------
+    def close(self) -> None:
+        if self._closing:
+            return
+        self._closing = True
+        self._post("stop")
+        self._thread.join(timeout=10)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()

@@ -1,0 +1,421 @@
+"""The source (prefill) side: announces requests, gathers and writes granted chunks.
+
+For each grant the source gathers its piece of the chunk (its head slice, the
+chunk's tokens, all layers, K and V) into a slot of its own arena and issues
+one write into the granted destination slot, with a notice that lands after
+the bytes. Its own arena is back-pressure too: a grant waits for a free slot.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import socket
+import time
+from dataclasses import dataclass, field as dc_field
+
+import numpy as np
+
+from kvstage.errors import KVStageError, ProtocolError, TransferFailed
+from kvstage.layout import pages_needed
+from kvstage.protocol.endpoint import Endpoint, check_pages, md_from_wire, md_to_wire, spec_from_wire, spec_to_wire
+from kvstage.protocol.request import State, TransferHandle
+from kvstage.protocol.wire import PROTOCOL_VERSION, Connection, encode_notice, field
+from kvstage.staging.copy import TokenIndex, gather
+from kvstage.tp import Piece, TransferPlan, plan
+from kvstage.transports.base import Region, Spans, WriteState
+
+log = logging.getLogger("kvstage")
+
+
+@dataclass
+class Target:
+    rank: int
+    conn: Connection
+    agent: str
+    piece: Piece
+    arena: Region
+    kv: list[Region]
+
+
+@dataclass
+class Job:
+    req: str
+    dst: int
+    chunk: int
+    start: int
+    count: int
+    offset: int = 0
+    pages: np.ndarray | None = None
+    queued: float = dc_field(default_factory=time.perf_counter)
+
+
+@dataclass
+class Outgoing:
+    handle: TransferHandle
+    pages: np.ndarray
+    chunks: dict = dc_field(default_factory=dict)  # dst rank -> chunks it will grant
+    granted: dict = dc_field(default_factory=dict)  # dst rank -> set of chunk indices granted
+    written: dict = dc_field(default_factory=dict)  # dst rank -> chunks fully written
+    inflight: int = 0
+    stage: str = "waiting for grant"
+    touched: float = dc_field(default_factory=time.monotonic)
+
+
+@dataclass
+class InFlight:
+    handle: object
+    job: Job
+    slot: int | None
+    posted: float
+
+
+class Source(Endpoint):
+    """A source rank. ``connect`` it to every destination rank, then ``send``."""
+
+    role = "src"
+
+    def __init__(self, cache, settings=None, transport=None):
+        super().__init__(cache, settings, transport)
+        self.plan: TransferPlan | None = None
+        self.targets: dict[int, Target] = {}
+        self.requests: dict[str, Outgoing] = {}
+        self._jobs: collections.deque[Job] = collections.deque()
+        self._inflight: list[InFlight] = []
+        self._start()
+
+    # -- public --------------------------------------------------------------
+    def connect(self, addresses) -> list[int]:
+        """Handshake with each destination rank at ``addresses`` (host, port).
+
+        Keeps the connections to ranks this source writes to and returns their
+        ranks. Raises ``TransferFailed`` when a destination refuses."""
+        kept = []
+        for host, port in addresses:
+            rank = self._handshake(host, int(port))
+            if rank is not None:
+                kept.append(rank)
+        return kept
+
+    def send(self, req: str, page_ids, tokens: int) -> TransferHandle:
+        """Send ``tokens`` tokens of request ``req`` held in ``page_ids`` (this rank's pages)."""
+        if not isinstance(req, str) or not 0 < len(req) <= 256:
+            raise ValueError(f"req={req!r}: must be a non-empty string of at most 256 characters")
+        pages = check_pages(self.cache, page_ids, tokens)
+        handle = TransferHandle(req, "src", int(tokens))
+        handle._abort = lambda reason: self._post("call", lambda: self._fail(req, "local", "abort", reason, tell=True))
+        self._call(lambda: self._add(handle, pages))
+        return handle
+
+    # -- handshake (caller's thread; state changes go to the loop) -------------
+    def _handshake(self, host: str, port: int) -> int | None:
+        peer = f"{host}:{port}"
+        timeout = self.settings.handshake_timeout_s
+        try:
+            sock = socket.create_connection((host, port), timeout=timeout)
+        except OSError as e:
+            raise TransferFailed("-", f"destination {peer}", "handshake", f"cannot connect: {e}") from e
+        conn = Connection(sock, peer)
+        try:
+            conn.send({
+                "type": "hello", "version": PROTOCOL_VERSION, "token": self.settings.auth_token,
+                "spec": spec_to_wire(self.spec), "rank": self.rank, "agent": self.transport.id,
+                "metadata": md_to_wire(self.transport.metadata()), "slot_bytes": self.arena.slot_bytes,
+            })
+            msg = conn.recv()
+        except (OSError, ConnectionError, ProtocolError) as e:
+            conn.close()
+            raise TransferFailed("-", f"destination {peer}", "handshake", f"no welcome: {e}") from e
+        if msg["type"] == "error":
+            conn.close()
+            raise TransferFailed("-", f"destination {peer}", "handshake", f"refused: {msg.get('reason')}")
+        try:
+            if msg["type"] != "welcome":
+                raise ProtocolError(f"expected welcome, got {msg['type']!r}")
+            if field(msg, "version", int) != PROTOCOL_VERSION:
+                raise ProtocolError(f"destination speaks protocol {msg['version']}, this side {PROTOCOL_VERSION}")
+            dst = spec_from_wire(field(msg, "spec", dict))
+            p = plan(self.spec, dst)
+            rank = field(msg, "rank", int, minimum=0, maximum=dst.tp - 1)
+            piece = next((x for x in p.targets_of(self.rank) if x.dst_rank == rank), None)
+            if piece is None:  # another source rank covers this destination
+                conn.close()
+                self._call(lambda: self._set_plan(p, conn))
+                return None
+            arena = Region.from_wire(field(msg, "arena", dict))
+            kv = [Region.from_wire(r) for r in field(msg, "kv", list)]
+            md = md_from_wire(field(msg, "metadata", str))
+        except (KVStageError, ValueError) as e:
+            conn.close()
+            raise TransferFailed("-", f"destination {peer}", "handshake", str(e)) from e
+        conn.sock.settimeout(None)
+        self._call(lambda: self._add_target(p, rank, conn, md, piece, arena, kv))
+        self._start_reader(conn)
+        return rank
+
+    # -- loop thread -----------------------------------------------------------
+    def _set_plan(self, p: TransferPlan, conn: Connection) -> None:
+        if self.plan is not None and p.dst != self.plan.dst:
+            conn.close()
+            raise TransferFailed("-", conn.peer, "handshake", f"destination spec {p.dst} differs from {self.plan.dst}")
+        self.plan = p
+
+    def _add_target(self, p: TransferPlan, rank: int, conn: Connection, md: bytes, piece, arena, kv) -> None:
+        self._set_plan(p, conn)
+        if rank in self.targets:
+            self.targets[rank].conn.close()
+        agent = self.transport.connect(md)
+        direct = bool(kv)
+        if direct and len(kv) != len(self.cache.buffers):
+            conn.close()
+            raise TransferFailed("-", conn.peer, "handshake", f"destination offered {len(kv)} KV regions, need {len(self.cache.buffers)}")
+        conn.peer = f"destination rank {rank} ({conn.peer})"
+        self.targets[rank] = Target(rank, conn, agent, piece, arena, kv)
+        log.info("src %d: connected to %s, heads %d..%d, %s path", self.rank, conn.peer, piece.heads.start,
+                 piece.heads.stop, "direct" if direct else "staged")
+
+    def _add(self, handle: TransferHandle, pages: np.ndarray) -> None:
+        if handle.req in self.requests:
+            raise ValueError(f"request {handle.req!r} is already in flight on source rank {self.rank}")
+        if self.plan is None:
+            raise TransferFailed(handle.req, "-", "send", "not connected to any destination rank; call connect() first")
+        want = [p.dst_rank for p in self.plan.targets_of(self.rank)]
+        missing = [d for d in want if d not in self.targets]
+        if missing:
+            raise TransferFailed(handle.req, f"destination ranks {missing}", "send", "not connected")
+        if not want:  # replicas or MLA: another source rank covers these heads
+            handle._move(State.DONE)
+            return
+        out = Outgoing(handle, pages)
+        self.requests[handle.req] = out
+        for d in want:
+            out.written[d] = 0
+            out.granted[d] = set()
+            self.targets[d].conn.send({"type": "ready", "req": handle.req, "tokens": handle.tokens})
+
+    def _busy(self) -> bool:
+        return bool(self._inflight or self._jobs)
+
+    def _on_message(self, conn: Connection, msg: dict) -> None:
+        target = next((t for t in self.targets.values() if t.conn is conn), None)
+        if target is None:
+            return
+        kind = msg["type"]
+        try:
+            if kind == "grant":
+                self._on_grant(target, msg)
+            elif kind == "abort":
+                req = field(msg, "req", str)
+                self._fail(req, f"destination rank {target.rank}", "abort",
+                           "destination aborted: " + str(msg.get("reason"))[:200], tell=False)
+            elif kind == "done":
+                field(msg, "req", str)
+            elif kind == "error":
+                reason = str(msg.get("reason"))[:300]
+                log.warning("src %d: %s refused our %s: %s", self.rank, conn.peer, msg.get("about"), reason)
+                if isinstance(msg.get("req"), str):
+                    self._fail(msg["req"], conn.peer, str(msg.get("about")), f"refused: {reason}", tell=False)
+            else:
+                raise ProtocolError(f"unknown message type {kind!r}")
+        except KVStageError as e:
+            self._reject(conn, msg, e)
+
+    def _on_grant(self, target: Target, msg: dict) -> None:
+        req = field(msg, "req", str)
+        out = self.requests.get(req)
+        if out is None or out.handle.done():
+            raise ProtocolError(f"grant for request {req!r}, which is not in flight here")
+        d = target.rank
+        chunks = field(msg, "chunks", int, minimum=1, maximum=out.handle.tokens)
+        if out.chunks.setdefault(d, chunks) != chunks:
+            raise ProtocolError(f"grant says {chunks} chunks for {req!r}; an earlier grant said {out.chunks[d]}")
+        c = field(msg, "chunk", int, minimum=0, maximum=chunks - 1)
+        if c in out.granted[d]:
+            raise ProtocolError(f"chunk {c} of {req!r} granted twice")
+        start = field(msg, "start", int, minimum=0, maximum=out.handle.tokens - 1)
+        count = field(msg, "count", int, minimum=1, maximum=out.handle.tokens - start)
+        job = Job(req, d, c, start, count)
+        if target.kv:
+            pages = field(msg, "pages", list)
+            if len(pages) != pages_needed(out.handle.tokens, self.spec.page.page_size) or not all(
+                isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in pages
+            ):
+                raise ProtocolError(f"direct grant for {req!r} has a malformed page list")
+            job.pages = np.asarray(pages, dtype=np.int64)
+        else:
+            job.offset = field(msg, "offset", int, minimum=0)
+            nbytes = self.plan.piece_token_bytes(target.piece) * count
+            if job.offset + nbytes > target.arena.nbytes:
+                raise ProtocolError(
+                    f"grant for {req!r} chunk {c}: {nbytes} bytes at offset {job.offset} exceed the "
+                    f"destination arena of {target.arena.nbytes} bytes"
+                )
+        out.granted[d].add(c)
+        out.handle.path = "direct" if target.kv else "staged"
+        out.stage = "gather"
+        out.touched = time.monotonic()
+        if out.handle.state is State.PENDING:
+            out.handle._move(State.TRANSFERRING)
+        self._jobs.append(job)
+
+    def _progress(self) -> None:
+        self._poll_writes()
+        while self._jobs:
+            job = self._jobs[0]
+            out = self.requests.get(job.req)
+            if out is None or out.handle.done():
+                self._jobs.popleft()
+                continue
+            if job.pages is not None:
+                self._jobs.popleft()
+                self._write_direct(out, job)
+                continue
+            slot = self.arena.allocator.acquire()
+            if slot is None:
+                return  # back-pressure: wait for a write to finish
+            self._jobs.popleft()
+            out.handle.stages["slot_wait"] += time.perf_counter() - job.queued
+            self._write_staged(out, job, slot)
+
+    def _write_staged(self, out: Outgoing, job: Job, slot: int) -> None:
+        target = self.targets.get(job.dst)
+        if target is None:
+            self.arena.allocator.release(slot)
+            return self._fail(job.req, f"destination rank {job.dst}", "write", "not connected", tell=False)
+        piece = target.piece
+        nbytes = self.plan.piece_token_bytes(piece) * job.count
+        t0 = time.perf_counter()
+        try:
+            region = self.arena.view(self.arena.offset(slot), nbytes)
+            gather(self.cache, TokenIndex(self.cache, out.pages, job.start, job.count), piece.src_offset, piece.heads.count, region)
+            if self.cache.device.type == "cuda":
+                import torch
+
+                torch.cuda.current_stream(self.cache.device).synchronize()
+        except Exception as e:
+            self.arena.allocator.release(slot)
+            return self._fail(job.req, "local", "gather", f"{type(e).__name__}: {e}", tell=True)
+        t1 = time.perf_counter()
+        out.handle.stages["gather"] += t1 - t0
+        local = Spans.single(self.arena_region, [self.arena.offset(slot)], [nbytes])
+        remote = Spans.single(target.arena, [job.offset], [nbytes])
+        self._post_write(out, job, slot, local, remote, nbytes, t1)
+
+    def _write_direct(self, out: Outgoing, job: Job) -> None:
+        """Whole pages straight into the destination's KV, coalesced into runs."""
+        target = self.targets[job.dst]
+        src, dst = out.pages, job.pages
+        n = len(src)
+        breaks = np.flatnonzero((np.diff(src) != 1) | (np.diff(dst) != 1)) + 1
+        starts = np.concatenate(([0], breaks))
+        runs = np.diff(np.concatenate((starts, [n])))
+        local_regions = self.kv_regions()
+        nbuf = len(local_regions)
+        page_bytes = np.array([b.nbytes // self.cache.pages for b in self.cache.buffers], dtype=np.int64)
+        index = np.repeat(np.arange(nbuf), len(starts))
+        pb = page_bytes[index]
+        local = Spans(tuple(local_regions), index, np.tile(src[starts], nbuf) * pb, np.tile(runs, nbuf) * pb)
+        remote = Spans(tuple(target.kv), index, np.tile(dst[starts], nbuf) * pb, np.tile(runs, nbuf) * pb)
+        self._post_write(out, job, None, local, remote, int(local.lengths.sum()), time.perf_counter())
+
+    def _post_write(self, out, job, slot, local: Spans, remote: Spans, nbytes: int, t: float) -> None:
+        target = self.targets[job.dst]
+        try:
+            h = self.transport.write(target.agent, local, remote, encode_notice(job.req, job.chunk, self.rank))
+        except KVStageError as e:
+            if slot is not None:
+                self.arena.allocator.release(slot)
+            return self._fail(job.req, target.conn.peer, "write", str(e), tell=True)
+        out.inflight += 1
+        out.stage = "write"
+        out.handle.bytes += nbytes
+        out.handle.descriptors += len(local)
+        self._inflight.append(InFlight(h, job, slot, t))
+
+    def _poll_writes(self) -> None:
+        still = []
+        for w in self._inflight:
+            try:
+                state = self.transport.poll(w.handle)
+            except KVStageError as e:
+                state = e
+            if state is WriteState.PENDING:
+                still.append(w)
+                continue
+            self.transport.release(w.handle)
+            if w.slot is not None:
+                self.arena.allocator.release(w.slot)
+            out = self.requests.get(w.job.req)
+            if out is None:
+                continue
+            out.inflight -= 1
+            out.touched = time.monotonic()
+            out.handle.stages["write"] += time.perf_counter() - w.posted
+            if isinstance(state, Exception):
+                self._fail(w.job.req, f"destination rank {w.job.dst}", "write", str(state), tell=True)
+            elif not out.handle.done():
+                out.written[w.job.dst] += 1
+                if all(out.written[d] == out.chunks.get(d, -1) for d in out.written):
+                    out.handle._move(State.DONE)
+            self._maybe_forget(out)
+        self._inflight = still
+
+    # -- failures --------------------------------------------------------------
+    def _fail(self, req: str, peer: str, stage: str, cause: str, tell: bool) -> None:
+        out = self.requests.get(req)
+        if out is None or out.handle.done():
+            return
+        out.handle._fail(peer, stage, cause)
+        log.warning("src %d: request %s failed at %s with %s: %s", self.rank, req, stage, peer, cause)
+        if tell:
+            for d in out.written:
+                self._send(d, {"type": "abort", "req": req, "reason": cause})
+        self._maybe_forget(out)
+
+    def _maybe_forget(self, out: Outgoing) -> None:
+        """Drop a final request once no write of it can still land; tell the
+        destinations (after a failure) that its slots may be reused."""
+        if not out.handle.done() or out.inflight:
+            return
+        self.requests.pop(out.handle.req, None)
+        if out.handle.state is State.FAILED:
+            for d in out.written:
+                self._send(d, {"type": "abort_ack", "req": out.handle.req})
+
+    def _send(self, rank: int, msg: dict) -> None:
+        t = self.targets.get(rank)
+        if t is not None:
+            try:
+                t.conn.send(msg)
+            except OSError as e:
+                log.debug("src %d: send to destination rank %d failed: %s", self.rank, rank, e)
+
+    def _on_closed(self, conn: Connection, reason: str) -> None:
+        target = next((t for t in self.targets.values() if t.conn is conn), None)
+        conn.close()
+        if target is None:
+            return
+        del self.targets[target.rank]
+        self.transport.disconnect(target.agent)
+        d = target.rank
+        hit = [req for req, out in self.requests.items() if d in out.written and out.written[d] != out.chunks.get(d, -1)]
+        (log.warning if hit else log.info)("src %d: destination rank %d disconnected (%s), %d requests affected",
+                                           self.rank, d, reason, len(hit))
+        for req in hit:
+            self._fail(req, f"destination rank {d}", self.requests[req].stage, f"connection lost ({reason})", tell=True)
+
+    def _check_stalls(self, now: float) -> None:
+        for req, out in list(self.requests.items()):
+            if out.handle.done():
+                continue
+            pending = out.handle.state is State.PENDING
+            limit = self.settings.ready_timeout_s if pending else self.settings.stall_timeout_s
+            if now - out.touched > limit:
+                self._fail(req, "destination", out.stage, f"no progress for {limit:g} s", tell=True)
+
+    def _shutdown(self) -> None:
+        for req in list(self.requests):
+            self._fail(req, "local", "shutdown", "source closed", tell=True)
+        for t in list(self.targets.values()):
+            t.conn.close()
+        super()._shutdown()

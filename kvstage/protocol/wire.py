@@ -1,0 +1,105 @@
+"""Control messages on the wire: framing, encoding and field checks.
+
+Control traffic (handshake, grants, readiness, aborts) goes over one TCP
+connection per (source rank, destination rank) pair as length-prefixed JSON.
+The "chunk landed" notice rides on the data write itself (a transport
+notification), so it can never arrive before the bytes it announces.
+
+Every field read from a peer goes through ``field``: a malformed or hostile
+message raises ``ProtocolError`` naming the field, never a KeyError deep inside.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import struct
+import threading
+
+from kvstage.errors import ProtocolError
+
+PROTOCOL_VERSION = 1
+MAX_FRAME = 16 << 20
+MAX_ID = 256
+_LEN = struct.Struct("!I")
+
+
+def field(msg: dict, name: str, kind: type | tuple, *, minimum: int | None = None, maximum: int | None = None):
+    """``msg[name]`` checked against ``kind`` (and bounds for ints)."""
+    if not isinstance(msg, dict) or name not in msg:
+        raise ProtocolError(f"message {str(msg)[:80]!r} lacks field {name!r}")
+    v = msg[name]
+    if not isinstance(v, kind) or (kind is int and isinstance(v, bool)):
+        raise ProtocolError(f"field {name}={str(v)[:80]!r} is not {getattr(kind, '__name__', kind)}")
+    if isinstance(v, int) and not isinstance(v, bool):
+        if minimum is not None and v < minimum:
+            raise ProtocolError(f"field {name}={v} is below {minimum}")
+        if maximum is not None and v > maximum:
+            raise ProtocolError(f"field {name}={v} is above {maximum}")
+    if isinstance(v, str) and len(v) > MAX_ID and name in ("req", "type"):
+        raise ProtocolError(f"field {name} is {len(v)} characters long; at most {MAX_ID}")
+    return v
+
+
+def encode_notice(req: str, chunk: int, writer: int) -> bytes:
+    return json.dumps({"t": "landed", "req": req, "chunk": chunk, "writer": writer}, separators=(",", ":")).encode()
+
+
+def decode_notice(data: bytes) -> tuple[str, int, int]:
+    try:
+        msg = json.loads(data)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise ProtocolError(f"notification is not JSON: {data[:60]!r}") from e
+    if field(msg, "t", str) != "landed":
+        raise ProtocolError(f"notification type {msg['t']!r} unknown")
+    return field(msg, "req", str), field(msg, "chunk", int, minimum=0), field(msg, "writer", int, minimum=0)
+
+
+class Connection:
+    """A framed JSON message stream over a connected TCP socket.
+
+    ``send`` may be called from any thread; ``recv`` from one reader thread."""
+
+    def __init__(self, sock: socket.socket, peer: str):
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.sock, self.peer = sock, peer
+        self._send_lock = threading.Lock()
+        self.closed = False
+
+    def send(self, msg: dict) -> None:
+        data = json.dumps(msg, separators=(",", ":")).encode()
+        with self._send_lock:
+            self.sock.sendall(_LEN.pack(len(data)) + data)
+
+    def _exact(self, n: int) -> bytes:
+        buf = bytearray()
+        while len(buf) < n:
+            part = self.sock.recv(min(n - len(buf), 1 << 20))
+            if not part:
+                raise ConnectionError("peer closed the connection")
+            buf += part
+        return bytes(buf)
+
+    def recv(self) -> dict:
+        """Next message; ``ConnectionError`` when closed, ``ProtocolError`` when malformed."""
+        (n,) = _LEN.unpack(self._exact(_LEN.size))
+        if n > MAX_FRAME:
+            raise ProtocolError(f"frame of {n} bytes exceeds the {MAX_FRAME}-byte limit")
+        data = self._exact(n)
+        try:
+            msg = json.loads(data)
+        except (ValueError, UnicodeDecodeError) as e:
+            raise ProtocolError(f"frame is not JSON: {data[:60]!r}") from e
+        if not isinstance(msg, dict):
+            raise ProtocolError(f"frame is not a JSON object: {data[:60]!r}")
+        field(msg, "type", str)
+        return msg
+
+    def close(self) -> None:
+        if not self.closed:
+            self.closed = True
+            try:
+                self.sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+            self.sock.close()

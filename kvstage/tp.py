@@ -1,0 +1,186 @@
+"""Shard adapters: which KV heads each rank holds, and the plan that maps
+source TP shards onto destination TP shards.
+
+Read this file first. It is pure (no I/O, no device work) and everything that
+moves bytes follows the ``TransferPlan`` built here.
+
+Rules
+- ``tp <= kv_heads``: rank ``r`` holds heads ``[r*h/tp, (r+1)*h/tp)``; ``tp`` must divide ``kv_heads``.
+- ``tp > kv_heads``: heads are replicated; ``tp`` must be a multiple of ``kv_heads``
+  and ranks ``[k*tp/h, (k+1)*tp/h)`` all hold head ``k``.
+- MLA: the latent is never split; every rank holds all of it.
+
+A plan is a list of pieces ``(src_rank, dst_rank, heads)`` covering every head
+of every destination rank exactly once. Pieces come from interval
+intersection, so any valid pair of TP sizes works (4 -> 6 with 12 heads too).
+Where several source ranks hold the same head (replication, MLA) the sending
+is spread across them so no replica sends more than one piece more than another.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvstage.errors import IncompatibleGeometry
+from kvstage.layout import KVGeometry, PageLayout, token_bytes
+
+
+@dataclass(frozen=True)
+class HeadRange:
+    """Global KV heads ``[start, stop)``."""
+
+    start: int
+    stop: int
+
+    @property
+    def count(self) -> int:
+        return self.stop - self.start
+
+    def intersect(self, other: "HeadRange") -> "HeadRange | None":
+        lo, hi = max(self.start, other.start), min(self.stop, other.stop)
+        return HeadRange(lo, hi) if lo < hi else None
+
+
+@dataclass(frozen=True)
+class SideSpec:
+    """One side of a transfer: model KV geometry, TP size and page layout."""
+
+    geometry: KVGeometry
+    tp: int
+    page: PageLayout
+
+    def check(self, side: str) -> None:
+        tp, heads = self.tp, self.geometry.kv_heads
+        if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
+            raise IncompatibleGeometry(f"{side} tp={tp!r}: must be a positive integer")
+        if not self.geometry.mla and heads % tp and tp % heads:
+            raise IncompatibleGeometry(
+                f"{side} tp={tp} with kv_heads={heads}: tp must divide kv_heads "
+                "or be a multiple of it"
+            )
+
+    def heads_of(self, rank: int) -> HeadRange:
+        """Global heads held by ``rank``."""
+        if not 0 <= rank < self.tp:
+            raise IndexError(f"rank={rank}: must be in [0, {self.tp})")
+        heads = self.geometry.kv_heads
+        if self.geometry.mla:
+            return HeadRange(0, 1)
+        if self.tp <= heads:
+            per = heads // self.tp
+            return HeadRange(rank * per, (rank + 1) * per)
+        head = rank // (self.tp // heads)
+        return HeadRange(head, head + 1)
+
+    def holders_of(self, head: int) -> range:
+        """Ranks holding global ``head`` (several when replicated)."""
+        heads = self.geometry.kv_heads
+        if self.geometry.mla:
+            return range(self.tp)
+        if self.tp <= heads:
+            r = head // (heads // self.tp)
+            return range(r, r + 1)
+        rep = self.tp // heads
+        return range(head * rep, (head + 1) * rep)
+
+    def local_heads(self) -> int:
+        """Heads held by each rank (the same on every rank)."""
+        return self.heads_of(0).count
+
+
+@dataclass(frozen=True)
+class Piece:
+    """Heads ``heads`` travel from ``src_rank`` to ``dst_rank``.
+
+    ``src_offset`` / ``dst_offset`` are the first head's index inside each
+    rank's own shard."""
+
+    src_rank: int
+    dst_rank: int
+    heads: HeadRange
+    src_offset: int
+    dst_offset: int
+
+
+@dataclass(frozen=True)
+class TransferPlan:
+    src: SideSpec
+    dst: SideSpec
+    pieces: tuple[Piece, ...]
+
+    @property
+    def geometry(self) -> KVGeometry:
+        return self.src.geometry
+
+    @property
+    def direct(self) -> bool:
+        """Whole pages can move without staging: identical paging, and every
+        piece is a whole source shard and a whole destination shard (equal TP,
+        MLA, or replicated heads on both sides)."""
+        if self.src.page != self.dst.page:
+            return False
+        return all(
+            p.heads == self.src.heads_of(p.src_rank) == self.dst.heads_of(p.dst_rank) for p in self.pieces
+        )
+
+    def writers_of(self, dst_rank: int) -> tuple[Piece, ...]:
+        """Pieces landing on ``dst_rank``, in destination head order (the slot order)."""
+        return tuple(sorted((p for p in self.pieces if p.dst_rank == dst_rank), key=lambda p: p.dst_offset))
+
+    def targets_of(self, src_rank: int) -> tuple[Piece, ...]:
+        """Pieces ``src_rank`` sends, one per destination rank at most."""
+        return tuple(p for p in self.pieces if p.src_rank == src_rank)
+
+    def piece_token_bytes(self, piece: Piece) -> int:
+        return token_bytes(self.geometry, piece.heads.count)
+
+    def dst_token_bytes(self) -> int:
+        return token_bytes(self.geometry, self.dst.local_heads())
+
+    def writer_offsets(self, dst_rank: int, tokens: int) -> dict[int, int]:
+        """Byte offset of each writer's region inside a slot holding ``tokens`` tokens."""
+        out, at = {}, 0
+        for p in self.writers_of(dst_rank):
+            out[p.src_rank] = at
+            at += self.piece_token_bytes(p) * tokens
+        return out
+
+
+def check_pair(src: SideSpec, dst: SideSpec) -> None:
+    """Raise ``IncompatibleGeometry`` naming the first field that cannot pair."""
+    a, b = src.geometry, dst.geometry
+    for name in ("mla", "dtype", "head_dim", "layers", "kv_heads"):
+        va, vb = getattr(a, name), getattr(b, name)
+        if va != vb:
+            raise IncompatibleGeometry(
+                f"{name} differs: source {name}={va!r}, destination {name}={vb!r}; "
+                "both sides must serve the same model with the same KV dtype"
+            )
+    src.check("source")
+    dst.check("destination")
+
+
+def plan(src: SideSpec, dst: SideSpec) -> TransferPlan:
+    """Build the transfer plan for a pair of sides (validated first)."""
+    check_pair(src, dst)
+    load = [0] * src.tp
+    pieces: list[Piece] = []
+    if src.geometry.mla:
+        for d in range(dst.tp):
+            s = d % src.tp
+            pieces.append(Piece(s, d, HeadRange(0, 1), 0, 0))
+        return TransferPlan(src, dst, tuple(pieces))
+    for d in range(dst.tp):
+        want = dst.heads_of(d)
+        head = want.start
+        while head < want.stop:
+            holders = src.holders_of(head)
+            s = min(holders, key=lambda r: (load[r], r))
+            got = src.heads_of(s).intersect(HeadRange(head, want.stop))
+            assert got is not None  # a holder of `head` intersects [head, stop)
+            pieces.append(
+                Piece(s, d, got, got.start - src.heads_of(s).start, got.start - want.start)
+            )
+            load[s] += 1
+            head = got.stop
+    return TransferPlan(src, dst, tuple(pieces))

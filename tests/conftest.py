@@ -1,0 +1,3 @@
+import os
+
+os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")

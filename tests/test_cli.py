@@ -1,0 +1,44 @@
+"""The ``kvstage bench`` command: invalid input, JSON output, exit codes."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from kvstage.cli import main
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["--src-tp", "3"], "source tp=3 with kv_heads=8"),
+    (["--dst-tp", "5"], "destination tp=5 with kv_heads=8"),
+    (["--mla", "--kv-heads", "8"], "kv_heads=8 with mla=True"),
+    (["--dtype", "float64"], "dtype='float64'"),
+    (["--layout", "nhd", "--page-size", "0"], "page_size=0"),
+    (["--mode", "fast"], "mode=fast"),
+    (["--tokens", "0"], "tokens=0"),
+    (["--slot-mb", "1024", "--arena-mb", "512"], "slot_mb=1024"),
+])
+def test_invalid_input_exits_2_with_the_field_named(args, needle, capsys):
+    assert main(["bench", *args]) == 2
+    err = capsys.readouterr().err
+    assert needle in err and "Traceback" not in err
+
+
+def test_bench_json_end_to_end(tmp_path):
+    out = tmp_path / "r.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "kvstage.cli", "bench", "--layers", "2", "--head-dim", "32", "--tokens", "64",
+         "--src-tp", "2", "--dst-tp", "1", "--iters", "1", "--warmup", "0", "--arena-mb", "4", "--slot-mb", "1",
+         "--json", str(out)],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr
+    data = json.loads(out.read_text())
+    assert data["config"]["src_tp"] == 2 and data["config"]["tokens"] == 64
+    modes = [r["mode"] for r in data["results"]]
+    assert modes == ["staged", "bulk", "per-slice"]
+    for r in data["results"]:
+        assert set(r) >= {"mode", "bytes", "seconds", "gbps", "descriptors", "verified"}
+        assert r["bytes"] == 64 * 2 * 2 * 8 * 32 * 2
+    assert "staged / per-slice" in proc.stdout
