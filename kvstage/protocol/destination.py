@@ -11,6 +11,7 @@ registered KV regions and page ids, and write pages in place.
 from __future__ import annotations
 
 import hmac
+import math
 import logging
 import socket
 import threading
@@ -218,7 +219,10 @@ class Destination(Endpoint):
             inc.chunk_tokens, inc.chunks = inc.handle.tokens, 1
         else:
             per = min(self.writers[p.src_rank].slot_bytes // self.plan.piece_token_bytes(p) for p in pieces)
-            inc.chunk_tokens = min(per, self.arena.slot_bytes // self.plan.dst_token_bytes())
+            fit = min(per, self.arena.slot_bytes // self.plan.dst_token_bytes())
+            # chunks that start on page boundaries on both sides let gather and scatter move whole pages
+            step = math.lcm(self.plan.src.page.page_size, self.spec.page.page_size)
+            inc.chunk_tokens = fit // step * step if fit >= step else fit
             inc.chunks = -(-inc.handle.tokens // inc.chunk_tokens)
         inc.stage = "grant"
         inc.handle.path = "direct" if inc.direct else "staged"

@@ -16,7 +16,8 @@ log = logging.getLogger(__name__)
 
 
 class SlotAllocator:
-    """Bounded FIFO allocator over ``count`` slot indices."""
+    """Bounded allocator over ``count`` slot indices; hands out the most
+    recently freed slot first, whose memory is most likely still in cache."""
 
     def __init__(self, count: int):
         if count < 1:
@@ -28,7 +29,7 @@ class SlotAllocator:
     def acquire(self) -> int | None:
         if not self._free:
             return None
-        slot = self._free.popleft()
+        slot = self._free.pop()
         self._used.add(slot)
         return slot
 
@@ -90,7 +91,9 @@ def _cudart():
 def allocate_arena(nbytes: int, device: torch.device) -> torch.Tensor:
     """A contiguous byte buffer for the arena: plain host memory, or cudaMalloc'd device memory."""
     if device.type != "cuda":
-        return torch.empty(nbytes, dtype=torch.uint8, device=device)
+        # touch every page now: a first write into untouched memory page-faults,
+        # which would land inside the first transfers' timings
+        return torch.empty(nbytes, dtype=torch.uint8, device=device).fill_(0)
     owner = _DeviceAllocation(nbytes, device)
     t = torch.as_tensor(owner, device=device)
     t._kvstage_owner = owner  # the allocation lives as long as the tensor
