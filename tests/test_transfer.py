@@ -73,8 +73,9 @@ def test_request_four_times_the_arena_streams_through_it(device):
     sc = scenario(4, 1, tokens=tokens, arena_mb=arena_mb, slot_mb=0.125, device=device)
     assert sc.payload_bytes() >= 4 * arena_mb * (1 << 20) * 0.99
     row = _check(run(sc), "staged")
-    slots_needed = -(-tokens // ((1 << 17) // geo_bytes))
-    assert row["descriptors"] == 4 * slots_needed  # four writers, one write per chunk each
+    fit = (1 << 17) // geo_bytes  # tokens that fit one 128 KiB slot
+    chunk = fit // 16 * 16  # rounded down to whole pages (page size 16 on both sides)
+    assert row["descriptors"] == 4 * -(-tokens // chunk)  # four writers, one write per chunk each
 
 
 @pytest.mark.parametrize("device", DEVICES)
