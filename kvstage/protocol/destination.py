@@ -24,7 +24,7 @@ from kvstage.errors import IncompatibleGeometry, KVStageError, ProtocolError
 from kvstage.protocol.endpoint import Endpoint, check_pages, md_from_wire, md_to_wire, spec_from_wire, spec_to_wire
 from kvstage.protocol.request import State, TransferHandle
 from kvstage.protocol.wire import PROTOCOL_VERSION, Connection, decode_notice, field
-from kvstage.staging.copy import TokenIndex, scatter
+from kvstage.staging.copy import TokenIndex, scatter_chunk
 from kvstage.tp import Piece, TransferPlan, plan
 from kvstage.transports.base import Region
 
@@ -306,11 +306,10 @@ class Destination(Endpoint):
             inc.stage = "scatter"
             t0 = time.perf_counter()
             idx = TokenIndex(self.cache, inc.pages, chunk.start, chunk.count)
-            base = self.arena.offset(chunk.slot)
             offsets = self.plan.writer_offsets(self.rank, chunk.count)
-            for p in self.plan.writers_of(self.rank):
-                nbytes = self.plan.piece_token_bytes(p) * chunk.count
-                scatter(self.cache, idx, p.dst_offset, p.heads.count, self.arena.view(base + offsets[p.src_rank], nbytes))
+            pieces = [(p.dst_offset, p.heads.count, offsets[p.src_rank]) for p in self.plan.writers_of(self.rank)]
+            slot = self.arena.view(self.arena.offset(chunk.slot), self.arena.slot_bytes)
+            scatter_chunk(self.cache, idx, pieces, slot)
             if self.cache.device.type == "cuda":
                 import torch
 

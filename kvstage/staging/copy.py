@@ -5,7 +5,8 @@ A region holds, for ``count`` tokens and ``heads`` heads, the bytes of every
 source gathers with its own page size and layout; the destination scatters
 with its own, which is how page size and NHD/HND conversion happen.
 
-These are torch ops (any device). Fused GPU kernels replace them on CUDA.
+On CUDA (with CuPy) one fused kernel launch moves a whole chunk
+(``cuda_copy``); elsewhere these are torch/numpy ops.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import torch
 
 from kvstage.layout import token_positions
 from kvstage.staging.cache import RankCache
+from kvstage.staging.runs import Runs, piece_runs
 
 
 class TokenIndex:
@@ -25,23 +27,29 @@ class TokenIndex:
         pid, off = token_positions(page_ids, page.page_size, start, count)
         if len(pid) and (pid.min() < 0 or pid.max() >= cache.pages):
             raise IndexError(f"page ids must lie in [0, {cache.pages}); got {pid.min()}..{pid.max()}")
-        self.count = count
+        self.page_ids, self.start, self.count = page_ids, start, count
         self.flat_order = cache.spec.geometry.mla or page.order == "nhd"
         self.on_cpu = cache.device.type == "cpu"
         # Whole pages at the front of the range (the range starts on a page
         # boundary) can move as page rows: 16x fewer, larger rows at page size 16.
         P = page.page_size
         self.full_pages = count // P if (start % P == 0 and P > 1 and self.flat_order) else 0
-        if self.full_pages:
-            self.pages_np = pid[: self.full_pages * P : P]
-            self.pages = torch.from_numpy(self.pages_np).to(cache.device)
-        if self.flat_order:
-            self.flat_np = pid * page.page_size + off
-            self.flat = torch.from_numpy(self.flat_np).to(cache.device)
-        else:
-            self.page_np, self.offset_np = pid, off
-            self.page = torch.from_numpy(pid).to(cache.device)
-            self.offset = torch.from_numpy(off).to(cache.device)
+        self.pages_np = pid[: self.full_pages * P : P]
+        self.flat_np = pid * P + off if self.flat_order else None
+        self.page_np, self.offset_np = pid, off
+        self._device = cache.device
+        self._on_device: dict = {}
+
+    def _dev(self, name: str) -> torch.Tensor:
+        """Index arrays reach the device only when a torch path needs them."""
+        if name not in self._on_device:
+            self._on_device[name] = torch.from_numpy(getattr(self, name + "_np")).to(self._device)
+        return self._on_device[name]
+
+    pages = property(lambda self: self._dev("pages"))
+    flat = property(lambda self: self._dev("flat"))
+    page = property(lambda self: self._dev("page"))
+    offset = property(lambda self: self._dev("offset"))
 
 
 _WIDE = ((8, torch.int64), (4, torch.int32), (2, torch.int16), (1, torch.uint8))
@@ -86,8 +94,43 @@ def region_bytes(cache: RankCache, count: int, heads: int) -> int:
     return geo.buffers * count * heads * geo.head_bytes()
 
 
+def _copier(cache: RankCache):
+    """The fused CUDA copier for this cache, or None where it does not apply."""
+    if cache.device.type != "cuda":
+        return None
+    c = getattr(cache, "_copier", False)
+    if c is False:
+        from kvstage.staging import cuda_copy
+
+        c = cuda_copy.RunCopier(cache.buffers) if cuda_copy.available() else None
+        cache._copier = c
+    return c
+
+
+def _fused(cache: RankCache, idx: TokenIndex, pieces, region: torch.Tensor, to_region: bool) -> bool:
+    """Run the whole chunk as one kernel launch if possible; False to fall back."""
+    copier = _copier(cache)
+    if copier is None:
+        return False
+    runs = Runs.concat([piece_runs(cache, idx.page_ids, idx.start, idx.count, lo, n, base) for lo, n, base in pieces])
+    if not copier.supports(runs, region):
+        return False
+    copier.run(runs, region, to_region)
+    return True
+
+
+def scatter_chunk(cache: RankCache, idx: TokenIndex, pieces, region: torch.Tensor) -> None:
+    """Scatter every writer's region of a slot: ``pieces`` = [(head_lo, heads, byte offset in region)]."""
+    if _fused(cache, idx, pieces, region, to_region=False):
+        return
+    for lo, n, base in pieces:
+        scatter(cache, idx, lo, n, region[base : base + region_bytes(cache, idx.count, n)])
+
+
 def gather(cache: RankCache, idx: TokenIndex, head_lo: int, heads: int, region: torch.Tensor) -> None:
     """Copy local heads ``[head_lo, head_lo+heads)`` of the indexed tokens into ``region``."""
+    if _fused(cache, idx, [(head_lo, heads, 0)], region, to_region=True):
+        return
     out = _region_view(region, cache, idx.count, heads)
     whole = idx.full_pages if heads == _heads(cache) else 0
     t0 = whole * cache.spec.page.page_size

@@ -1,0 +1,115 @@
+"""Staging: gather/scatter (torch/numpy), the fused kernel's run lists, the slot allocator."""
+
+import itertools
+
+import numpy as np
+import pytest
+import torch
+
+from kvstage.layout import KVGeometry, PageLayout, pages_needed
+from kvstage.staging.arena import SlotAllocator, StagingArena
+from kvstage.staging.cache import RankCache
+from kvstage.staging.copy import TokenIndex, gather, region_bytes, scatter, scatter_chunk
+from kvstage.staging.runs import apply_on_host, piece_runs
+from kvstage.tp import SideSpec
+
+GEO = KVGeometry(3, 4, 8, "bfloat16")
+SIDES = [(16, "nhd"), (4, "hnd"), (1, "nhd"), (8, "hnd")]
+RANGES = [(0, 37), (16, 32), (5, 20), (0, 64)]
+
+
+def _token(buf, side, page_ids, t, lo, n):
+    P = side.page.page_size
+    p, o = page_ids[t // P], t % P
+    if side.geometry.mla:
+        v = buf[p, o]
+    else:
+        v = buf[p, o, lo : lo + n] if side.page.order == "nhd" else buf[p, lo : lo + n, o]
+    return v.contiguous().view(torch.uint8)  # compare bytes: random bytes include NaNs
+
+
+def _random_cache(side, pages, seed):
+    c = RankCache.allocate(side, 0, pages, fill=None)
+    g = torch.Generator().manual_seed(seed)
+    for b in c.buffers:
+        b.view(torch.uint8).copy_(torch.randint(0, 256, b.view(torch.uint8).shape, dtype=torch.uint8, generator=g))
+    return c
+
+
+@pytest.mark.parametrize("src,dst,rng", list(itertools.product(SIDES, SIDES, RANGES)))
+def test_gather_then_scatter_moves_exactly_the_slice(src, dst, rng):
+    start, count = rng
+    s = SideSpec(GEO, 1, PageLayout(*src))
+    d = SideSpec(GEO, 2, PageLayout(*dst))
+    sc = _random_cache(s, 80, 1)
+    dc = RankCache.allocate(d, 0, 90, fill=0)
+    rs = np.random.default_rng(2)
+    sp = rs.permutation(80)[: pages_needed(start + count, src[0])]
+    dp = rs.permutation(90)[: pages_needed(start + count, dst[0])]
+    region = torch.empty(region_bytes(sc, count, 2), dtype=torch.uint8)
+    gather(sc, TokenIndex(sc, sp, start, count), 2, 2, region)
+    scatter(dc, TokenIndex(dc, dp, start, count), 0, 2, region)
+    for i in range(GEO.buffers):
+        for t in range(start, start + count):
+            assert torch.equal(_token(sc.buffers[i], s, sp, t, 2, 2), _token(dc.buffers[i], d, dp, t, 0, 2)), (i, t)
+    touched = {int(p) for p in dp[start // dst[0] : pages_needed(start + count, dst[0])]}
+    for p in set(range(90)) - touched:
+        assert not dc.buffers[0][p].view(torch.uint8).any()
+
+
+@pytest.mark.parametrize("side,rng,mla", [(s, r, m) for s in SIDES for r in RANGES for m in (False, True) if not (m and s[1] == "hnd")])
+def test_run_lists_match_the_reference_copy(side, rng, mla):
+    """The fused kernel's run list, executed on the host, equals the torch gather and scatter."""
+    start, count = rng
+    geo = KVGeometry(2, 1, 16, "bfloat16", True) if mla else GEO
+    spec = SideSpec(geo, 1, PageLayout(*side))
+    c = _random_cache(spec, 80, 3)
+    ids = np.random.default_rng(4).permutation(80)[: pages_needed(start + count, side[0])]
+    heads = 1 if mla else 4
+    for lo, n in ([(0, 1)] if mla else [(0, 4), (1, 2), (3, 1)]):
+        ref = torch.empty(region_bytes(c, count, n), dtype=torch.uint8)
+        gather(c, TokenIndex(c, ids, start, count), lo, n, ref)
+        base = 48
+        host = np.zeros(base + ref.numel(), dtype=np.uint8)
+        runs = piece_runs(c, ids, start, count, lo, n, base)
+        apply_on_host(c, runs, host, to_region=True)
+        assert np.array_equal(host[base:], ref.numpy()), (lo, n)
+        assert runs.length.sum() == ref.numel() // geo.buffers
+        # and back: scatter through the runs into a zeroed copy equals the torch scatter
+        a = RankCache.allocate(spec, 0, 80, fill=0)
+        b = RankCache.allocate(spec, 0, 80, fill=0)
+        apply_on_host(a, runs, host, to_region=False)
+        scatter(b, TokenIndex(b, ids, start, count), lo, n, ref)
+        assert all(torch.equal(x.view(torch.uint8), y.view(torch.uint8)) for x, y in zip(a.buffers, b.buffers))
+    assert heads
+
+
+def test_scatter_chunk_places_every_writer():
+    d = SideSpec(GEO, 1, PageLayout(4, "hnd"))
+    dc = RankCache.allocate(d, 0, 30, fill=0)
+    ids = np.random.default_rng(5).permutation(30)[:10]
+    parts = [torch.randint(0, 256, (region_bytes(dc, 40, 2),), dtype=torch.uint8) for _ in range(2)]
+    slot = torch.cat(parts + [torch.zeros(64, dtype=torch.uint8)])
+    scatter_chunk(dc, TokenIndex(dc, ids, 0, 40), [(0, 2, 0), (2, 2, parts[0].numel())], slot)
+    back = torch.empty(region_bytes(dc, 40, 4), dtype=torch.uint8)
+    for k, lo in enumerate((0, 2)):
+        gather(dc, TokenIndex(dc, ids, 0, 40), lo, 2, back[: parts[k].numel()])
+        assert torch.equal(back[: parts[k].numel()], parts[k])
+
+
+def test_slot_allocator_is_bounded_and_refuses_double_release():
+    a = SlotAllocator(2)
+    s1, s2 = a.acquire(), a.acquire()
+    assert a.acquire() is None and a.free == 0  # back-pressure, never growth
+    a.release(s1)
+    assert a.acquire() == s1  # the most recently freed slot comes back first
+    a.release(s2)
+    with pytest.raises(ValueError, match="released twice"):
+        a.release(s2)
+
+
+def test_arena_slots_are_disjoint_views_of_one_buffer():
+    arena = StagingArena(4096, 3, torch.device("cpu"))
+    views = [arena.view(arena.offset(s), 4096) for s in range(3)]
+    assert {v.data_ptr() - arena.buffer.data_ptr() for v in views} == {0, 4096, 8192}
+    assert arena.buffer.numel() == 3 * 4096
