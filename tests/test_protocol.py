@@ -129,3 +129,23 @@ def test_source_killed_mid_request_fails_destination_and_frees_slots(dst):
 def test_bad_request_arguments_are_refused_before_anything_moves(dst, tokens, pages, needle):
     with pytest.raises(ValueError, match=needle):
         dst.expect("bad", pages, tokens)
+
+
+def test_each_side_logs_one_link_line_per_peer_and_no_warning(dst, caplog):
+    caplog.set_level("DEBUG", logger="kvstage")
+    src = Source(RankCache.allocate(SRC, 0, 32), Settings(arena_mb=0.25, slot_mb=0.0625, auth_token="s3cret"))
+    try:
+        src.connect([dst.address])
+        dst.slots_free()  # let the destination's loop finish the handshake
+    finally:
+        src.close()
+    links = [r for r in caplog.records if "kvstage link to" in r.getMessage()]
+    assert len(links) == 2, [r.getMessage() for r in links]  # one on each side
+    assert {r.levelname for r in links} == {"INFO"}
+    assert "shared memory" in links[0].getMessage()
+    assert not [r for r in caplog.records if r.levelno >= 30], [r.getMessage() for r in caplog.records if r.levelno >= 30]
+
+
+def test_malformed_peer_facts_do_not_break_the_handshake(dst):
+    reply = raw(dst.address, frame(hello(facts={"host": 5, "env": [1, 2]})))
+    assert reply is not None and reply["type"] == "welcome", reply

@@ -180,9 +180,11 @@ class Destination(Endpoint):
         kv = [r.to_wire() for r in self.kv_regions()] if direct else []  # registered before the metadata is taken
         conn.send(welcome | {
             "metadata": md_to_wire(self.transport.metadata()), "arena": self.arena_region.to_wire(), "kv": kv,
+            "facts": self.facts,
         })
-        log.info("dst %d: source rank %d connected from %s, heads %d..%d, %s path", self.rank, rank, conn.peer,
-                 piece.heads.start, piece.heads.stop, "direct" if direct else "staged")
+        log.debug("dst %d: source rank %d connected from %s, heads %d..%d, %s path", self.rank, rank, conn.peer,
+                  piece.heads.start, piece.heads.stop, "direct" if direct else "staged")
+        self._log_link(msg.get("facts"), conn.peer)
 
     def _on_ready(self, writer: Writer, msg: dict) -> None:
         req = field(msg, "req", str)

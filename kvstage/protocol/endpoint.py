@@ -21,6 +21,8 @@ import numpy as np
 from kvstage.config import Settings
 from kvstage.errors import ConfigError, KVStageError, ProtocolError
 from kvstage.layout import KVGeometry, PageLayout, pages_needed
+from kvstage.probe.connect import connect_line
+from kvstage.probe.facts import collect_local
 from kvstage.protocol.wire import Connection, field
 from kvstage.staging.arena import StagingArena
 from kvstage.staging.cache import RankCache
@@ -81,6 +83,11 @@ def check_pages(cache: RankCache, page_ids, tokens: int) -> np.ndarray:
     return ids
 
 
+def _plugins(transport: Transport) -> list[str] | None:
+    plugins = getattr(transport, "plugins", None)
+    return plugins() if callable(plugins) else None
+
+
 class Endpoint:
     """Base of ``Source`` and ``Destination``."""
 
@@ -98,6 +105,7 @@ class Endpoint:
         self.transport = transport
         self.arena = StagingArena(self.settings.slot_bytes, self.settings.slots, cache.device)
         self.arena_region: Region = self.transport.register(self.arena.buffer)
+        self.facts = collect_local(self.arena.buffer, agent_plugins=_plugins(self.transport))
         self._kv_regions: list[Region] | None = None
         self._events: queue.Queue = queue.Queue()
         self._closing = False
@@ -192,6 +200,16 @@ class Endpoint:
             conn.send(reply)
         except OSError:
             pass
+
+    def _log_link(self, peer_facts, peer_name: str) -> None:
+        """The one line per peer about the path its bytes take (see docs/probe.md)."""
+        try:
+            finding = connect_line(self.facts, peer_facts if isinstance(peer_facts, dict) else None,
+                                   self.transport.name, None, peer_name=peer_name)
+        except Exception as e:  # a peer's malformed facts must not break the connection
+            log.info("%s %d: link to %s: not assessed (peer facts unreadable: %s)", self.role, self.rank, peer_name, e)
+            return
+        finding.log(log)
 
     def kv_regions(self) -> list[Region]:
         """Register this rank's KV buffers (the direct path only) once."""

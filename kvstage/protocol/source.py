@@ -121,6 +121,7 @@ class Source(Endpoint):
                 "type": "hello", "version": PROTOCOL_VERSION, "token": self.settings.auth_token,
                 "spec": spec_to_wire(self.spec), "rank": self.rank, "agent": self.transport.id,
                 "metadata": md_to_wire(self.transport.metadata()), "slot_bytes": self.arena.slot_bytes,
+                "facts": self.facts,
             })
             msg = conn.recv()
         except (OSError, ConnectionError, ProtocolError) as e:
@@ -149,7 +150,7 @@ class Source(Endpoint):
             conn.close()
             raise TransferFailed("-", f"destination {peer}", "handshake", str(e)) from e
         conn.sock.settimeout(None)
-        self._call(lambda: self._add_target(p, rank, conn, md, piece, arena, kv))
+        self._call(lambda: self._add_target(p, rank, conn, md, piece, arena, kv, msg.get("facts")))
         self._start_reader(conn)
         return rank
 
@@ -160,7 +161,7 @@ class Source(Endpoint):
             raise TransferFailed("-", conn.peer, "handshake", f"destination spec {p.dst} differs from {self.plan.dst}")
         self.plan = p
 
-    def _add_target(self, p: TransferPlan, rank: int, conn: Connection, md: bytes, piece, arena, kv) -> None:
+    def _add_target(self, p: TransferPlan, rank: int, conn: Connection, md: bytes, piece, arena, kv, facts) -> None:
         self._set_plan(p, conn)
         if rank in self.targets:
             self.targets[rank].conn.close()
@@ -171,8 +172,9 @@ class Source(Endpoint):
             raise TransferFailed("-", conn.peer, "handshake", f"destination offered {len(kv)} KV regions, need {len(self.cache.buffers)}")
         conn.peer = f"destination rank {rank} ({conn.peer})"
         self.targets[rank] = Target(rank, conn, agent, piece, arena, kv)
-        log.info("src %d: connected to %s, heads %d..%d, %s path", self.rank, conn.peer, piece.heads.start,
-                 piece.heads.stop, "direct" if direct else "staged")
+        log.debug("src %d: connected to %s, heads %d..%d, %s path", self.rank, conn.peer, piece.heads.start,
+                  piece.heads.stop, "direct" if direct else "staged")
+        self._log_link(facts, conn.peer)
 
     def _add(self, handle: TransferHandle, pages: np.ndarray) -> None:
         if handle.req in self.requests:
