@@ -15,26 +15,52 @@ import torch
 from kvstage.staging.runs import Runs
 
 _SOURCE = r"""
+// One warp per run. Each warp walks its run once and, for every 16-byte word,
+// moves it in all buffers of its buffer group: four independent loads are in
+// flight before their stores, which hides memory latency on short runs.
+// Addresses arrive as integers so the launch needs no array wrappers.
 extern "C" __global__ void kvstage_copy_runs(
-    const unsigned long long* __restrict__ table,  // base address of each KV buffer
-    unsigned char* __restrict__ region,
-    const long long* __restrict__ runs,            // [4, n]: kv, reg, stride, length
-    const int n, const int to_region)
+    const unsigned long long table_addr,   // device array: base address of each KV buffer
+    const unsigned long long region_addr,
+    const unsigned long long runs_addr,    // device array [4, n]: kv, reg, stride, length
+    const int n, const int nbuf, const int group, const int to_region)
 {
+    const unsigned long long* table = (const unsigned long long*)table_addr;
+    const long long* runs = (const long long*)runs_addr;
+    unsigned char* region = (unsigned char*)region_addr;
     const int run = (blockIdx.x * blockDim.x + threadIdx.x) >> 5;
     const int lane = threadIdx.x & 31;
     if (run >= n) return;
-    const long long b = blockIdx.y;
-    unsigned char* kv = (unsigned char*)table[b] + runs[run];
-    unsigned char* rg = region + runs[n + run] + b * runs[2 * n + run];
+    const long long kvo = runs[run], rgo = runs[n + run], stride = runs[2 * n + run];
     const long long words = runs[3 * n + run] >> 4;
-    const uint4* src = (const uint4*)(to_region ? kv : rg);
-    uint4* dst = (uint4*)(to_region ? rg : kv);
-    for (long long i = lane; i < words; i += 32) dst[i] = src[i];
+    const int b0 = blockIdx.y * group;
+    const int b1 = min(nbuf, b0 + group);
+    for (long long i = lane; i < words; i += 32) {
+        for (int b = b0; b < b1; b += 4) {
+            uint4 v[4];
+            #pragma unroll
+            for (int k = 0; k < 4; k++) {
+                if (b + k < b1) {
+                    const unsigned char* kv = (const unsigned char*)table[b + k] + kvo;
+                    const unsigned char* rg = region + rgo + (long long)(b + k) * stride;
+                    v[k] = ((const uint4*)(to_region ? kv : rg))[i];
+                }
+            }
+            #pragma unroll
+            for (int k = 0; k < 4; k++) {
+                if (b + k < b1) {
+                    unsigned char* kv = (unsigned char*)table[b + k] + kvo;
+                    unsigned char* rg = region + rgo + (long long)(b + k) * stride;
+                    ((uint4*)(to_region ? rg : kv))[i] = v[k];
+                }
+            }
+        }
+    }
 }
 """
 
 _WARPS_PER_BLOCK = 8
+_GROUP = 16  # buffers per block row: 64 buffers (32 layers x K/V) -> 4 rows
 _kernel = None
 
 
@@ -64,6 +90,11 @@ class RunCopier:
         self.nbuf = len(buffers)
         self.aligned = all(b.data_ptr() % 16 == 0 for b in buffers)
         self._pinned: torch.Tensor | None = None
+        self._stream_key, self._stream = None, None
+        self._uploaded: torch.cuda.Event | None = None
+        import cupy
+
+        self._cupy_device = cupy.cuda.Device(self.device.index or 0)
 
     def supports(self, runs: Runs, region: torch.Tensor) -> bool:
         return self.aligned and region.data_ptr() % 16 == 0 and runs.alignment() == 16
@@ -74,18 +105,25 @@ class RunCopier:
         n = len(runs.kv)
         if n == 0:
             return
-        # The pinned buffer is reused: callers synchronize the stream after each
-        # chunk before the next call (the write or the slot release waits for it).
-        if self._pinned is None or self._pinned.shape[1] < n:
-            self._pinned = torch.empty((4, max(n, 4096)), dtype=torch.int64).pin_memory()
-        host = self._pinned[:, :n]
+        # One pinned buffer, reused once the previous upload from it has finished.
+        if self._uploaded is not None:
+            self._uploaded.synchronize()
+        if self._pinned is None or self._pinned.numel() < 4 * n:
+            self._pinned = torch.empty(4 * max(n, 4096), dtype=torch.int64).pin_memory()
+        host = self._pinned[: 4 * n].view(4, n)
         host.copy_(torch.from_numpy(np.stack([runs.kv, runs.reg, runs.stride, runs.length])))
-        dev = host.to(self.device, non_blocking=True)
         stream = torch.cuda.current_stream(self.device)
-        blocks = (-(-n // _WARPS_PER_BLOCK), self.nbuf)
-        with cupy.cuda.Device(self.device.index or 0), cupy.cuda.ExternalStream(stream.cuda_stream):
+        dev = host.to(self.device, non_blocking=True)
+        self._uploaded = torch.cuda.Event()
+        self._uploaded.record(stream)
+        group = _GROUP if self.nbuf > _GROUP else self.nbuf
+        blocks = (-(-n // _WARPS_PER_BLOCK), -(-self.nbuf // group))
+        if self._stream_key != stream.cuda_stream:
+            self._stream_key, self._stream = stream.cuda_stream, cupy.cuda.ExternalStream(stream.cuda_stream)
+        with self._cupy_device, self._stream:
             _get_kernel()(
                 blocks, (32 * _WARPS_PER_BLOCK,),
-                (cupy.asarray(self.table), cupy.asarray(region), cupy.asarray(dev), np.int32(n), np.int32(int(to_region))),
+                (np.uint64(self.table.data_ptr()), np.uint64(region.data_ptr()), np.uint64(dev.data_ptr()),
+                 np.int32(n), np.int32(self.nbuf), np.int32(group), np.int32(int(to_region))),
             )
         dev.record_stream(stream)
