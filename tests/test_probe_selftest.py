@@ -13,6 +13,8 @@ import os
 import subprocess
 import sys
 
+import time
+
 import pytest
 
 from kvstage.probe import cli
@@ -93,11 +95,34 @@ def test_no_usable_transport_is_error_exit_1(capsys):
         assert "fix: UCX_TLS=rc names transports this host lacks; unset UCX_TLS or use only:" in line
 
 
-def test_peer_mode_not_available_yet(capsys):
-    with pytest.raises(cli.PeerProbeUnavailable, match="not available yet"):
-        cli.run(_args("--peer", "decode-0:7000"))
-    assert cli.main(["--peer", "decode-0:7000"]) == cli.EXIT_USAGE
-    assert "not available yet" in capsys.readouterr().err
+def test_peer_probe_against_a_running_destination(capsys):
+    """--peer: a real Destination lends one arena slot; the slot comes back afterwards."""
+    from kvstage.config import Settings
+    from kvstage.layout import KVGeometry, PageLayout
+    from kvstage.protocol.destination import Destination
+    from kvstage.staging.cache import RankCache
+    from kvstage.tp import SideSpec
+
+    spec = SideSpec(KVGeometry(2, 4, 16, "bfloat16"), 1, PageLayout(4))
+    dst = Destination(RankCache.allocate(spec, 0, 8), Settings(arena_mb=16, slot_mb=8))
+    try:
+        host, port = dst.address
+        assert cli.run(_args("--peer", f"{host}:{port}", "--size-mb", "4")) == cli.EXIT_OK
+        line = capsys.readouterr().out.strip()
+        assert line.startswith("INFO kvstage link to") and "shared memory" in line and "GB/s measured" in line
+        assert "WARNING" not in line
+        deadline = time.monotonic() + 5
+        while dst.slots_free() != 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert dst.slots_free() == 2  # the lent slot returned when the prober left
+    finally:
+        dst.close()
+
+
+def test_peer_probe_refusals_are_clear(capsys):
+    assert cli.main(["--peer", "127.0.0.1:1", "--size-mb", "1"]) == cli.EXIT_NO_PATH
+    out = capsys.readouterr()
+    assert "cannot connect to 127.0.0.1:1" in out.out + out.err
     assert cli.main(["--peer", "nohostport"]) == cli.EXIT_USAGE
     assert cli.main(["--env", "NOT-A-NAME"]) == cli.EXIT_USAGE
 

@@ -17,16 +17,14 @@ from kvstage.probe.finding import Finding, Severity
 EXIT_OK, EXIT_NO_PATH, EXIT_USAGE, EXIT_WARNING = 0, 1, 2, 3
 
 
-class PeerProbeUnavailable(KVStageError, NotImplementedError):
-    """``--peer`` needs the rendezvous service of the transfer protocol."""
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                         help="memory to register and write: host DRAM or GPU VRAM (default: cpu)")
     parser.add_argument("--size-mb", type=int, default=64, help="bytes of the measured write, in MiB (default: 64)")
     parser.add_argument("--iters", type=int, default=3, help="timed writes; the best one counts (default: 3)")
-    parser.add_argument("--peer", metavar="HOST:PORT", help="probe a running kvstage peer instead of a local self-test")
+    parser.add_argument("--peer", metavar="HOST:PORT",
+                        help="probe a running destination rank (its control port) instead of a local self-test; "
+                             "it lends one arena slot for the measured write (KVSTAGE_AUTH_TOKEN must match)")
     parser.add_argument("--json", metavar="PATH", help="also write the findings and every fact as JSON to PATH")
     parser.add_argument("--env", action="append", default=[], metavar="NAME=VALUE",
                         help="set NAME in both self-test processes (NAME= unsets it); e.g. --env UCX_TLS=tcp")
@@ -74,14 +72,18 @@ def _print(findings: list[Finding], facts: dict | None) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Run the probe as ``args`` say; print one line per peer; return the exit code."""
+    if args.size_mb < 1 or args.iters < 1:
+        raise ValueError("--size-mb and --iters must be at least 1")
     if args.peer:
         host, port = _parse_peer(args.peer)
-        raise PeerProbeUnavailable(
-            f"kvstage probe --peer {host}:{port} is not available yet: it needs the rendezvous service of the "
-            "kvstage transfer protocol to exchange facts and metadata with a running peer. Meanwhile run "
-            "`kvstage probe` on each host (a local self-test), and read the one line per peer the transfer "
-            "engine logs when it connects."
-        )
+        if args.env:
+            raise ValueError("--env applies to the local self-test only; set variables in the environment for --peer")
+        from kvstage.config import Settings
+        from kvstage.probe.peer import run_peer_probe
+
+        result = run_peer_probe(host, port, device=args.device, size_mb=args.size_mb, iters=args.iters,
+                                token=Settings().auth_token, timeout=args.timeout)
+        return _report(args, result)
     if args.size_mb < 1 or args.iters < 1:
         raise ValueError("--size-mb and --iters must be at least 1")
     env = _parse_env(args.env)
@@ -94,6 +96,10 @@ def run(args: argparse.Namespace) -> int:
 
     result = run_selftest(device=args.device, size_mb=args.size_mb, iters=args.iters, env=env,
                           timeout=args.timeout, verify_fix=not args.no_verify_fix)
+    return _report(args, result)
+
+
+def _report(args: argparse.Namespace, result) -> int:
     _print([result.finding], result.writer_facts if args.facts else None)
     if args.json:
         with open(args.json, "w") as f:

@@ -79,6 +79,7 @@ class Destination(Endpoint):
         self.requests: dict[str, Incoming] = {}
         self._early: dict[str, dict[int, int]] = {}
         self._rr: list[str] = []  # grant order (round robin)
+        self._probes: dict[Connection, tuple[int, str]] = {}  # probe connection -> (lent slot, prober agent)
         self._listener = socket.create_server(listen)
         self.address = self._listener.getsockname()[:2]
         self._start()
@@ -130,6 +131,8 @@ class Destination(Endpoint):
                 if writer is not None:
                     raise ProtocolError("second hello on one connection")
                 self._on_hello(conn, msg)
+            elif kind == "probe" and writer is None:
+                self._on_probe(conn, msg)
             elif writer is None:
                 raise ProtocolError(f"{kind!r} before a successful hello")
             elif kind == "ready":
@@ -185,6 +188,30 @@ class Destination(Endpoint):
         log.debug("dst %d: source rank %d connected from %s, heads %d..%d, %s path", self.rank, rank, conn.peer,
                   piece.heads.start, piece.heads.stop, "direct" if direct else "staged")
         self._log_link(msg.get("facts"), conn.peer)
+
+    def _on_probe(self, conn: Connection, msg: dict) -> None:
+        """``kvstage probe --peer``: lend one free arena slot for a measured write.
+
+        The prober writes into that slot only, the same memory KV chunks land
+        in; the slot returns to the allocator when the prober disconnects."""
+        if conn in self._probes:
+            raise ProtocolError("one probe per connection")
+        version = field(msg, "version", int)
+        if version != PROTOCOL_VERSION:
+            raise ProtocolError(f"protocol version {version} unsupported; this side speaks {PROTOCOL_VERSION}")
+        if not hmac.compare_digest(str(msg.get("token", "")).encode(), self.settings.auth_token.encode()):
+            raise ProtocolError("auth token does not match KVSTAGE_AUTH_TOKEN on the destination")
+        nbytes = min(field(msg, "nbytes", int, minimum=1), self.arena.slot_bytes)
+        agent = field(msg, "agent", str)
+        slot = self.arena.allocator.acquire()
+        if slot is None:
+            raise ProtocolError(f"busy: all {self.arena.allocator.count} arena slots are in use; probe again later")
+        self._probes[conn] = (slot, agent)
+        base = self.arena_region
+        region = Region(base.addr + self.arena.offset(slot), nbytes, base.device, base.device_id)
+        conn.send({"type": "probe_ok", "facts": self.facts, "metadata": md_to_wire(self.transport.metadata()),
+                   "region": region.to_wire(), "rank": self.rank})
+        log.info("dst %d: lent slot %d (%d bytes) to a probe from %s", self.rank, slot, nbytes, conn.peer)
 
     def _on_ready(self, writer: Writer, msg: dict) -> None:
         req = field(msg, "req", str)
@@ -286,6 +313,8 @@ class Destination(Endpoint):
         self._grant()
 
     def _on_notice(self, agent: str, data: bytes) -> None:
+        if any(agent == a for _, a in self._probes.values()):
+            return  # a probe's measured write into its lent slot
         req, c, rank = decode_notice(data)
         writer = self.writers.get(rank)
         if writer is None or writer.agent != agent:
@@ -380,6 +409,9 @@ class Destination(Endpoint):
     def _on_closed(self, conn: Connection, reason: str) -> None:
         writer = next((w for w in self.writers.values() if w.conn is conn), None)
         conn.close()
+        probe = self._probes.pop(conn, None)
+        if probe is not None:  # the prober waited for its writes before closing
+            self.arena.allocator.release(probe[0])
         if writer is None:
             return
         del self.writers[writer.rank]
