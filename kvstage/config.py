@@ -36,7 +36,7 @@ class Settings:
     auth_token: str = field(default_factory=lambda: _env("KVSTAGE_AUTH_TOKEN", "", str))
     handshake_timeout_s: float = field(default_factory=lambda: _env("KVSTAGE_HANDSHAKE_TIMEOUT_S", 5.0, float))
     ready_timeout_s: float = field(default_factory=lambda: _env("KVSTAGE_READY_TIMEOUT_S", 120.0, float))
-    stall_timeout_s: float = field(default_factory=lambda: _env("KVSTAGE_STALL_TIMEOUT_S", 10.0, float))
+    stall_timeout_s: float = field(default_factory=lambda: _env("KVSTAGE_STALL_TIMEOUT_S", 5.0, float))
     direct: bool = field(default_factory=lambda: _env("KVSTAGE_DIRECT", True, bool))
 
     def __post_init__(self) -> None:

@@ -49,6 +49,7 @@ class Chunk:
     count: int
     slot: int | None
     pending: set = dc_field(default_factory=set)  # writer ranks not landed yet
+    granted: float = dc_field(default_factory=time.monotonic)
 
 
 @dataclass
@@ -266,8 +267,8 @@ class Destination(Endpoint):
         while progressed and self._rr:
             progressed = False
             for req in list(self._rr):
-                inc = self.requests[req]
-                if inc.next_chunk >= inc.chunks:
+                inc = self.requests.get(req)
+                if inc is None or inc.handle.done() or inc.next_chunk >= inc.chunks:
                     self._rr.remove(req)
                     continue
                 if inc.direct:
@@ -353,6 +354,8 @@ class Destination(Endpoint):
         if inc.scattered == inc.chunks:
             inc.handle._move(State.DONE)
             del self.requests[req]
+            if req in self._rr:
+                self._rr.remove(req)
             for p in self.plan.writers_of(self.rank):
                 self._send(p.src_rank, {"type": "done", "req": req})
 
@@ -425,19 +428,22 @@ class Destination(Endpoint):
                 self._unquarantine(inc, c, writer.rank)
 
     def _check_stalls(self, now: float) -> None:
+        """A request waiting for its announcement past ``ready_timeout_s``, or a
+        granted chunk not landed after ``stall_timeout_s``, fails. Waiting for a
+        free slot is back-pressure, never a failure."""
         for req, inc in list(self.requests.items()):
             if inc.handle.done():
                 continue
-            pending = inc.handle.state is State.PENDING
-            limit = self.settings.ready_timeout_s if pending else self.settings.stall_timeout_s
-            if now - inc.touched <= limit:
+            if inc.handle.state is State.PENDING:
+                if now - inc.touched > self.settings.ready_timeout_s:
+                    missing = sorted({p.src_rank for p in self.plan.writers_of(self.rank)} - set(inc.ready)) if self.plan else []
+                    who = "source ranks " + ",".join(map(str, missing)) if missing else "sources"
+                    self._fail(req, who, "waiting for writers", f"not announced within {self.settings.ready_timeout_s:g} s", tell=True)
                 continue
-            if pending and self.plan is not None:
-                missing = sorted({p.src_rank for p in self.plan.writers_of(self.rank)} - set(inc.ready))
-                who = "source ranks " + ",".join(map(str, missing))
-            else:
-                who = "sources"
-            self._fail(req, who, inc.stage, f"no progress for {limit:g} s", tell=True)
+            late = [c for c in inc.open.values() if now - c.granted > self.settings.stall_timeout_s]
+            if late:
+                who = "source ranks " + ",".join(map(str, sorted(set().union(*(c.pending for c in late)))))
+                self._fail(req, who, "write", f"chunk {late[0].index} not landed {self.settings.stall_timeout_s:g} s after its grant", tell=True)
 
     def _shutdown(self) -> None:
         self._listener.close()

@@ -407,13 +407,18 @@ class Source(Endpoint):
             self._fail(req, f"destination rank {d}", self.requests[req].stage, f"connection lost ({reason})", tell=True)
 
     def _check_stalls(self, now: float) -> None:
+        """An announced request never granted within ``ready_timeout_s``, or a
+        write not complete after ``stall_timeout_s``, fails. Waiting for grants
+        is the destination's back-pressure; a dead destination closes the
+        control connection (or misses its keepalives) instead."""
         for req, out in list(self.requests.items()):
-            if out.handle.done():
-                continue
-            pending = out.handle.state is State.PENDING
-            limit = self.settings.ready_timeout_s if pending else self.settings.stall_timeout_s
-            if now - out.touched > limit:
-                self._fail(req, "destination", out.stage, f"no progress for {limit:g} s", tell=True)
+            if not out.handle.done() and out.handle.state is State.PENDING and now - out.touched > self.settings.ready_timeout_s:
+                self._fail(req, "destination", "waiting for grant", f"no grant within {self.settings.ready_timeout_s:g} s", tell=True)
+        t = time.perf_counter()
+        for w in self._inflight:
+            if t - w.posted > self.settings.stall_timeout_s:
+                self._fail(w.job.req, f"destination rank {w.job.dst}", "write",
+                           f"write not complete after {self.settings.stall_timeout_s:g} s", tell=True)
 
     def _shutdown(self) -> None:
         for req in list(self.requests):

@@ -144,7 +144,10 @@ class NixlTransport(Transport):
         return handle
 
     def poll(self, handle) -> WriteState:
-        state = self._agent.check_xfer_state(handle)
+        try:
+            state = self._agent.check_xfer_state(handle)
+        except Exception as e:  # e.g. nixlRemoteDisconnectError when the peer died
+            raise TransportError(f"NIXL write failed: {type(e).__name__}: {e}") from e
         if state == "DONE":
             return WriteState.DONE
         if state == "PROC":
