@@ -149,3 +149,75 @@ def test_each_side_logs_one_link_line_per_peer_and_no_warning(dst, caplog):
 def test_malformed_peer_facts_do_not_break_the_handshake(dst):
     reply = raw(dst.address, frame(hello(facts={"host": 5, "env": [1, 2]})))
     assert reply is not None and reply["type"] == "welcome", reply
+
+
+def test_hostile_grants_are_refused_and_the_source_keeps_serving():
+    """A fake destination (real NIXL agent, raw control socket) sends bad grants to a real Source."""
+    import base64
+    import threading
+    import time
+
+    import torch
+
+    from kvstage.transports.nixl import NixlTransport
+
+    dst_spec = SideSpec(GEO, 1, PageLayout(1))  # different paging: the staged path
+    agent = NixlTransport("fake-dst")
+    arena = torch.zeros(1 << 16, dtype=torch.uint8)
+    region = agent.register(arena)
+    server = socket.create_server(("127.0.0.1", 0))
+    box = {}
+
+    def serve():
+        sock, _ = server.accept()
+        from kvstage.protocol.wire import Connection
+
+        c = Connection(sock, "fake")
+        box["hello"] = c.recv()
+        c.send({"type": "welcome", "version": PROTOCOL_VERSION, "spec": spec_to_wire(dst_spec), "rank": 0,
+                "metadata": base64.b64encode(agent.metadata()).decode(), "arena": region.to_wire(), "kv": [], "facts": {}})
+        box["conn"] = c
+
+    t = threading.Thread(target=serve)
+    t.start()
+    src = Source(RankCache.allocate(SRC, 0, 32, fill=7), Settings(arena_mb=0.25, slot_mb=0.0625))
+    try:
+        src.connect([server.getsockname()])
+        t.join(5)
+        c = box["conn"]
+        h = src.send("r", np.arange(3), 10)
+        assert c.recv() == {"type": "ready", "req": "r", "tokens": 10}
+        piece_bytes = 2 * 2 * 2 * 16 * 2 * 10  # buffers x heads x head_dim x 2 B x tokens
+        good = {"type": "grant", "req": "r", "chunk": 0, "chunks": 1, "start": 0, "count": 10, "offset": 0}
+        for bad, needle in [
+            (good | {"req": "zzz"}, "not in flight"),
+            (good | {"chunks": 0}, "chunks=0 is below 1"),
+            (good | {"chunk": 1}, "chunk=1 is above 0"),
+            (good | {"count": 11}, "count=11 is above 10"),
+            (good | {"offset": (1 << 16) - piece_bytes + 1}, "exceed the destination arena"),
+            (good | {"offset": -1}, "offset=-1 is below 0"),
+            (good | {"start": "0"}, "is not int"),
+        ]:
+            c.send(bad)
+            reply = c.recv()
+            assert reply["type"] == "error" and needle in reply["reason"], (bad, reply)
+        assert not h.done()  # refused grants change nothing
+        first = good | {"chunks": 2, "count": 5, "offset": 0}
+        c.send(first)
+        c.send(first)  # the same chunk twice while the request is in flight
+        reply = c.recv()
+        assert reply["type"] == "error" and "granted twice" in reply["reason"], reply
+        c.send(first | {"chunk": 1, "start": 5, "offset": piece_bytes // 2})
+        deadline = time.monotonic() + 10
+        got = []
+        while len(got) < 2 and time.monotonic() < deadline:
+            got += agent.notifications()
+        assert sorted(json.loads(m)["chunk"] for _, m in got) == [0, 1]
+        h.wait(10)
+        assert bool((arena[:piece_bytes] == 7).all()) and not arena[piece_bytes:].any()  # exactly the granted bytes
+        c.send(good)  # a grant again, after the request finished
+        assert "not in flight" in c.recv()["reason"]
+    finally:
+        src.close()
+        server.close()
+        agent.close()

@@ -229,7 +229,7 @@ class Source(Endpoint):
             raise ProtocolError(f"grant for request {req!r}, which is not in flight here")
         d = target.rank
         chunks = field(msg, "chunks", int, minimum=1, maximum=out.handle.tokens)
-        if out.chunks.setdefault(d, chunks) != chunks:
+        if out.chunks.get(d, chunks) != chunks:
             raise ProtocolError(f"grant says {chunks} chunks for {req!r}; an earlier grant said {out.chunks[d]}")
         c = field(msg, "chunk", int, minimum=0, maximum=chunks - 1)
         if c in out.granted[d]:
@@ -252,6 +252,8 @@ class Source(Endpoint):
                     f"grant for {req!r} chunk {c}: {nbytes} bytes at offset {job.offset} exceed the "
                     f"destination arena of {target.arena.nbytes} bytes"
                 )
+        # every check passed: only now does the grant change anything
+        out.chunks[d] = chunks
         out.granted[d].add(c)
         out.handle.path = "direct" if target.kv else "staged"
         out.stage = "gather"
