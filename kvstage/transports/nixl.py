@@ -176,3 +176,10 @@ class NixlTransport(Transport):
             except Exception as e:
                 log.debug("nixl: deregistering: %s", e)
         self._registered.clear()
+        # Destroy the agent now, while the interpreter is whole: left to exit-time
+        # finalization, its backend threads can outlive it and abort the process.
+        agent, self._agent = self._agent, None
+        del agent
+        import gc
+
+        gc.collect()
