@@ -17,15 +17,18 @@ EXIT_FAILED, EXIT_USAGE = 1, 2
 def _bench_args(p: argparse.ArgumentParser) -> None:
     from kvstage.bench.scenario import PRESETS
 
+    p.add_argument("--scenario", metavar="FILE", help="read flags from a TOML or JSON file (see benchmarks/); flags given here win")
     p.add_argument("--model", choices=sorted(PRESETS), default="llama3-8b", help="geometry preset (flags below override)")
-    p.add_argument("--src-tp", type=int, default=4)
-    p.add_argument("--dst-tp", type=int, default=1)
+    p.add_argument("--src-tp", default="4", metavar="N[,N...]", help="source TP size, or a comma list to sweep (4 or 1,2,4)")
+    p.add_argument("--dst-tp", default="1", metavar="N[,N...]", help="destination TP size, or a comma list to sweep")
     p.add_argument("--kv-heads", type=int)
     p.add_argument("--head-dim", type=int)
     p.add_argument("--layers", type=int)
     p.add_argument("--mla", action=argparse.BooleanOptionalAction, default=None)
     p.add_argument("--dtype", default="bfloat16")
-    p.add_argument("--tokens", type=int, default=2048)
+    p.add_argument("--tokens", default="2048", metavar="N[,N...]", help="tokens per request, or a comma list to sweep")
+    p.add_argument("--concurrency", default="1", metavar="N[,N...]", help="requests in flight at once, or a comma list to sweep")
+    p.add_argument("--skip-invalid", action="store_true", help="in a sweep, run the valid TP pairs and list the others (default: refuse)")
     p.add_argument("--page-size", type=int, default=16, help="source page size")
     p.add_argument("--dst-page-size", type=int, help="destination page size (default: --page-size)")
     p.add_argument("--layout", choices=("nhd", "hnd"), default="nhd", help="source layout")
@@ -38,11 +41,86 @@ def _bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--verify", action=argparse.BooleanOptionalAction, default=True)
-    p.add_argument("--json", metavar="PATH", help="write config and results as JSON")
+    p.add_argument("--json", metavar="PATH", help="write config and results as JSON (- for stdout, instead of the table)")
+    p.add_argument("--csv", metavar="PATH", help="write one CSV row per result")
+    p.add_argument("--plot", metavar="PATH", help="write a chart of GB/s against tokens (.png, .svg or .pdf; needs matplotlib)")
+    p.add_argument("--markdown", metavar="PATH", help="write the table as GitHub markdown (for docs/benchmarks.md)")
+    p.add_argument("--title", help="a line above the table and the plot (scenario files set it)")
+    p.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
+                   help="progress bar on stderr (default: on a terminal, once a run passes 2 s)")
+    p.add_argument("--role", choices=("local", "dst", "src"), default="local",
+                   help="local: every rank on this host; dst/src: the two sides on different hosts")
+    p.add_argument("--listen", metavar="HOST:PORT", help="--role dst: where source hosts connect (HOST: an address they reach, or 0.0.0.0)")
+    p.add_argument("--connect", metavar="HOST:PORT", help="--role src: the --listen of the dst side (everything else comes from there)")
+    p.add_argument("--src-hosts", type=int, default=1, help="--role dst: source hosts to wait for; source ranks are split among them")
 
 
-def scenario_from_args(a: argparse.Namespace):
-    from kvstage.bench.scenario import MODES, PRESETS, Scenario
+#: scenario-file keys that are not flags
+_FILE_ONLY = {"description"}
+
+
+def load_scenario_file(path: str) -> dict:
+    """A scenario file: keys are flag names (``src_tp`` or ``src-tp``); lists sweep."""
+    from kvstage.errors import ConfigError
+
+    try:
+        with open(path, "rb") as f:
+            raw = f.read()
+    except OSError as e:
+        raise ConfigError(f"scenario={path!r}: cannot read: {e.strerror}") from None
+    try:
+        if path.endswith(".json"):
+            data = json.loads(raw)
+        else:
+            try:
+                import tomllib
+            except ImportError:  # Python 3.10
+                try:
+                    import tomli as tomllib
+                except ImportError:
+                    raise ConfigError(f"scenario={path!r}: TOML needs Python 3.11 or `pip install tomli`; or use JSON") from None
+            data = tomllib.loads(raw.decode())
+    except (ValueError, UnicodeDecodeError) as e:
+        raise ConfigError(f"scenario={path!r}: not valid {'JSON' if path.endswith('.json') else 'TOML'}: {e}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"scenario={path!r}: must be a table of flag = value")
+    return data
+
+
+def _apply_scenario_file(parser: argparse.ArgumentParser, argv: list[str]) -> None:
+    """Set the file's values as the bench parser's defaults, so explicit flags still win."""
+    from kvstage.errors import ConfigError
+
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--scenario")
+    known, _ = pre.parse_known_args(argv)
+    if not known.scenario:
+        return
+    data = load_scenario_file(known.scenario)
+    dests = {a.dest: a for a in parser._actions if a.dest not in ("help", "scenario")}
+    values = {}
+    for key, v in data.items():
+        dest = key.replace("-", "_")
+        if dest in _FILE_ONLY:
+            continue
+        if dest not in dests:
+            raise ConfigError(f"scenario={known.scenario!r}: unknown key {key!r} (keys are the flag names, like src_tp)")
+        if isinstance(v, list):
+            v = ",".join(str(x) for x in v)
+        action = dests[dest]
+        if action.choices is not None and v not in action.choices:
+            raise ConfigError(f"scenario={known.scenario!r}: {key}={v!r}: must be one of {', '.join(map(str, action.choices))}")
+        if isinstance(v, bool) or v is None:
+            values[dest] = v
+        else:
+            values[dest] = str(v) if action.type is not None or not isinstance(v, (int, float)) else v
+    if "description" in data and "title" not in data:
+        values["title"] = str(data["description"]).strip().splitlines()[0]
+    parser.set_defaults(**values)
+
+
+def sweep_from_args(a: argparse.Namespace):
+    from kvstage.bench.scenario import MODES, PRESETS, Sweep, parse_int_list
     from kvstage.layout import KVGeometry, PageLayout
 
     layers, heads, head_dim, mla = PRESETS[a.model]
@@ -54,63 +132,185 @@ def scenario_from_args(a: argparse.Namespace):
         a.mla if a.mla is not None else mla,
     )
     modes = MODES if a.mode == "all" else tuple(m.strip() for m in a.mode.split(",") if m.strip())
-    return Scenario(
-        geometry=geo, src_tp=a.src_tp, dst_tp=a.dst_tp, tokens=a.tokens,
-        src_page=PageLayout(a.page_size, a.layout),
+    return Sweep.build(
+        parse_int_list("src_tp", a.src_tp), parse_int_list("dst_tp", a.dst_tp), parse_int_list("tokens", a.tokens),
+        parse_int_list("concurrency", a.concurrency), skip_invalid=a.skip_invalid,
+        geometry=geo, src_page=PageLayout(a.page_size, a.layout),
         dst_page=PageLayout(a.dst_page_size or a.page_size, a.dst_layout or a.layout),
         modes=modes, device=a.device, iters=a.iters, warmup=a.warmup, seed=a.seed, verify=a.verify,
         arena_mb=a.arena_mb, slot_mb=a.slot_mb,
     )
 
 
-def render_table(result: dict) -> str:
-    from rich.console import Console
-    from rich.table import Table
+def scenario_from_args(a: argparse.Namespace):
+    """The single point of ``a`` (raises ConfigError if ``a`` describes a sweep)."""
+    from kvstage.errors import ConfigError
 
-    cfg = result["config"]
-    g = cfg["geometry"]
-    t = Table(title=(
-        f"kvstage bench: {g['layers']} layers, {g['kv_heads']} KV heads x {g['head_dim']} {g['dtype']}"
-        f"{' MLA' if g['mla'] else ''}, {cfg['src_tp']}->{cfg['dst_tp']}, {cfg['tokens']} tokens, {cfg['device']}"
-    ))
-    for col in ("mode", "TP", "tokens", "MB", "GB/s", "ms (median)", "descriptors", "vs bulk", "verified"):
-        t.add_column(col, justify="left" if col == "mode" else "right")
-    for r in result["results"]:
-        ratio = "-" if r["ratio_to_bulk"] is None else f"{r['ratio_to_bulk']:.2f}x"
-        v = {True: "yes", False: "NO", None: "-"}[r["verified"]]
-        t.add_row(r["mode"], f"{r['src_tp']}->{r['dst_tp']}", str(r["tokens"]), f"{r['bytes'] / 1e6:.1f}",
-                  f"{r['gbps']:.3f}", f"{r['seconds'] * 1e3:.2f}", str(r["descriptors"]), ratio, v)
-    console = Console(record=True, width=120)
-    with console.capture() as cap:
-        console.print(t)
-        modes = {r["mode"]: r for r in result["results"]}
-        if "staged" in modes and "per-slice" in modes:
-            console.print(f"staged / per-slice: {modes['staged']['gbps'] / modes['per-slice']['gbps']:.1f}x")
-        if "staged" in modes and "stages" in modes["staged"]:
-            s = modes["staged"]["stages"]
-            console.print("staged stage seconds (summed over ranks): " + ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in s.items()))
-    return cap.get()
+    pts = sweep_from_args(a).points
+    if len(pts) != 1:
+        raise ConfigError(f"these flags describe {len(pts)} points, not one")
+    return pts[0]
+
+
+def render_table(result: dict) -> str:
+    from kvstage.bench.report import render_table as render
+
+    return render(result)
+
+
+def _check_outputs(a: argparse.Namespace) -> None:
+    """Output paths must be writable before anything runs."""
+    import os
+
+    from kvstage.errors import ConfigError
+
+    for flag in ("json", "csv", "plot", "markdown"):
+        path = getattr(a, flag)
+        if not path or (flag == "json" and path == "-"):
+            continue
+        parent = os.path.dirname(os.path.abspath(path))
+        if not os.path.isdir(parent):
+            raise ConfigError(f"{flag}={path!r}: directory {parent!r} does not exist")
+        if not os.access(parent, os.W_OK):
+            raise ConfigError(f"{flag}={path!r}: directory {parent!r} is not writable")
+    if a.plot:
+        if not a.plot.lower().endswith((".png", ".svg", ".pdf")):
+            raise ConfigError(f"plot={a.plot!r}: must end in .png, .svg or .pdf")
+        from kvstage.bench.report import check_plot_available
+
+        check_plot_available()
+
+
+def _check_memory(sweep, roles) -> None:
+    """Refuse a CPU run whose buffers cannot fit in this host's available memory."""
+    from kvstage.errors import ConfigError
+
+    if sweep.groups[0].base.device != "cpu":
+        return
+    try:
+        with open("/proc/meminfo") as f:
+            avail = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration, ValueError):
+        return
+    g = max(sweep.groups, key=lambda g: g.host_bytes(roles))
+    need = g.host_bytes(roles)
+    if need > 0.9 * avail:
+        big = max(g.points, key=lambda p: p.tokens * p.concurrency)
+        raise ConfigError(
+            f"memory: TP {g.label} at {big.tokens} tokens x {big.concurrency} in flight needs about {need / 2**30:.1f} GiB "
+            f"of buffers on this host, {avail / 2**30:.1f} GiB is available; lower --tokens, --concurrency or --arena-mb"
+        )
+
+
+def _emit(result: dict, a: argparse.Namespace, title: str | None) -> None:
+    from kvstage.bench import report
+
+    if a.json == "-":
+        json.dump(result, sys.stdout, indent=2)
+        print()
+    else:
+        print(report.render_table(result, title), end="")
+        if a.json:
+            with open(a.json, "w") as f:
+                json.dump(result, f, indent=2)
+    if a.csv:
+        report.write_csv(result, a.csv)
+    if a.plot:
+        report.write_plot(result, a.plot, title)
+    if a.markdown:
+        with open(a.markdown, "w") as f:
+            f.write(report.markdown(result, title, _command_line(a)))
+
+
+def _command_line(a: argparse.Namespace) -> str:
+    """How to rerun this run: the command line without its output flags."""
+    import shlex
+
+    drop = {"--json", "--csv", "--plot", "--markdown", "--title", "--progress", "--no-progress"}
+    argv, out, skip = sys.argv[1:], [], False
+    for x in argv:
+        if skip:
+            skip = False
+            continue
+        name = x.split("=", 1)[0]
+        if name in drop:
+            skip = "=" not in x and name not in ("--progress", "--no-progress")
+            continue
+        out.append(x)
+    return "kvstage " + " ".join(shlex.quote(x) for x in out)
+
+
+def _terminate_cleanly() -> None:
+    """Ctrl-C (even where the shell started us with SIGINT ignored, as for a
+    background job) and SIGTERM end the run with the rank processes stopped
+    first; exit codes 130 and 143."""
+    import signal
+    import threading
+
+    def handler(signum, frame):
+        print("kvstage: terminated", file=sys.stderr)
+        raise SystemExit(128 + signum)
+
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        signal.signal(signal.SIGTERM, handler)
 
 
 def cmd_bench(a: argparse.Namespace) -> int:
-    from kvstage.bench.runner import run
+    from kvstage.bench import report
+    from kvstage.bench.control import parse_hostport
+    from kvstage.bench.runner import run_source_host, run_sweep
+    from kvstage.errors import ConfigError
 
-    sc = scenario_from_args(a)
-    result = run(sc)
-    print(render_table(result), end="")
-    if a.json:
-        with open(a.json, "w") as f:
-            json.dump(result, f, indent=2)
+    _check_outputs(a)
+    if a.role == "src":
+        if not a.connect:
+            raise ConfigError("connect: --role src needs --connect HOST:PORT (the --listen of the dst side)")
+        _terminate_cleanly()
+        def joined(kind, msg):
+            sw = msg.get("sweep", {})
+            print(f"kvstage bench: joined the run at {a.connect} as source host {msg.get('index', 0) + 1} "
+                  f"({sw.get('groups')} TP pairs, {sw.get('points')} points)", file=sys.stderr, flush=True)
+
+        result = run_source_host(parse_hostport(a.connect, "connect"), on_event=joined)
+    else:
+        if a.role == "dst" and not a.listen:
+            raise ConfigError("listen: --role dst needs --listen HOST:PORT")
+        if a.role == "local" and (a.listen or a.connect):
+            raise ConfigError("listen/connect: only with --role dst / --role src")
+        if a.src_hosts < 1:
+            raise ConfigError(f"src_hosts={a.src_hosts}: must be >= 1")
+        sweep = sweep_from_args(a)
+        for s in sweep.skipped:
+            print(f"kvstage: skipping {s}", file=sys.stderr)
+        _check_memory(sweep, ("src", "dst") if a.role == "local" else ("dst",))
+        listen = parse_hostport(a.listen, "listen") if a.role == "dst" else None
+
+        def announce(addr):
+            host = "HOST" if addr[0] in ("0.0.0.0", "::", "") else addr[0]
+            print(f"kvstage bench: listening on {addr[0]}:{addr[1]}; waiting for {a.src_hosts} source host(s) to run: "
+                  f"kvstage bench --role src --connect {host}:{addr[1]}", file=sys.stderr, flush=True)
+
+        progress = report.Progress(a.progress)
+        _terminate_cleanly()
+        try:
+            result = run_sweep(sweep, progress=progress, role=a.role, listen=listen, src_hosts=a.src_hosts,
+                               on_listen=announce)
+        finally:
+            progress.close()
+    _emit(result, a, a.title)
     bad = [r for r in result["results"] if r["verified"] is False]
     for r in bad:
-        print(f"VERIFICATION FAILED in mode {r['mode']}: " + "; ".join(r.get("errors", [])), file=sys.stderr)
+        print(f"VERIFICATION FAILED in mode {r['mode']} ({r['src_tp']}->{r['dst_tp']}, {r['tokens']} tokens): "
+              + "; ".join(r.get("errors", [])), file=sys.stderr)
     return EXIT_FAILED if bad else 0
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="kvstage", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
-    _bench_args(sub.add_parser("bench", help="measure staged vs bulk vs per-slice transfers between local rank processes"))
+    bench = sub.add_parser("bench", help="measure staged vs bulk vs per-slice transfers between rank processes")
+    _bench_args(bench)
     probe = sub.add_parser("probe", help="diagnose the path KV bytes take between two peers")
     try:
         from kvstage.probe import cli as probe_cli
@@ -118,6 +318,13 @@ def main(argv: list[str] | None = None) -> int:
         probe_cli.add_arguments(probe)
     except ImportError:
         probe_cli = None
+    argv = sys.argv[1:] if argv is None else list(argv)
+    try:
+        if argv[:1] == ["bench"]:
+            _apply_scenario_file(bench, argv[1:])
+    except (ConfigError, IncompatibleGeometry) as e:
+        print(f"kvstage: invalid input: {e}", file=sys.stderr)
+        return EXIT_USAGE
     a = parser.parse_args(argv)
     try:
         if a.command == "bench":

@@ -15,10 +15,23 @@ from kvstage.layout import token_positions
 from kvstage.staging.cache import RankCache
 
 
-def full_buffer(seed: int, buffer: int, tokens: int, heads: int, head_bytes: int) -> torch.Tensor:
-    """Bytes of buffer ``buffer`` of the full cache: ``[tokens, heads, head_bytes]`` uint8."""
-    gen = torch.Generator().manual_seed(seed * 1_000_003 + buffer)
-    return torch.randint(0, 256, (tokens, heads, head_bytes), dtype=torch.uint8, generator=gen)
+def head_column(seed: int, buffer: int, head: int, tokens: int, head_bytes: int) -> torch.Tensor:
+    """Bytes of one head of buffer ``buffer`` of the full cache: ``[tokens, head_bytes]`` uint8.
+
+    Each (buffer, head) has its own generator, so a rank builds only the heads
+    it holds; drawn as int64 and viewed as bytes (several times faster than
+    drawing bytes one by one)."""
+    key = np.random.SeedSequence([int(seed), int(buffer), int(head)]).generate_state(1, np.uint64)[0]
+    gen = torch.Generator().manual_seed(int(key) >> 1)  # any seed size, well mixed, inside manual_seed's range
+    n = tokens * head_bytes
+    words = torch.randint(-(1 << 63), (1 << 63) - 1, (-(-n // 8),), dtype=torch.int64, generator=gen)
+    return words.view(torch.uint8)[:n].view(tokens, head_bytes)
+
+
+def full_buffer(seed: int, buffer: int, tokens: int, heads: int, head_bytes: int, first: int = 0) -> torch.Tensor:
+    """Bytes of heads ``first .. heads-1`` of buffer ``buffer`` of the full cache:
+    ``[tokens, heads - first, head_bytes]`` uint8."""
+    return torch.stack([head_column(seed, buffer, h, tokens, head_bytes) for h in range(first, heads)], dim=1)
 
 
 def _token_view(cache: RankCache, buf: torch.Tensor, pid: torch.Tensor, off: torch.Tensor):
@@ -48,23 +61,27 @@ def fill_shard(cache: RankCache, seed: int, pages: np.ndarray, tokens: int) -> N
     heads = cache.spec.heads_of(cache.rank)
     pid, off = _positions(cache, pages, tokens)
     for i, buf in enumerate(cache.buffers):
-        full = full_buffer(seed, i, tokens, g.kv_heads, g.head_bytes())
+        full = full_buffer(seed, i, tokens, heads.stop, g.head_bytes(), heads.start)
         _, put = _token_view(cache, buf, pid, off)
-        put(full[:, heads.start : heads.stop].to(cache.device))
+        put(full.to(cache.device))
 
 
-def check_shard(cache: RankCache, seed: int, pages: np.ndarray, tokens: int, untouched_fill: int | None = 0) -> list[str]:
+def check_shard(
+    cache: RankCache, seed: int, pages: np.ndarray, tokens: int, untouched_fill: int | None = 0, written=None,
+) -> list[str]:
     """Compare this rank's pages with the reference shard, byte for byte.
 
-    Also checks that pages outside ``pages`` still hold ``untouched_fill``
-    (a stray write shows up there). Returns a list of mismatches, empty if exact."""
+    Also checks that pages outside ``written`` (default: ``pages``; pass the
+    pages of every request in flight when several were) still hold
+    ``untouched_fill`` (a stray write shows up there). Returns a list of
+    mismatches, empty if exact."""
     g = cache.spec.geometry
     heads = cache.spec.heads_of(cache.rank)
     pid, off = _positions(cache, pages, tokens)
     errors = []
-    others = np.setdiff1d(np.arange(cache.pages), pages)
+    others = np.setdiff1d(np.arange(cache.pages), pages if written is None else np.asarray(written))
     for i, buf in enumerate(cache.buffers):
-        full = full_buffer(seed, i, tokens, g.kv_heads, g.head_bytes())[:, heads.start : heads.stop]
+        full = full_buffer(seed, i, tokens, heads.stop, g.head_bytes(), heads.start)
         get, _ = _token_view(cache, buf, pid, off)
         got = get().cpu()
         if not torch.equal(got, full):

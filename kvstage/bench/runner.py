@@ -1,121 +1,474 @@
-"""Start the rank processes of a scenario, collect their reports, summarize.
+"""Start the rank processes of a sweep, drive them in lockstep, summarize.
 
-Wall time of one step is from the earliest source start to the latest
-destination completion (CLOCK_MONOTONIC is shared by processes on one host).
+Three ways to run, one protocol (``control``):
+
+- local (default): this process coordinates on 127.0.0.1 and starts every
+  rank process itself;
+- ``role="dst"``: this process listens on ``--listen HOST:PORT``, starts the
+  destination ranks here and has each source host's ``--role src`` process
+  (``run_source_host``) start that host's share of the source ranks;
+- ``run_source_host``: connects to a ``--role dst`` run, starts the source
+  ranks it is told to, and gets the results at the end.
+
+Each group (one TP pair) runs in fresh rank processes; its points (token
+counts, concurrencies) reuse them. Wall time of one step is from the earliest
+source start to the latest destination completion, on the coordinator's clock.
 """
 
 from __future__ import annotations
 
-import multiprocessing as mp
-import queue
+import os
 import statistics
+import subprocess
+import sys
 import time
 
-from kvstage.bench.scenario import Scenario
-from kvstage.bench.worker import WAIT_S, dst_main, schedule, src_main
-from kvstage.errors import KVStageError
+from kvstage.bench.control import BenchError, Coordinator, Link, Peer, wildcard
+from kvstage.bench.scenario import Group, Scenario, Sweep
+
+WAIT_S = 600.0
+JOIN_S = 120.0  # a started rank process must connect within this
+KILL_GRACE_S = 5.0
+
+__all__ = ["BenchError", "run", "run_sweep", "run_source_host", "summarize"]
 
 
-class BenchError(KVStageError):
-    """A rank process failed; the message carries its traceback."""
-
-
-def _collect(q, procs, want: int, kind: str, timeout: float = WAIT_S, also: tuple = ()) -> list:
-    """Wait for ``want`` reports of ``kind``; reports of the kinds in ``also``
-    (which rank processes may send in any order) are kept too."""
-    got, deadline = [], time.monotonic() + timeout
-    while sum(m[0] == kind for m in got) < want:
-        try:
-            msg = q.get(timeout=0.5)
-        except queue.Empty:
-            dead = [p for p in procs if p.exitcode not in (None, 0)]
-            if dead:
-                raise BenchError(f"rank process {dead[0].name} died with exit code {dead[0].exitcode}") from None
-            if time.monotonic() > deadline:
-                raise BenchError(f"timed out waiting for {want - len(got)} {kind} reports") from None
-            continue
-        if msg[0] == "error":
-            raise BenchError(f"{msg[1]} rank {msg[2]} failed:\n{msg[3]}")
-        if msg[0] != kind and msg[0] not in also:
-            raise BenchError(f"expected a {kind} report, got {msg[0]}")
-        got.append(msg)
-    return got
-
-
-def run(sc: Scenario, progress=None) -> dict:
-    """Run ``sc`` in fresh processes; return ``{"config", "results"}``."""
-    ctx = mp.get_context("spawn")
-    n = sc.src_tp + sc.dst_tp
-    barrier = ctx.Barrier(n)
-    q = ctx.Queue()
-    procs = []
+def _child_stdout():
+    """Rank processes print (NIXL, logs) to our stderr so stdout stays the table/JSON."""
     try:
-        for r in range(sc.dst_tp):
-            procs.append(ctx.Process(target=dst_main, args=(sc, r, barrier, q, ("127.0.0.1", 0)), name=f"dst{r}", daemon=True))
-            procs[-1].start()
-        dsts = {m[1]: m[2] for m in _collect(q, procs, sc.dst_tp, "dst-ready")}
-        for r in range(sc.src_tp):
-            procs.append(ctx.Process(target=src_main, args=(sc, r, barrier, q, dsts), name=f"src{r}", daemon=True))
-            procs[-1].start()
-        _collect(q, procs, sc.src_tp, "src-ready")
-        steps = schedule(sc)
-        got = []
-        for i, _ in enumerate(steps):
-            got += _collect(q, procs, n * (i + 1) - sum(m[0] == "result" for m in got), "result", also=("exit",))
-            if progress:
-                progress(i + 1, len(steps))
-        exits = sum(m[0] == "exit" for m in got)
-        _collect(q, procs, n - exits, "exit")
-        reports = [m for m in got if m[0] == "result"]
-        for p in procs:
-            p.join(30)
-    finally:
-        for p in procs:
-            if p.is_alive():
+        os.fstat(2)
+        return 2
+    except OSError:
+        return subprocess.DEVNULL
+
+
+class Children:
+    """Rank processes started by this process."""
+
+    def __init__(self, coord: tuple[str, int]):
+        self.coord = coord
+        self.procs: dict[tuple[int, str, int], subprocess.Popen] = {}
+
+    def start(self, group: int, role: str, ranks) -> None:
+        for r in ranks:
+            cmd = [sys.executable, "-m", "kvstage.bench.worker", "--coord", f"{self.coord[0]}:{self.coord[1]}",
+                   "--role", role, "--rank", str(r), "--group", str(group), "--parent", str(os.getpid())]
+            # own session: a terminal's Ctrl-C reaches only us, and we end the ranks in order
+            self.procs[(group, role, r)] = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=_child_stdout(),
+                                                            start_new_session=True)
+
+    def failed(self) -> str | None:
+        for (g, role, r), p in self.procs.items():
+            rc = p.poll()
+            if rc not in (None, 0):
+                return f"{'source' if role == 'src' else 'destination'} rank {r} exited with code {rc}"
+        return None
+
+    def reap(self, group: int, timeout: float = 30.0) -> None:
+        deadline = time.monotonic() + timeout
+        for key in [k for k in self.procs if k[0] == group]:
+            p = self.procs.pop(key)
+            try:
+                p.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+
+    def stop_all(self) -> None:
+        """End every rank still running: they saw the coordinator close; then SIGTERM, then SIGKILL."""
+        deadline = time.monotonic() + KILL_GRACE_S
+        for p in self.procs.values():
+            try:
+                p.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
                 p.terminate()
-        for p in procs:
-            p.join(5)
-    return {"config": sc.to_dict(), "results": summarize(sc, reports)}
+        for p in self.procs.values():
+            try:
+                p.wait(2)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+        self.procs.clear()
 
 
-def summarize(sc: Scenario, reports: list) -> list[dict]:
-    by = {}
-    for _, role, rank, mode, it, data in reports:
-        by.setdefault((mode, it), []).append((role, rank, data))
+class Session:
+    """The coordinator's side of a run: groups one after another."""
+
+    def __init__(self, coord: Coordinator, children: Children, listen_host: str, agents: list[Peer] | None = None,
+                 progress=None):
+        self.coord, self.children, self.listen_host = coord, children, listen_host
+        self.agents = agents or []  # source hosts; empty: source ranks are ours too
+        self.progress = progress
+        self.group_peers: dict[tuple[str, int], Peer] = {}
+        self.gi = -1
+        self.clock_error_s = 0.0  # largest offset error of a rank on another clock
+        self.synced_ranks = 0
+
+    # -- events ---------------------------------------------------------------------
+    def _next(self, what: str, timeout: float = WAIT_S):
+        deadline = time.monotonic() + timeout
+        while True:
+            ev = self.coord.get(0.25)
+            if ev is None:
+                bad = self.children.failed()
+                if bad:
+                    raise BenchError(f"{bad} while waiting for {what}")
+                if time.monotonic() > deadline:
+                    raise BenchError(f"timed out after {timeout:g} s waiting for {what}")
+                continue
+            kind, peer = ev[0], ev[1]
+            if peer.kind == "rank" and peer.group != self.gi:
+                continue  # a finished group's rank leaving
+            if peer.kind == "agent" and peer not in self.agents:
+                if kind == "joined":  # one source host too many: turn it away, keep running
+                    try:
+                        peer.send({"type": "abort", "reason": "this run already has all its source hosts"})
+                    except BenchError:
+                        pass
+                continue
+            if kind == "closed":
+                if peer.said_bye:
+                    continue
+                raise BenchError(f"{peer.name} disconnected ({ev[2]}) while waiting for {what}")
+            if kind == "msg" and ev[2]["type"] == "bye":
+                peer.said_bye = True
+            if kind == "msg" and ev[2]["type"] == "error":
+                raise BenchError(f"{peer.name} failed:\n{ev[2].get('trace') or ev[2].get('reason')}")
+            return ev
+
+    def _gather(self, peers, kind: str, what: str) -> dict:
+        """Wait for one ``kind`` message from each of ``peers``; return {peer: msg}."""
+        got = {}
+        while len(got) < len(peers):
+            ev = self._next(what)
+            if ev[0] != "msg" or ev[1] not in peers:
+                raise BenchError(f"unexpected {ev[0]} from {ev[1].name} while waiting for {what}")
+            if ev[2]["type"] != kind:
+                raise BenchError(f"{ev[1].name} sent {ev[2]['type']!r} while {what} was expected")
+            got[ev[1]] = ev[2]
+        return got
+
+    # -- one group --------------------------------------------------------------------
+    def run_group(self, gi: int, group: Group, done_steps: int, total_steps: int) -> list:
+        self.gi = gi
+        b = group.base
+        self.group_peers = {}
+        self._tick(done_steps, total_steps, f"{group.label}: starting {b.src_tp + b.dst_tp} rank processes", phase=True)
+        self.children.start(gi, "dst", range(b.dst_tp))
+        if self.agents:
+            share = _contiguous(b.src_tp, len(self.agents))
+            for agent, ranks in zip(self.agents, share):
+                if ranks:
+                    agent.send({"type": "spawn", "group": gi, "ranks": ranks})
+        else:
+            self.children.start(gi, "src", range(b.src_tp))
+        want = {("dst", r) for r in range(b.dst_tp)} | {("src", r) for r in range(b.src_tp)}
+        wire = group.to_wire()
+        ready_dst: dict[int, dict] = {}
+        while len(self.group_peers) < len(want) or len(ready_dst) < b.dst_tp:
+            ev = self._next("rank processes to start", JOIN_S)
+            peer = ev[1]
+            if ev[0] == "joined":
+                key = (peer.role, peer.rank)
+                if peer.kind != "rank" or key not in want or key in self.group_peers:
+                    raise BenchError(f"unexpected process joined: {peer.name} of group {peer.group}")
+                self.group_peers[key] = peer
+                peer.send({"type": "config", "group": wire, "listen_host": self.listen_host})
+            elif ev[2]["type"] == "ready" and peer.role == "dst":
+                ready_dst[peer.rank] = ev[2]["info"]
+                self._clock(peer, ev[2])
+            else:
+                raise BenchError(f"{peer.name} sent {ev[2]['type']!r} during start-up")
+        srcs = [self.group_peers[("src", r)] for r in range(b.src_tp)]
+        dsts = [self.group_peers[("dst", r)] for r in range(b.dst_tp)]
+        if self.agents:  # two hosts: say where the destination ranks are (kvstage probe --peer can use them)
+            where = ", ".join(f"rank {r} at {d['address'][0]}:{d['address'][1]}" for r, d in sorted(ready_dst.items()))
+            print(f"kvstage bench: {group.label}: destination {where}", file=sys.stderr, flush=True)
+        for p in srcs:
+            info = {}
+            for r, d in ready_dst.items():
+                host, port = d["address"]
+                info[r] = dict(d, address=[p.local_host if wildcard(host) else host, port])
+            p.send({"type": "dsts", "dsts": info})
+        for p, msg in self._gather(set(srcs), "ready", "source ranks to connect").items():
+            self._clock(p, msg)
+        everyone = set(srcs) | set(dsts)
+        reports = []
+        steps = group.schedule()
+        self._tick(done_steps, total_steps, f"{group.label}: measuring, {len(steps)} steps", phase=True)
+        for i, (pi, mode, it) in enumerate(steps):
+            sc = group.points[pi]
+            self._tick(done_steps + i, total_steps,
+                       f"{group.label} {sc.tokens} tok{f' x{sc.concurrency}' if sc.concurrency > 1 else ''} {mode}")
+            for p in everyone:
+                p.send({"type": "prep", "step": i})
+            self._gather(everyone, "armed", f"step {i} to be armed")
+            for p in everyone:
+                p.send({"type": "go", "step": i})
+            for p, msg in self._gather(everyone, "result", f"results of step {i} ({mode})").items():
+                reports.append((p.role, p.rank, pi, mode, it, msg["data"]))
+        for p in everyone:
+            p.send({"type": "end"})
+        self._gather(everyone, "bye", "rank processes to finish")
+        self.children.reap(gi)
+        for agent in self.agents:
+            agent.send({"type": "reap", "group": gi})
+        self._tick(done_steps + len(steps), total_steps, f"{group.label}: done", phase=True)
+        return reports
+
+    def _clock(self, peer: Peer, msg: dict) -> None:
+        err = msg.get("clock_error_s") or 0.0
+        if peer.boot_id != self.coord.boot or err:
+            self.clock_error_s = max(self.clock_error_s, float(err))
+            self.synced_ranks += 1
+
+    def _tick(self, done: int, total: int, what: str, phase: bool = False) -> None:
+        if self.progress:
+            self.progress(done, total, what, phase)
+
+
+def _contiguous(n: int, parts: int) -> list[list[int]]:
+    """Ranks 0..n-1 split into ``parts`` contiguous shares, as even as can be."""
+    out, at = [], 0
+    for i in range(parts):
+        k = n // parts + (1 if i < n % parts else 0)
+        out.append(list(range(at, at + k)))
+        at += k
+    return out
+
+
+def _sweep_of(target) -> Sweep:
+    if isinstance(target, Sweep):
+        return target
+    if isinstance(target, Scenario):
+        return Sweep([Group([target])])
+    return Sweep([Group(list(g)) for g in target])
+
+
+def run_sweep(target, progress=None, role: str = "local", listen: tuple[str, int] | None = None, src_hosts: int = 1,
+              on_listen=None) -> dict:
+    """Run every group of ``target`` (a ``Sweep``, a ``Scenario`` or a list of
+    point lists); return ``{"config", "results"}``.
+
+    ``role="dst"``: listen on ``listen`` and wait for ``src_hosts`` source hosts
+    (``run_source_host``) before starting; ``on_listen(address)`` is called once
+    listening. On any failure or interrupt every process started for the run
+    is ended before this returns or raises."""
+    from kvstage.config import Settings
+
+    sweep = _sweep_of(target)
+    token = Settings().auth_token
+    if role == "local":
+        coord = Coordinator(("127.0.0.1", 0), token)
+        listen_host = "127.0.0.1"
+    elif role == "dst":
+        coord = Coordinator(listen, token)
+        listen_host = listen[0]
+    else:
+        raise ValueError(f"role={role!r}")
+    children = Children(("127.0.0.1", coord.address[1]) if wildcard(coord.address[0]) else coord.address)
+    total = sum(len(g.schedule()) for g in sweep.groups)
+    host = host_facts(sweep.groups[0].base.device)
+    agents: list[Peer] = []
+    ok = False
+    try:
+        if role == "dst":
+            if on_listen:
+                on_listen(coord.address)
+            while len(agents) < src_hosts:
+                ev = coord.get(WAIT_S)
+                if ev is None:
+                    raise BenchError(f"no source host connected within {WAIT_S:g} s ({len(agents)} of {src_hosts})")
+                if ev[0] == "joined" and ev[1].kind == "agent":
+                    agents.append(ev[1])
+                    ev[1].send({"type": "welcome-run", "index": len(agents) - 1, "sweep": _sweep_summary(sweep)})
+                elif ev[0] == "closed" and ev[1] in agents:
+                    raise BenchError(f"{ev[1].name} disconnected before the run started ({ev[2]})")
+                elif ev[0] == "joined":
+                    raise BenchError(f"{ev[1].name} connected before any group started")
+        session = Session(coord, children, listen_host, agents, progress)
+        reports, done = [], 0
+        for gi, g in enumerate(sweep.groups):
+            rep = session.run_group(gi, g, done, total)
+            done += len(g.schedule())
+            reports.append((g, rep))
+        result = {"config": _config(sweep), "results": [r for g, rep in reports for r in summarize(g, rep)]}
+        if sweep.skipped:
+            result["skipped"] = sweep.skipped
+        result["host"] = dict(host, load_end=_load())
+        result["clock"] = {"hosts": len({p.boot_id for p in coord.peers}), "synced_ranks": session.synced_ranks,
+                           "max_offset_error_s": session.clock_error_s}
+        for agent in agents:
+            agent.send({"type": "results", "result": result})
+        ok = True
+        return result
+    finally:
+        if not ok:
+            coord.abort("the coordinator stopped the run")
+        time.sleep(0.05 if agents else 0)
+        coord.close()
+        children.stop_all()
+
+
+def _load() -> float | None:
+    try:
+        return round(os.getloadavg()[0], 2)
+    except OSError:
+        return None
+
+
+def host_facts(device: str = "cpu") -> dict:
+    """What the numbers depend on, recorded with them (the coordinator's host)."""
+    from importlib import metadata
+
+    import kvstage
+
+    facts = {"cpus": os.cpu_count(), "load_start": _load(), "python": sys.version.split()[0],
+             "kvstage": getattr(kvstage, "__version__", None)}
+    try:
+        with open("/proc/cpuinfo") as f:
+            facts["cpu_model"] = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), None)
+    except OSError:
+        pass
+    if device == "cuda":
+        try:
+            out = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
+                                 text=True, timeout=10)
+            facts["gpus"] = [ln.strip() for ln in out.stdout.splitlines() if ln.strip()]
+        except (OSError, subprocess.SubprocessError):
+            pass
+    for dist in ("torch", "nixl-cu13", "nixl-cu12", "nixl"):
+        try:
+            facts[dist] = metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            pass
+    return facts
+
+
+def run(target, progress=None) -> dict:
+    """Run one scenario (or a sweep) on this host; ``{"config", "results"}``."""
+    return run_sweep(target, progress)
+
+
+def _sweep_summary(sweep: Sweep) -> dict:
+    return {"groups": len(sweep.groups), "points": len(sweep.points)}
+
+
+def _config(sweep: Sweep) -> dict:
+    """The single point's config, or the common config plus the list of pairs/tokens/concurrencies."""
+    pts = sweep.points
+    if len(pts) == 1:
+        return pts[0].to_dict()
+    d = pts[0].to_dict()
+    for k in ("src_tp", "dst_tp", "tokens", "concurrency", "payload_bytes"):
+        d.pop(k)
+    d["pairs"] = [[g.base.src_tp, g.base.dst_tp] for g in sweep.groups]
+    d["tokens"] = sorted({p.tokens for p in pts})
+    d["concurrency"] = sorted({p.concurrency for p in pts})
+    d["points"] = len(pts)
+    return d
+
+
+# -- results ---------------------------------------------------------------------------
+def percentile(values, q: float) -> float:
+    """Nearest-rank percentile: the smallest sample with at least ``q`` % of samples at or below it."""
+    s = sorted(values)
+    k = max(1, -(-len(s) * q // 100))
+    return s[int(k) - 1]
+
+
+def summarize(group: Group, reports: list) -> list[dict]:
+    by: dict = {}
+    for role, rank, pi, mode, it, data in reports:
+        by.setdefault((pi, mode, it), []).append((role, rank, data))
     results = []
-    payload = sc.payload_bytes()
-    for mode in sc.modes:
-        walls, descs, stage_rows, verified, errors = [], [], [], None, []
-        for it in range(sc.warmup, sc.warmup + sc.iters):
-            rows = by[(mode, it)]
-            srcs = [d for role, _, d in rows if role == "src"]
-            dsts = [d for role, _, d in rows if role == "dst"]
-            walls.append(max(d["t1"] for d in dsts) - min(d["t0"] for d in srcs))
-            descs.append(sum(d["descriptors"] for d in srcs))
-            st = {k: 0.0 for k in ("gather", "write", "slot_wait")}
-            for d in srcs:
-                for k in st:
-                    st[k] += d["stages"].get(k, 0.0)
-            st["scatter"] = sum(d["stages"].get("scatter", 0.0) for d in dsts)
-            stage_rows.append(st)
-            flags = [d["verified"] for d in dsts if d["verified"] is not None]
-            if flags:
-                verified = all(flags)
-                errors += [e for d in dsts for e in d["errors"]]
-        wall = statistics.median(walls)
-        mid = walls.index(sorted(walls)[len(walls) // 2])
-        row = {
-            "mode": mode, "src_tp": sc.src_tp, "dst_tp": sc.dst_tp, "tokens": sc.tokens, "bytes": payload,
-            "seconds": wall, "seconds_all": walls, "gbps": payload / wall / 1e9, "descriptors": descs[mid],
-            "verified": verified, "arena_bytes": sc.settings().slot_bytes * sc.settings().slots,
-        }
-        if mode == "staged":
-            row["stages"] = stage_rows[mid]
-            row["path"] = sorted({d["path"] for _, _, d in by[(mode, sc.warmup)] if d.get("path")})
-        if errors:
-            row["errors"] = errors[:10]
-        results.append(row)
-    bulk = next((r for r in results if r["mode"] == "bulk"), None)
-    for r in results:
-        r["ratio_to_bulk"] = r["gbps"] / bulk["gbps"] if bulk else None
+    for pi, sc in enumerate(group.points):
+        n = sc.concurrency
+        payload = sc.payload_bytes()
+        rows = []
+        for mode in sc.modes:
+            walls, descs, stage_rows, lat, verified, errors, paths = [], [], [], [], None, [], set()
+            for it in range(sc.warmup, sc.warmup + sc.iters):
+                got = by[(pi, mode, it)]
+                srcs = [d for role, _, d in got if role == "src"]
+                dsts = [d for role, _, d in got if role == "dst"]
+                walls.append(max(d["t1"] for d in dsts) - min(d["t0"] for d in srcs))
+                descs.append(sum(d["descriptors"] for d in srcs))
+                for k in range(n):
+                    lat.append(max(d["done"][k] for d in dsts) - min(d["sent"][k] for d in srcs))
+                st = {k: sum(d["stages"].get(k, 0.0) for d in srcs) for k in ("gather", "write", "slot_wait")}
+                st["scatter"] = sum(d["stages"].get("scatter", 0.0) for d in dsts)
+                stage_rows.append(st)
+                paths |= {d["path"] for d in dsts if d.get("path")}
+                flags = [d["verified"] for d in dsts if d["verified"] is not None]
+                if flags:
+                    verified = all(flags)
+                    errors += [e for d in dsts for e in d["errors"]]
+            wall = statistics.median(walls)
+            mid = walls.index(sorted(walls)[len(walls) // 2])
+            row = {
+                "mode": mode, "src_tp": sc.src_tp, "dst_tp": sc.dst_tp, "tokens": sc.tokens, "concurrency": n,
+                "bytes": payload, "total_bytes": payload * n, "seconds": wall, "seconds_all": walls,
+                "gbps": payload * n / wall / 1e9,
+                "latency_p50_s": percentile(lat, 50), "latency_p99_s": percentile(lat, 99), "latency_samples": len(lat),
+                "descriptors": descs[mid] / n if descs[mid] % n else descs[mid] // n,
+                "verified": verified, "arena_bytes": sc.arena_bytes() if mode == "staged" else None,
+            }
+            if mode == "staged":
+                row["stages"] = stage_rows[mid]
+                row["path"] = sorted(paths)
+            if errors:
+                row["errors"] = errors[:10]
+            rows.append(row)
+        bulk = next((r for r in rows if r["mode"] == "bulk"), None)
+        for r in rows:
+            r["ratio_to_bulk"] = r["gbps"] / bulk["gbps"] if bulk else None
+        results += rows
     return results
+
+
+# -- the source host of a two-host run ---------------------------------------------------
+def run_source_host(connect: tuple[str, int], on_event=None, connect_wait_s: float = 120.0) -> dict:
+    """Serve a ``--role dst`` run at ``connect``: start the source ranks it asks
+    for, on this host; return the run's results when it ends. Retries a refused
+    connection for ``connect_wait_s`` seconds (the dst side may start later)."""
+    from kvstage.config import Settings
+
+    deadline = time.monotonic() + connect_wait_s
+    while True:  # the dst side may not be listening yet
+        try:
+            link = Link(connect, {"kind": "agent"}, token=Settings().auth_token)
+            break
+        except BenchError as e:
+            if not isinstance(e.__cause__, ConnectionRefusedError) or time.monotonic() > deadline:
+                raise
+            time.sleep(0.5)
+    children = Children(connect)
+    ok = False
+    try:
+        while True:
+            try:
+                msg = link.recv(timeout=0.25)
+            except TimeoutError:
+                bad = children.failed()
+                if bad:
+                    link.send({"type": "error", "reason": f"{bad} on source host {link.local_host}"})
+                    raise BenchError(bad) from None
+                continue
+            kind = msg["type"]
+            if kind == "welcome-run":
+                if on_event:
+                    on_event("joined", msg)
+            elif kind == "spawn":
+                children.start(int(msg["group"]), "src", [int(r) for r in msg["ranks"]])
+            elif kind == "reap":
+                children.reap(int(msg["group"]))
+            elif kind == "results":
+                ok = True
+                return msg["result"]
+            else:
+                raise BenchError(f"unexpected {kind!r} from the coordinator")
+    finally:
+        link.close()
+        children.stop_all()
+

@@ -1,188 +1,337 @@
 """Benchmark rank processes: one per source rank and one per destination rank.
 
-Every rank walks the same schedule of (mode, iteration) steps in lockstep with
-the others (a barrier before and after each step) and reports timestamps and
-verification to the parent. Page ids and cache contents change every
-iteration and come from seeds, so any rank can derive the other side's page ids
-(the per-slice baseline writes straight into destination pages) and so stale
-bytes from an earlier iteration can never pass verification.
+Started as ``python -m kvstage.bench.worker --coord HOST:PORT --role dst|src
+--rank R --group G --parent PID``. A rank connects to the coordinator
+(``control.Link``), receives its group of points, and walks the group's
+schedule of (point, mode, iteration) steps in lockstep with every other rank:
+
+    prep   -> set up the step (page ids, cache contents, expected requests)
+    armed  -> (coordinator waits for every rank)
+    go     -> run the step: ``concurrency`` requests at once
+    result -> timestamps, descriptors, verification
+
+Page ids and cache contents change every step and come from seeds, so any
+rank can derive another rank's page ids (the per-slice baseline writes
+straight into destination pages) and stale bytes from an earlier step can
+never pass verification.
+
+A rank ends itself when the coordinator goes away or aborts, and (Linux) when
+the process that started it dies.
 """
 
 from __future__ import annotations
 
+import argparse
+import base64
 import logging
 import os
 import signal
+import sys
 import time
 import traceback
 
 import numpy as np
-import torch
 
-from kvstage.bench.baselines import slice_spans
-from kvstage.bench.reference import check_shard, fill_shard
-from kvstage.bench.scenario import Scenario
+from kvstage.bench.control import Aborted, BenchError, Link, parse_hostport
+from kvstage.bench.scenario import MODES, Group
 from kvstage.layout import pages_needed
-from kvstage.staging.cache import RankCache
-from kvstage.transports.base import Region, Spans, WriteState
 
 WAIT_S = 600.0
 
 
-def schedule(sc: Scenario) -> list[tuple[str, int]]:
-    return [(m, i) for m in sc.modes for i in range(sc.warmup + sc.iters)]
+def request_pages(g: Group, pi: int, side: str, rank: int, it: int) -> list[np.ndarray]:
+    """Page ids of each of the point's concurrent requests on one rank: disjoint, scattered."""
+    sc = g.points[pi]
+    spec = sc.src if side == "src" else sc.dst
+    need = pages_needed(sc.tokens, spec.page.page_size)
+    rng = np.random.default_rng([sc.seed, pi, it, 0 if side == "src" else 1, rank])
+    perm = rng.permutation(g.pages(spec))
+    return [perm[k * need : (k + 1) * need] for k in range(sc.concurrency)]
 
 
-def page_ids(sc: Scenario, side: str, rank: int, it: int, pages: int, page_size: int) -> np.ndarray:
-    rng = np.random.default_rng([sc.seed, it, 0 if side == "src" else 1, rank])
-    return rng.permutation(pages)[: pages_needed(sc.tokens, page_size)]
+def content_seed(g: Group, pi: int, mode: str, it: int, k: int) -> int:
+    sc = g.points[pi]
+    return (((sc.seed * 1009 + pi) * 7 + MODES.index(mode)) * 1009 + it) * 4099 + k
 
 
-def content_seed(sc: Scenario, mode: str, it: int) -> int:
-    return sc.seed * 7919 + it * 31 + sc.modes.index(mode)
+def tag(pi: int, mode: str, it: int, k: int) -> str:
+    return f"{mode}-p{pi}-i{it}-r{k}"
 
 
-def _setup(rank_label: str) -> None:
+def _die_with_parent(parent: int) -> None:
+    """Linux: SIGKILL this process when ``parent`` dies (no orphan ranks)."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+    if parent and os.getppid() != parent:
+        os._exit(1)
+
+
+def _setup(label: str) -> None:
+    import torch
+
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent handles Ctrl-C and ends us
     torch.set_num_threads(max(1, min(4, (os.cpu_count() or 2) // 2)))
-    logging.basicConfig(level=os.environ.get("KVSTAGE_LOG_LEVEL", "WARNING"), format=f"%(levelname)s {rank_label} %(message)s")
+    logging.basicConfig(level=os.environ.get("KVSTAGE_LOG_LEVEL", "WARNING"), format=f"%(levelname)s {label} %(message)s")
 
 
-def _device(sc: Scenario) -> torch.device:
-    return torch.device("cuda", 0) if sc.device == "cuda" else torch.device("cpu")
+def _sync(dev) -> None:
+    if dev.type == "cuda":
+        import torch
+
+        torch.cuda.synchronize()
 
 
 def _wait_writes(transport, handles) -> None:
+    from kvstage.transports.base import WriteState
+
     deadline = time.monotonic() + WAIT_S
     pending = list(handles)
     while pending:
         pending = [h for h in pending if transport.poll(h) is WriteState.PENDING]
+        if pending:
+            os.sched_yield()
         if pending and time.monotonic() > deadline:
             raise TimeoutError(f"{len(pending)} writes not done after {WAIT_S} s")
     for h in handles:
         transport.release(h)
 
 
-def dst_main(sc: Scenario, rank: int, barrier, out, listen) -> None:
-    _setup(f"dst{rank}")
-    try:
-        from kvstage.protocol.destination import Destination
-        from kvstage.transports.nixl import NixlTransport
-
-        dev = _device(sc)
-        cache = RankCache.allocate(sc.dst, rank, sc.pages(sc.dst), dev)
-        ep = Destination(cache, sc.settings(), listen=listen)
-        base = NixlTransport(f"kvstage-bench-dst{rank}")
-        plan = sc.plan
-        writers = plan.writers_of(rank)
-        kv = [base.register(b) for b in cache.buffers] if "per-slice" in sc.modes else []
-        bulk = torch.empty(plan.dst_token_bytes() * sc.tokens, dtype=torch.uint8, device=dev) if "bulk" in sc.modes else None
-        bulk_region = base.register(bulk) if bulk is not None else None
-        out.put(("dst-ready", rank, {
-            "address": ep.address, "metadata": base.metadata(), "kv": [r.to_wire() for r in kv],
-            "bulk": bulk_region.to_wire() if bulk_region else None,
-        }))
-        for mode, it in schedule(sc):
-            last = it == sc.warmup + sc.iters - 1
-            if mode != "bulk":
-                for b in cache.buffers:
-                    b.view(torch.uint8).zero_()
-            pages = page_ids(sc, "dst", rank, it, cache.pages, sc.dst_page.page_size)
-            tag = f"{mode}-{it}"
-            handle = ep.expect(tag, pages, sc.tokens) if mode == "staged" else None
-            if dev.type == "cuda":
-                torch.cuda.synchronize()
-            barrier.wait(WAIT_S)
-            path = None
-            if handle is not None:
-                handle.wait(WAIT_S)
-                stages, path = handle.stages, handle.path
-            else:
-                want = {f"{tag}-{p.src_rank}".encode() for p in writers}
-                deadline = time.monotonic() + WAIT_S
-                while want:
-                    for _, msg in base.notifications():
-                        want.discard(msg)
-                    if time.monotonic() > deadline:
-                        raise TimeoutError(f"{mode}: notices {sorted(want)} missing after {WAIT_S} s")
-                stages = {}
-            t1 = time.perf_counter()
-            verified, errors = None, []
-            if sc.verify and mode != "bulk" and last:
-                errors = check_shard(cache, content_seed(sc, mode, it), pages, sc.tokens)
-                verified = not errors
-            out.put(("result", "dst", rank, mode, it, {"t1": t1, "verified": verified, "errors": errors[:5], "stages": stages, "path": path}))
-            barrier.wait(WAIT_S)
-        ep.close()
-        base.close()
-        out.put(("exit", "dst", rank, None))
-    except BaseException:
-        out.put(("error", "dst", rank, traceback.format_exc()))
+def _stages(handles) -> dict:
+    out = {}
+    for h in handles:
+        for k, v in h.stages.items():
+            out[k] = out.get(k, 0.0) + v
+    return out
 
 
-def src_main(sc: Scenario, rank: int, barrier, out, dsts: dict) -> None:
-    _setup(f"src{rank}")
-    try:
-        from kvstage.protocol.source import Source
-        from kvstage.transports.nixl import NixlTransport
+def dst_main(link: Link, g: Group, rank: int, listen_host: str) -> None:
+    import torch
 
-        dev = _device(sc)
-        cache = RankCache.allocate(sc.src, rank, sc.pages(sc.src), dev)
-        ep = Source(cache, sc.settings())
-        ep.connect([tuple(dsts[d]["address"]) for d in sorted(dsts)])
-        plan = sc.plan
-        targets = plan.targets_of(rank)
-        base = NixlTransport(f"kvstage-bench-src{rank}")
-        peers = {p.dst_rank: base.connect(dsts[p.dst_rank]["metadata"]) for p in targets}
-        kv = [base.register(b) for b in cache.buffers] if "per-slice" in sc.modes else []
-        mine = sum(plan.piece_token_bytes(p) for p in targets) * sc.tokens
-        bulk = torch.empty(max(mine, 1), dtype=torch.uint8, device=dev) if "bulk" in sc.modes else None
-        bulk_region = base.register(bulk) if bulk is not None else None
-        out.put(("src-ready", rank, None))
-        for mode, it in schedule(sc):
-            pages = page_ids(sc, "src", rank, it, cache.pages, sc.src_page.page_size)
-            if mode != "bulk":
-                fill_shard(cache, content_seed(sc, mode, it), pages, sc.tokens)
-            tag = f"{mode}-{it}"
-            prepared = []
-            if mode == "per-slice":
-                for p in targets:
-                    dpages = page_ids(sc, "dst", p.dst_rank, it, sc.pages(sc.dst), sc.dst_page.page_size)
-                    dkv = [Region.from_wire(r) for r in dsts[p.dst_rank]["kv"]]
-                    local, remote = slice_spans(p, sc.src, sc.dst, pages, dpages, sc.tokens, kv, dkv)
-                    idx = np.arange(len(local), dtype=np.int32)
-                    prepared.append((p, base.prepare(None, local), base.prepare(peers[p.dst_rank], remote), idx))
-            if dev.type == "cuda":
-                torch.cuda.synchronize()
-            barrier.wait(WAIT_S)
-            t0 = time.perf_counter()
-            stages, descriptors = {}, 0
-            if mode == "staged":
-                h = ep.send(tag, pages, sc.tokens)
+    from kvstage.bench.reference import check_shard
+    from kvstage.protocol.destination import Destination
+    from kvstage.staging.cache import RankCache
+    from kvstage.transports.nixl import NixlTransport
+
+    b = g.base
+    dev = torch.device("cuda", 0) if b.device == "cuda" else torch.device("cpu")
+    cache = RankCache.allocate(b.dst, rank, g.pages(b.dst), dev)
+    ep = Destination(cache, b.settings(), listen=(listen_host, 0))
+    base = NixlTransport(f"kvstage-bench-dst{rank}")
+    plan = b.plan
+    writers = plan.writers_of(rank)
+    kv = [base.register(t) for t in cache.buffers] if "per-slice" in b.modes else []
+    bulk_bytes = max((p.concurrency * p.tokens for p in g.points if "bulk" in p.modes), default=0) * plan.dst_token_bytes()
+    bulk = torch.empty(bulk_bytes, dtype=torch.uint8, device=dev) if bulk_bytes else None
+    bulk_region = base.register(bulk) if bulk is not None else None
+    link.send({"type": "ready", "clock_error_s": link.sync_error, "info": {
+        "address": list(ep.address), "metadata": base64.b64encode(base.metadata()).decode(),
+        "kv": [r.to_wire() for r in kv], "bulk": bulk_region.to_wire() if bulk_region else None,
+    }})
+    dirty = np.zeros(0, dtype=np.int64)
+    for step, (pi, mode, it) in enumerate(g.schedule()):
+        msg = link.recv("prep")
+        assert msg["step"] == step, (msg, step)
+        sc = g.points[pi]
+        n, tokens = sc.concurrency, sc.tokens
+        last = it == sc.warmup + sc.iters - 1
+        reqs = request_pages(g, pi, "dst", rank, it)
+        if mode != "bulk" and len(dirty):
+            idx = torch.from_numpy(dirty).to(dev)
+            for t in cache.buffers:
+                t.view(torch.uint8)[idx] = 0
+        handles = [ep.expect(tag(pi, mode, it, k), reqs[k], tokens) for k in range(n)] if mode == "staged" else []
+        _sync(dev)
+        link.send({"type": "armed", "step": step})
+        link.recv("go")
+        path, stages, done = None, {}, [None] * n
+        if handles:
+            for h in handles:
                 h.wait(WAIT_S)
-                stages, descriptors = h.stages, h.descriptors
-            elif mode == "bulk":
-                handles, at = [], 0
+            done = [link.to_coord(h.finished) for h in handles]
+            stages, path = _stages(handles), handles[0].path
+        else:
+            want = {}
+            for k in range(n):
+                for p in writers:
+                    want[f"{tag(pi, mode, it, k)}-{p.src_rank}".encode()] = k
+            left = [len(writers)] * n
+            deadline = time.monotonic() + WAIT_S
+            while want:
+                for _, note in base.notifications():
+                    k = want.pop(note, None)
+                    if k is not None:
+                        left[k] -= 1
+                        if not left[k]:
+                            done[k] = link.now()
+                if want:
+                    os.sched_yield()
+                if want and time.monotonic() > deadline:
+                    raise TimeoutError(f"{mode}: notices {sorted(want)[:4]} missing after {WAIT_S} s")
+        _sync(dev)
+        t1 = max(done)
+        verified, errors = None, []
+        if sc.verify and mode != "bulk" and last:
+            written = np.concatenate(reqs)
+            for k in range(n):
+                errs = check_shard(cache, content_seed(g, pi, mode, it, k), reqs[k], tokens,
+                                   untouched_fill=0 if k == 0 else None, written=written)
+                errors += [f"request {k}: {e}" if n > 1 else e for e in errs]
+            verified = not errors
+        if mode != "bulk":
+            dirty = np.concatenate(reqs)
+        link.send({"type": "result", "step": step, "data": {
+            "t1": t1, "done": done, "verified": verified, "errors": errors[:5], "stages": stages, "path": path,
+        }})
+    link.recv("end")
+    ep.close()
+    base.close()
+
+
+def src_main(link: Link, g: Group, rank: int) -> None:
+    import torch
+
+    from kvstage.bench.baselines import slice_spans
+    from kvstage.bench.reference import fill_shard
+    from kvstage.protocol.source import Source
+    from kvstage.staging.cache import RankCache
+    from kvstage.transports.base import Region, Spans
+    from kvstage.transports.nixl import NixlTransport
+
+    b = g.base
+    dev = torch.device("cuda", 0) if b.device == "cuda" else torch.device("cpu")
+    cache = RankCache.allocate(b.src, rank, g.pages(b.src), dev)
+    ep = Source(cache, b.settings())
+    base = NixlTransport(f"kvstage-bench-src{rank}")
+    dsts = {int(d): info for d, info in link.recv("dsts", timeout=WAIT_S)["dsts"].items()}
+    ep.connect([tuple(dsts[d]["address"]) for d in sorted(dsts)])
+    plan = b.plan
+    targets = plan.targets_of(rank)
+    peers = {p.dst_rank: base.connect(base64.b64decode(dsts[p.dst_rank]["metadata"])) for p in targets}
+    kv = [base.register(t) for t in cache.buffers] if "per-slice" in b.modes else []
+    dkv = {d: [Region.from_wire(r) for r in info["kv"]] for d, info in dsts.items()}
+    mine_tok = sum(plan.piece_token_bytes(p) for p in targets)
+    bulk_bytes = max((p.concurrency * p.tokens for p in g.points if "bulk" in p.modes), default=0) * mine_tok
+    bulk = torch.empty(bulk_bytes, dtype=torch.uint8, device=dev) if bulk_bytes else None
+    bulk_region = base.register(bulk) if bulk is not None else None
+    link.send({"type": "ready", "clock_error_s": link.sync_error})
+    for step, (pi, mode, it) in enumerate(g.schedule()):
+        msg = link.recv("prep")
+        assert msg["step"] == step, (msg, step)
+        sc = g.points[pi]
+        n, tokens = sc.concurrency, sc.tokens
+        reqs = request_pages(g, pi, "src", rank, it)
+        if mode != "bulk":
+            for k in range(n):
+                fill_shard(cache, content_seed(g, pi, mode, it, k), reqs[k], tokens)
+        prepared = [[] for _ in range(n)]
+        if mode == "per-slice":
+            for p in targets:
+                dreqs = request_pages(g, pi, "dst", p.dst_rank, it)
+                for k in range(n):
+                    local, remote = slice_spans(p, sc.src, sc.dst, reqs[k], dreqs[k], tokens, kv, dkv[p.dst_rank])
+                    idx = np.arange(len(local), dtype=np.int32)
+                    prepared[k].append((p, base.prepare(None, local), base.prepare(peers[p.dst_rank], remote), idx))
+        _sync(dev)
+        link.send({"type": "armed", "step": step})
+        link.recv("go")
+        t0 = link.now()
+        sent, stages, descriptors = [], {}, 0
+        if mode == "staged":
+            hs = []
+            for k in range(n):
+                sent.append(link.now())
+                hs.append(ep.send(tag(pi, mode, it, k), reqs[k], tokens))
+            for h in hs:
+                h.wait(WAIT_S)
+            stages, descriptors = _stages(hs), sum(h.descriptors for h in hs)
+        elif mode == "bulk":
+            handles = []
+            mine = mine_tok * tokens
+            for k in range(n):
+                sent.append(link.now())
+                at = k * mine
                 for p in targets:
-                    n = plan.piece_token_bytes(p) * sc.tokens
-                    off = plan.writer_offsets(p.dst_rank, sc.tokens)[rank]
+                    size = plan.piece_token_bytes(p) * tokens
+                    off = k * plan.dst_token_bytes() * tokens + plan.writer_offsets(p.dst_rank, tokens)[rank]
                     remote = Region.from_wire(dsts[p.dst_rank]["bulk"])
-                    handles.append(base.write(peers[p.dst_rank], Spans.single(bulk_region, [at], [n]),
-                                              Spans.single(remote, [off], [n]), f"{tag}-{rank}".encode()))
-                    at += n
+                    handles.append(base.write(peers[p.dst_rank], Spans.single(bulk_region, [at], [size]),
+                                              Spans.single(remote, [off], [size]),
+                                              f"{tag(pi, mode, it, k)}-{rank}".encode()))
+                    at += size
                     descriptors += 1
-                _wait_writes(base, handles)
-            else:
-                handles = []
-                for p, lp, rp, idx in prepared:
-                    handles.append(base.write_prepared(peers[p.dst_rank], lp, idx, rp, idx, f"{tag}-{rank}".encode()))
+            _wait_writes(base, handles)
+        else:
+            handles = []
+            for k in range(n):
+                sent.append(link.now())
+                for p, lp, rp, idx in prepared[k]:
+                    handles.append(base.write_prepared(peers[p.dst_rank], lp, idx, rp, idx,
+                                                       f"{tag(pi, mode, it, k)}-{rank}".encode()))
                     descriptors += len(idx)
-                _wait_writes(base, handles)
-            t_end = time.perf_counter()
-            out.put(("result", "src", rank, mode, it, {"t0": t0, "t_end": t_end, "descriptors": descriptors, "stages": stages}))
-            barrier.wait(WAIT_S)
-        ep.close()
-        base.close()
-        out.put(("exit", "src", rank, None))
-    except BaseException:
-        out.put(("error", "src", rank, traceback.format_exc()))
+            _wait_writes(base, handles)
+        _sync(dev)
+        t_end = link.now()
+        link.send({"type": "result", "step": step, "data": {
+            "t0": t0, "sent": sent, "t_end": t_end, "descriptors": descriptors, "stages": stages,
+        }})
+        del prepared
+    link.recv("end")
+    ep.close()
+    base.close()
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m kvstage.bench.worker")
+    ap.add_argument("--coord", required=True)
+    ap.add_argument("--role", choices=("dst", "src"), required=True)
+    ap.add_argument("--rank", type=int, required=True)
+    ap.add_argument("--group", type=int, required=True)
+    ap.add_argument("--parent", type=int, default=0)
+    a = ap.parse_args(argv)
+    _die_with_parent(a.parent)
+    _setup(f"{a.role}{a.rank}")
+    from kvstage.config import Settings
+
+    def lost():  # the coordinator is gone or aborted: nothing left to do here
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    try:
+        link = Link(parse_hostport(a.coord, "--coord"), {"kind": "rank", "role": a.role, "rank": a.rank,
+                                                         "group": a.group}, token=Settings().auth_token, on_lost=lost)
+    except BenchError as e:  # the run ended (or failed) before this rank joined
+        print(f"kvstage bench {a.role} rank {a.rank}: {e}", file=sys.stderr)
+        return 1
+    try:
+        cfg = link.recv("config", timeout=WAIT_S)
+        g = Group.from_wire(cfg["group"])
+        if a.role == "dst":
+            dst_main(link, g, a.rank, cfg["listen_host"])
+        else:
+            src_main(link, g, a.rank)
+    except Aborted:
+        link.close()
+        return 1
+    except BaseException as e:
+        from kvstage.errors import KVStageError
+
+        # a failure kvstage names itself (a transfer that failed, with peer, stage and cause) needs no traceback
+        known = isinstance(e, (KVStageError, TimeoutError))
+        try:
+            link.send({"type": "error", "reason": f"{type(e).__name__}: {e}"} if known
+                      else {"type": "error", "trace": traceback.format_exc()})
+        except Exception:
+            pass
+        link.close()
+        return 1
+    link.finished = True
+    link.send({"type": "bye"})
+    link.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

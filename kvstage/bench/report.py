@@ -1,0 +1,271 @@
+"""Presenting benchmark results: the table, CSV, the plot, the progress bar.
+
+Units: GB/s is 1e9 bytes per second; MB in the table is 1e6 bytes; latencies
+in milliseconds. Every figure here is computed from the JSON result, so the
+table, the CSV and the plot never disagree with it.
+"""
+
+from __future__ import annotations
+
+import csv
+import sys
+import time
+
+from kvstage.bench.scenario import MODES
+
+CSV_COLUMNS = (
+    "mode", "src_tp", "dst_tp", "tokens", "concurrency", "bytes", "total_bytes", "seconds", "gbps",
+    "latency_p50_ms", "latency_p99_ms", "latency_samples", "descriptors_per_request", "arena_bytes",
+    "ratio_to_bulk", "verified", "path", "gather_s", "write_s", "slot_wait_s", "scatter_s",
+    "layers", "kv_heads", "head_dim", "dtype", "mla", "device", "src_page_size", "src_layout",
+    "dst_page_size", "dst_layout", "iters", "warmup",
+)
+
+
+def _ms(seconds) -> str:
+    return "-" if seconds is None else f"{seconds * 1e3:.2f}"
+
+
+def _num(x) -> str:
+    if isinstance(x, float) and not x.is_integer():
+        return f"{x:.1f}"
+    return str(int(x))
+
+
+def _geometry_line(cfg: dict) -> str:
+    g = cfg["geometry"]
+    sp, dp = cfg["src_page"], cfg["dst_page"]
+    paging = f"page {sp['page_size']} {sp['order']}"
+    if dp != sp:
+        paging += f" -> page {dp['page_size']} {dp['order']}"
+    return (f"{g['layers']} layers, {g['kv_heads']} KV heads x {g['head_dim']} {g['dtype']}"
+            f"{' MLA' if g['mla'] else ''}, {paging}, {cfg['device']}, median of {cfg['iters']} "
+            f"(+{cfg['warmup']} warm-up)")
+
+
+def render_table(result: dict, title: str | None = None) -> str:
+    """The human-readable table (rich), one row per (TP pair, tokens, concurrency, mode)."""
+    from rich.console import Console
+    from rich.table import Table
+
+    cfg = result["config"]
+    rows = result["results"]
+    show_n = any(r["concurrency"] > 1 for r in rows)
+    t = Table(title=(title + "\n" if title else "") + "kvstage bench: " + _geometry_line(cfg))
+    cols = ["mode", "TP", "tokens"] + (["conc"] if show_n else []) + [
+        "MB/req", "GB/s", "p50 ms", "p99 ms", "desc/req", "arena MiB", "vs bulk", "verified"]
+    for col in cols:
+        t.add_column(col, justify="left" if col == "mode" else "right")
+    prev = None
+    for r in rows:
+        point = (r["src_tp"], r["dst_tp"], r["tokens"], r["concurrency"])
+        if prev is not None and point != prev:
+            t.add_section()
+        prev = point
+        ratio = "-" if r["ratio_to_bulk"] is None else f"{r['ratio_to_bulk']:.2f}x"
+        v = {True: "yes", False: "NO", None: "-"}[r["verified"]]
+        arena = "-" if r["arena_bytes"] is None else f"{r['arena_bytes'] / (1 << 20):g}"
+        mode = r["mode"] + (" (direct)" if r.get("path") == ["direct"] else "")
+        cells = [mode, f"{r['src_tp']}->{r['dst_tp']}", str(r["tokens"])] + ([str(r["concurrency"])] if show_n else []) + [
+            f"{r['bytes'] / 1e6:.2f}", f"{r['gbps']:.3f}", _ms(r["latency_p50_s"]), _ms(r["latency_p99_s"]),
+            _num(r["descriptors"]), arena, ratio, v]
+        t.add_row(*cells)
+    console = Console(record=True, width=132)
+    with console.capture() as cap:
+        console.print(t)
+        for line in notes(result):
+            console.print(line, highlight=False)
+    return cap.get()
+
+
+def notes(result: dict) -> list[str]:
+    """Per point: staged vs per-slice, and where the staged time went."""
+    out = []
+    points: dict = {}
+    for r in result["results"]:
+        points.setdefault((r["src_tp"], r["dst_tp"], r["tokens"], r["concurrency"]), {})[r["mode"]] = r
+    many = len(points) > 1
+    for (s, d, tok, n), modes in points.items():
+        parts = []
+        if "staged" in modes and "per-slice" in modes:
+            parts.append(f"staged / per-slice: {modes['staged']['gbps'] / modes['per-slice']['gbps']:.1f}x")
+        st = modes.get("staged", {}).get("stages")
+        if st and modes["staged"].get("path") != ["direct"]:
+            parts.append("staged ms, summed over ranks: " + ", ".join(f"{k} {v * 1e3:.1f}" for k, v in st.items()))
+        if parts:
+            prefix = f"{s}->{d} {tok} tok{f' x{n}' if n > 1 else ''}: " if many else ""
+            out.append(prefix + "; ".join(parts))
+    out.append("GB/s: bytes of all requests in flight / wall time of the step (1e9 B/s). Latency: first source rank "
+               "issuing a request to the last destination rank holding all of it; nearest-rank p50/p99 over "
+               "requests x measured iterations.")
+    clock = result.get("clock") or {}
+    if clock.get("synced_ranks"):
+        out.append(f"clocks: {clock['synced_ranks']} rank processes on another clock, offsets measured at start; "
+                   f"timestamps may be off by up to {clock['max_offset_error_s'] * 1e6:.0f} us")
+    for s in result.get("skipped", []):
+        out.append(f"skipped: {s}")
+    return out
+
+
+def markdown(result: dict, title: str | None = None, command: str | None = None) -> str:
+    """The table as GitHub markdown, with the geometry line and the notes (for docs/benchmarks.md)."""
+    rows = result["results"]
+    show_n = any(r["concurrency"] > 1 for r in rows)
+    head = ["mode", "TP", "tokens"] + (["in flight"] if show_n else []) + [
+        "MB/req", "GB/s", "p50 ms", "p99 ms", "desc/req", "arena MiB", "vs bulk", "verified"]
+    lines = []
+    if title:
+        lines += [f"**{title}**", ""]
+    if command:
+        lines += ["```", command, "```", ""]
+    lines += [_geometry_line(result["config"]) + ".", "",
+              "| " + " | ".join(head) + " |", "|" + "|".join("---" if h == "mode" else "--:" for h in head) + "|"]
+    for r in rows:
+        ratio = "-" if r["ratio_to_bulk"] is None else f"{r['ratio_to_bulk']:.2f}x"
+        v = {True: "yes", False: "**NO**", None: "-"}[r["verified"]]
+        arena = "-" if r["arena_bytes"] is None else f"{r['arena_bytes'] / (1 << 20):g}"
+        mode = r["mode"] + (" (direct)" if r.get("path") == ["direct"] else "")
+        cells = [mode, f"{r['src_tp']}→{r['dst_tp']}", str(r["tokens"])] + ([str(r["concurrency"])] if show_n else []) + [
+            f"{r['bytes'] / 1e6:.2f}", f"{r['gbps']:.3f}", _ms(r["latency_p50_s"]), _ms(r["latency_p99_s"]),
+            _num(r["descriptors"]), arena, ratio, v]
+        lines.append("| " + " | ".join(cells) + " |")
+    lines.append("")
+    lines += [f"- {n}" for n in notes(result)]
+    return "\n".join(lines) + "\n"
+
+
+def csv_rows(result: dict) -> list[dict]:
+    cfg = result["config"]
+    g = cfg["geometry"]
+    out = []
+    for r in result["results"]:
+        st = r.get("stages") or {}
+        out.append({
+            **{k: r.get(k) for k in ("mode", "src_tp", "dst_tp", "tokens", "concurrency", "bytes", "total_bytes",
+                                      "seconds", "gbps", "latency_samples", "arena_bytes", "ratio_to_bulk", "verified")},
+            "latency_p50_ms": r["latency_p50_s"] * 1e3, "latency_p99_ms": r["latency_p99_s"] * 1e3,
+            "descriptors_per_request": r["descriptors"], "path": "+".join(r.get("path") or []),
+            "gather_s": st.get("gather"), "write_s": st.get("write"), "slot_wait_s": st.get("slot_wait"),
+            "scatter_s": st.get("scatter"),
+            "layers": g["layers"], "kv_heads": g["kv_heads"], "head_dim": g["head_dim"], "dtype": g["dtype"],
+            "mla": g["mla"], "device": cfg["device"], "src_page_size": cfg["src_page"]["page_size"],
+            "src_layout": cfg["src_page"]["order"], "dst_page_size": cfg["dst_page"]["page_size"],
+            "dst_layout": cfg["dst_page"]["order"], "iters": cfg["iters"], "warmup": cfg["warmup"],
+        })
+    return out
+
+
+def write_csv(result: dict, path: str) -> None:
+    with open(path, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=CSV_COLUMNS)
+        w.writeheader()
+        for row in csv_rows(result):
+            w.writerow({k: "" if v is None else v for k, v in row.items()})
+
+
+def check_plot_available() -> None:
+    """Raise ConfigError now (before any process starts) if matplotlib is missing."""
+    from kvstage.errors import ConfigError
+
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        raise ConfigError("plot: matplotlib is not installed; `pip install 'kvstage[plot]'` or drop --plot") from None
+
+
+_COLORS = {"staged": "tab:blue", "bulk": "tab:green", "per-slice": "tab:red"}
+
+
+def write_plot(result: dict, path: str, title: str | None = None) -> None:
+    """GB/s against tokens: one panel per TP pair, one line per mode (and per
+    concurrency). A sweep of concurrencies at one token count plots GB/s
+    against requests in flight instead."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import matplotlib.ticker
+
+    rows = result["results"]
+    pairs = list(dict.fromkeys((r["src_tp"], r["dst_tp"]) for r in rows))
+    tokens = sorted({r["tokens"] for r in rows})
+    concs = sorted({r["concurrency"] for r in rows})
+    by_conc = len(tokens) == 1 and len(concs) > 1
+    x_of = (lambda r: r["concurrency"]) if by_conc else (lambda r: r["tokens"])
+    series = [None] if by_conc else concs  # by_conc: one line per mode across concurrencies
+    ncol = min(3, len(pairs))
+    nrow = -(-len(pairs) // ncol)
+    fig, axes = plt.subplots(nrow, ncol, figsize=(max(7.5, 5.2 * ncol), 4.0 * nrow + 0.4), squeeze=False, sharey=True)
+    styles = ["-", "--", ":", "-."]
+    markers = ["o", "s", "^", "D"]
+    for ax, (s, d) in zip(axes.flat, pairs):
+        for mode in MODES:
+            for ci, c in enumerate(series):
+                sel = [r for r in rows if (r["src_tp"], r["dst_tp"], r["mode"]) == (s, d, mode)
+                       and (c is None or r["concurrency"] == c)]
+                if not sel:
+                    continue
+                pts = sorted((x_of(r), r["gbps"]) for r in sel)
+                label = mode + (" (direct)" if all(r.get("path") == ["direct"] for r in sel) else "")
+                label += f", {c} in flight" if c is not None and len(concs) > 1 else ""
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], linestyle=styles[ci % 4], marker=markers[ci % 4],
+                        color=_COLORS[mode], label=label)
+        ticks = concs if by_conc else tokens
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(ticks, [str(t) for t in ticks])
+        ax.xaxis.set_minor_locator(matplotlib.ticker.NullLocator())
+        ax.set_yscale("log")
+        ax.set_title(f"TP {s} \u2192 {d}" + (f", {tokens[0]} tokens per request" if by_conc else ""))
+        ax.set_xlabel("requests in flight" if by_conc else "tokens per request")
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=8)
+    for ax in axes[:, 0]:
+        ax.set_ylabel("GB/s (1e9 B/s)")
+    for ax in list(axes.flat)[len(pairs):]:
+        ax.set_visible(False)
+    head = (title + "\n" if title else "") + _geometry_line(result["config"])
+    fig.suptitle(head, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+class Progress:
+    """A rich progress bar on stderr, shown once the run has taken ``delay``
+    seconds (short runs print nothing extra). By default only on a terminal;
+    forced on elsewhere (``--progress`` into a log) it prints one plain line
+    per phase (a TP pair starting, measuring, done) instead of a bar."""
+
+    def __init__(self, enabled: bool | None = None, delay: float = 2.0):
+        self.tty = sys.stderr.isatty()
+        self.enabled = self.tty if enabled is None else enabled
+        self.delay = delay
+        self.start = time.monotonic()
+        self._bar = None
+        self._task = None
+
+    def __call__(self, done: int, total: int, what: str, phase: bool = False) -> None:
+        if not self.enabled:
+            return
+        if not self.tty:
+            if phase:
+                print(f"kvstage bench: [{done}/{total} steps, {time.monotonic() - self.start:.0f} s] {what}",
+                      file=sys.stderr, flush=True)
+            return
+        if self._bar is None:
+            if time.monotonic() - self.start < self.delay:
+                return
+            from rich.console import Console
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress as RichProgress, TextColumn, TimeElapsedColumn
+
+            self._bar = RichProgress(TextColumn("[progress.description]{task.description}"), BarColumn(),
+                                     MofNCompleteColumn(), TimeElapsedColumn(),
+                                     console=Console(stderr=True), transient=True, refresh_per_second=4)
+            self._bar.start()
+            self._task = self._bar.add_task(what, total=total)
+        self._bar.update(self._task, completed=done, total=total, description=what)
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.stop()
+            self._bar = None

@@ -1,0 +1,155 @@
+"""``kvstage bench`` end to end: sweeps, concurrency, every output, Ctrl-C.
+
+Real rank processes over real NIXL, tiny geometries.
+"""
+
+import csv
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
+from kvstage.bench.runner import run
+from kvstage.bench.scenario import Scenario
+from kvstage.layout import KVGeometry, PageLayout
+
+try:
+    import matplotlib  # noqa: F401
+
+    HAVE_MPL = True
+except ImportError:  # the plot itself is tested in test_bench_sweep.py, which skips and says so
+    HAVE_MPL = False
+
+TINY = ["--layers", "2", "--head-dim", "32", "--arena-mb", "4", "--slot-mb", "1"]
+
+
+def bench(*args, timeout=240, **kw):
+    return subprocess.run([sys.executable, "-m", "kvstage.cli", "bench", *args], capture_output=True, text=True,
+                          timeout=timeout, **kw)
+
+
+def test_sweep_with_concurrency_writes_json_csv_and_plot(tmp_path):
+    out = tmp_path / "r.json"
+    table = tmp_path / "r.csv"
+    png = tmp_path / "r.png"
+    plot = ["--plot", str(png)] if HAVE_MPL else []
+    proc = bench(*TINY, "--src-tp", "2,4", "--dst-tp", "1", "--tokens", "64,200", "--concurrency", "1,3",
+                 "--iters", "1", "--warmup", "0", "--json", str(out), "--csv", str(table), *plot)
+    assert proc.returncode == 0, proc.stderr
+    data = json.loads(out.read_text())
+    rows = data["results"]
+    assert data["config"]["pairs"] == [[2, 1], [4, 1]]
+    assert data["config"]["tokens"] == [64, 200] and data["config"]["concurrency"] == [1, 3]
+    # 2 pairs x 2 token counts x 2 concurrencies x 3 modes
+    assert len(rows) == 24
+    keys = {(r["src_tp"], r["dst_tp"], r["tokens"], r["concurrency"], r["mode"]) for r in rows}
+    assert len(keys) == 24
+    for r in rows:
+        assert r["verified"] is (None if r["mode"] == "bulk" else True), r.get("errors")
+        assert r["bytes"] == r["tokens"] * 2 * 2 * 8 * 32 * 2
+        assert r["total_bytes"] == r["bytes"] * r["concurrency"]
+        assert r["gbps"] > 0 and 0 < r["latency_p50_s"] <= r["latency_p99_s"]
+        assert r["latency_samples"] == r["concurrency"]
+        assert r["ratio_to_bulk"] > 0
+        if r["mode"] == "bulk":
+            assert r["descriptors"] == r["src_tp"]  # one write per source rank and request
+    with table.open() as f:
+        assert len(list(csv.DictReader(f))) == 24
+    if HAVE_MPL:
+        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
+    for col in ("GB/s", "p50 ms", "p99 ms", "desc/req", "conc", "4->1", "2->1"):
+        assert col in proc.stdout
+
+
+def test_json_to_stdout():
+    proc = bench(*TINY, "--src-tp", "2", "--tokens", "32", "--mode", "bulk", "--iters", "1", "--warmup", "0",
+                 "--json", "-")
+    assert proc.returncode == 0, proc.stderr
+    data = json.loads(proc.stdout)
+    assert [r["mode"] for r in data["results"]] == ["bulk"]
+
+
+def test_concurrent_requests_contend_for_a_small_arena_and_stay_byte_exact():
+    # 4 requests at once through 4 slots per rank: grants interleave and wait for freed slots
+    sc = Scenario(KVGeometry(2, 8, 32), 4, 2, 300, PageLayout(16), PageLayout(4, "hnd"),
+                  modes=("staged", "per-slice"), iters=1, warmup=0, arena_mb=0.25, slot_mb=1 / 16, concurrency=4)
+    result = run(sc)
+    rows = {r["mode"]: r for r in result["results"]}
+    for mode in ("staged", "per-slice"):
+        assert rows[mode]["verified"] is True, rows[mode].get("errors")
+        assert rows[mode]["latency_samples"] == 4
+    assert rows["staged"]["path"] == ["staged"]
+    # each request was cut into several chunks: more than one write per (source, destination) pair
+    assert rows["staged"]["descriptors"] > 4
+
+
+def _ranks_of(pid: int) -> list[int]:
+    """Live rank processes started by ``pid`` (they carry --parent PID)."""
+    found = []
+    for p in os.listdir("/proc"):
+        if not p.isdigit():
+            continue
+        try:
+            with open(f"/proc/{p}/cmdline", "rb") as f:
+                cmd = f.read().split(b"\0")
+            with open(f"/proc/{p}/stat") as f:
+                state = f.read().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if b"kvstage.bench.worker" in cmd and b"--parent" in cmd and cmd[cmd.index(b"--parent") + 1] == str(pid).encode() \
+                and state != "Z":
+            found.append(int(p))
+    return found
+
+
+def test_ctrl_c_stops_cleanly_with_no_orphans():
+    proc = _start_long_run("--mode", "staged,bulk")
+    try:
+        ranks = _ranks_of(proc.pid)
+        assert len(ranks) == 5  # 4 sources + 1 destination
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 130, err
+    assert "interrupted" in err and "Traceback" not in err
+    assert _ranks_of(proc.pid) == []
+    for r in ranks:
+        assert not os.path.exists(f"/proc/{r}") or open(f"/proc/{r}/stat").read().rsplit(")", 1)[1].split()[0] == "Z"
+
+
+def _start_long_run(*extra):
+    """A run that would go on for hours, once it is measuring (its --progress log says so)."""
+    proc = subprocess.Popen([sys.executable, "-m", "kvstage.cli", "bench", *TINY, "--tokens", "64", "--iters", "100000",
+                             "--progress", *extra], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    log = []
+    while True:
+        line = proc.stderr.readline()
+        assert line, "the run ended early:\n" + "".join(log)
+        log.append(line)
+        if "measuring" in line:
+            break
+    time.sleep(1)  # well inside the measured steps
+    return proc
+
+
+def test_a_rank_dying_fails_the_run_and_ends_the_others():
+    proc = _start_long_run("--mode", "staged")
+    try:
+        victim = max(_ranks_of(proc.pid))
+        os.kill(victim, signal.SIGKILL)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 1, err
+    # the coordinator or a destination rank noticed first; either way the dead rank is named
+    assert re.search(r"source rank \d+ (disconnected|exited with code)|with peer source rank \d+", err), err
+    assert "Traceback" not in err
+    assert _ranks_of(proc.pid) == []

@@ -1,0 +1,248 @@
+"""``kvstage bench`` input: sweep lists, up-front validation, scenario files, summaries.
+
+Nothing here starts a rank process: invalid input must be refused before any is.
+"""
+
+import json
+
+import pytest
+
+from kvstage.bench import runner
+from kvstage.bench.report import CSV_COLUMNS, csv_rows, render_table, write_csv
+from kvstage.bench.runner import percentile, summarize
+from kvstage.bench.scenario import Group, Scenario, Sweep, parse_int_list
+from kvstage.cli import main
+from kvstage.errors import ConfigError, IncompatibleGeometry
+from kvstage.layout import KVGeometry, PageLayout
+
+TINY = ["--layers", "2", "--head-dim", "32", "--arena-mb", "4", "--slot-mb", "1"]
+
+
+@pytest.fixture(autouse=True)
+def no_processes(monkeypatch):
+    """Fail if anything here tries to start a rank process."""
+    def refuse(*a, **k):
+        raise AssertionError("a rank process was started")
+
+    monkeypatch.setattr(runner.Children, "start", refuse)
+
+
+@pytest.mark.parametrize("text,want", [
+    ("4", [4]), ("1,2,8", [1, 2, 8]), (" 2 , 4 ", [2, 4]), ("8,1,8", [8, 1]), (4, [4]), ([128, 1024], [128, 1024]),
+])
+def test_int_lists(text, want):
+    assert parse_int_list("tokens", text) == want
+
+
+@pytest.mark.parametrize("text", ["", "1,,2", "1,a", "2.5", [1.5], True])
+def test_bad_int_lists_name_the_flag(text):
+    with pytest.raises(ConfigError, match="tokens="):
+        parse_int_list("tokens", text)
+
+
+def _common(**kw):
+    base = dict(geometry=KVGeometry(2, 8, 32), src_page=PageLayout(16), dst_page=PageLayout(16), arena_mb=4, slot_mb=1)
+    return base | kw
+
+
+def test_sweep_groups_by_tp_pair_and_keeps_order():
+    sw = Sweep.build([4, 2], [1, 2], [256, 64], [1, 3], **_common())
+    assert [g.label for g in sw.groups] == ["4->1", "4->2", "2->1", "2->2"]
+    assert [(p.tokens, p.concurrency) for p in sw.groups[0].points] == [(256, 1), (256, 3), (64, 1), (64, 3)]
+    g = sw.groups[0]
+    # one schedule walks every point, mode and iteration; the cache fits the largest point
+    assert len(g.schedule()) == 4 * 3 * (3 + 1)
+    assert g.pages(g.base.dst) == max(p.pages(p.dst) for p in g.points) == 4 * 16 + 1
+
+
+def test_invalid_pairs_are_all_listed_and_nothing_runs(capsys):
+    rc = main(["bench", *TINY, "--src-tp", "2,3", "--dst-tp", "1,5", "--tokens", "64"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "Traceback" not in err
+    assert "3 of 4 TP pairs cannot run" in err
+    for pair in ("src_tp=2 -> dst_tp=5", "src_tp=3 -> dst_tp=1", "src_tp=3 -> dst_tp=5"):
+        assert pair in err
+    assert "src_tp=2 -> dst_tp=1" not in err
+
+
+def test_skip_invalid_keeps_the_valid_pairs():
+    sw = Sweep.build([2, 3], [1], [64], [1], skip_invalid=True, **_common())
+    assert [g.label for g in sw.groups] == ["2->1"]
+    assert len(sw.skipped) == 1 and "src_tp=3" in sw.skipped[0]
+    with pytest.raises(IncompatibleGeometry):
+        Sweep.build([3], [1, 5], [64], [1], skip_invalid=True, **_common())  # nothing valid left
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["--tokens", "64,0"], "tokens=0"),
+    (["--concurrency", "0"], "concurrency=0"),
+    (["--concurrency", "2,x"], "concurrency="),
+    (["--src-tp", "1,"], "src_tp="),
+    (["--role", "dst"], "--listen"),
+    (["--role", "src"], "--connect"),
+    (["--role", "dst", "--listen", "nohost"], "listen='nohost'"),
+    (["--json", "/nonexistent-dir/r.json"], "does not exist"),
+    (["--plot", "r.txt"], "plot='r.txt'"),
+    (["--tokens", "100000000"], "memory:"),
+])
+def test_invalid_input_exits_2_before_anything_starts(args, needle, capsys):
+    assert main(["bench", *TINY, *args]) == 2
+    err = capsys.readouterr().err
+    assert needle in err and "Traceback" not in err
+
+
+def test_scenario_file_sets_defaults_and_flags_win(tmp_path, monkeypatch):
+    seen = {}
+
+    def fake_run(sweep, **kw):
+        seen["sweep"] = sweep
+        raise ConfigError("stop here")
+
+    monkeypatch.setattr(runner, "run_sweep", fake_run)
+    toml = tmp_path / "s.toml"
+    toml.write_text('description = "a test sweep"\nsrc_tp = [2, 4]\ndst-tp = 1\ntokens = [64, 128]\n'
+                    'layers = 2\nhead_dim = 32\narena_mb = 4\nslot_mb = 1\nverify = false\nmode = "staged,bulk"\n')
+    assert main(["bench", "--scenario", str(toml), "--tokens", "32"]) == 2
+    sw = seen["sweep"]
+    assert [g.label for g in sw.groups] == ["2->1", "4->1"]
+    assert {p.tokens for p in sw.points} == {32}  # the flag won
+    p = sw.points[0]
+    assert p.geometry.layers == 2 and p.verify is False and p.modes == ("staged", "bulk")
+    js = tmp_path / "s.json"
+    js.write_text(json.dumps({"src_tp": 2, "tokens": [64], "layers": 2, "head_dim": 32, "concurrency": [1, 2]}))
+    assert main(["bench", "--scenario", str(js)]) == 2
+    assert [(p.tokens, p.concurrency) for p in seen["sweep"].points] == [(64, 1), (64, 2)]
+
+
+@pytest.mark.parametrize("text,needle", [
+    ("tokens = [64]\nbogus = 1\n", "unknown key 'bogus'"),
+    ("model = 'gpt-9'\n", "model='gpt-9'"),
+    ("tokens = [64\n", "not valid TOML"),
+])
+def test_bad_scenario_files_exit_2(tmp_path, text, needle, capsys):
+    f = tmp_path / "bad.toml"
+    f.write_text(text)
+    assert main(["bench", "--scenario", str(f)]) == 2
+    assert needle in capsys.readouterr().err
+
+
+def test_shipped_scenario_files_are_valid(monkeypatch):
+    """Every file under benchmarks/ parses into a runnable sweep."""
+    import pathlib
+
+    seen = []
+
+    def fake_run(sweep, **kw):
+        seen.append(sweep)
+        raise ConfigError("stop here")
+
+    monkeypatch.setattr(runner, "run_sweep", fake_run)
+    monkeypatch.setattr("kvstage.cli._check_memory", lambda *a: None)
+    files = sorted(pathlib.Path(__file__).parent.parent.joinpath("benchmarks").glob("*.toml"))
+    assert files
+    for f in files:
+        assert main(["bench", "--scenario", str(f)]) == 2, f
+    assert len(seen) == len(files)
+
+
+def test_percentile_is_nearest_rank():
+    assert percentile([5.0], 99) == 5.0
+    xs = list(range(1, 101))
+    assert percentile(xs, 50) == 50 and percentile(xs, 99) == 99 and percentile(xs, 100) == 100
+    assert percentile([3, 1, 2], 50) == 2 and percentile([3, 1, 2], 99) == 3
+
+
+def _synthetic():
+    """Two source ranks, one destination rank, 2 requests in flight, 2 measured iterations."""
+    sc = Scenario(KVGeometry(2, 8, 32), 2, 1, 64, PageLayout(16), PageLayout(16), modes=("staged", "bulk"),
+                  iters=2, warmup=0, arena_mb=4, slot_mb=1, concurrency=2)
+    g = Group([sc])
+    reports = []
+    for mode, scale in (("staged", 2.0), ("bulk", 1.0)):
+        for it in range(2):
+            base = 100.0 * (it + 1)
+            for r in range(2):
+                reports.append(("src", r, 0, mode, it, {
+                    "t0": base + r * 1e-3, "sent": [base + r * 1e-3, base + 2e-3], "t_end": base + 0.01,
+                    "descriptors": 3 if mode == "staged" else 2, "stages": {"gather": 1e-3} if mode == "staged" else {}}))
+            reports.append(("dst", 0, 0, mode, it, {
+                "t1": base + 0.01 * scale * (it + 1), "done": [base + 0.004 * scale, base + 0.01 * scale * (it + 1)],
+                "verified": True if mode == "staged" else None, "errors": [], "stages": {"scatter": 2e-3},
+                "path": "staged" if mode == "staged" else None}))
+    return sc, g, reports
+
+
+def test_summary_figures():
+    sc, g, reports = _synthetic()
+    rows = {r["mode"]: r for r in summarize(g, reports)}
+    s, b = rows["staged"], rows["bulk"]
+    assert s["seconds_all"] == pytest.approx([0.02, 0.04])
+    assert s["seconds"] == pytest.approx(0.03)
+    assert s["gbps"] == pytest.approx(2 * sc.payload_bytes() / 0.03 / 1e9)
+    assert s["bytes"] == sc.payload_bytes() and s["total_bytes"] == 2 * sc.payload_bytes()
+    # latency of request k: last destination done - first source send
+    lats = sorted([0.008, 0.02 - 0.002, 0.008, 0.04 - 0.002])
+    assert s["latency_samples"] == 4
+    assert s["latency_p50_s"] == pytest.approx(lats[1]) and s["latency_p99_s"] == pytest.approx(lats[3])
+    assert s["descriptors"] == 3  # 6 over two sources, per request
+    assert b["descriptors"] == 2
+    assert s["arena_bytes"] == 4 << 20 and b["arena_bytes"] is None
+    assert s["ratio_to_bulk"] == pytest.approx(b["seconds"] / s["seconds"])
+    assert s["stages"]["gather"] == pytest.approx(2e-3) and s["stages"]["scatter"] == pytest.approx(2e-3)
+    assert s["verified"] is True and b["verified"] is None
+
+
+def test_table_and_csv_from_a_result(tmp_path):
+    sc, g, reports = _synthetic()
+    result = {"config": sc.to_dict(), "results": summarize(g, reports)}
+    text = render_table(result)
+    for col in ("mode", "TP", "tokens", "conc", "GB/s", "p50 ms", "p99 ms", "desc/req", "arena MiB", "vs bulk"):
+        assert col in text
+    assert "2->1" in text
+    path = tmp_path / "r.csv"
+    write_csv(result, str(path))
+    import csv
+
+    rows = list(csv.DictReader(path.open()))
+    assert tuple(rows[0]) == CSV_COLUMNS
+    assert [r["mode"] for r in rows] == ["staged", "bulk"]
+    assert float(rows[0]["gbps"]) == pytest.approx(result["results"][0]["gbps"])
+    assert rows[1]["arena_bytes"] == "" and rows[0]["arena_bytes"] == str(4 << 20)
+    assert len(csv_rows(result)) == 2
+
+
+def test_plot_is_a_png(tmp_path):
+    pytest.importorskip("matplotlib", reason="matplotlib is the optional 'plot' extra")
+    from kvstage.bench.report import write_plot
+
+    sc, g, reports = _synthetic()
+    result = {"config": sc.to_dict(), "results": summarize(g, reports)}
+    for name in ("a.png", "b.svg"):
+        write_plot(result, str(tmp_path / name), "title")
+    assert (tmp_path / "a.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert b"<svg" in (tmp_path / "b.svg").read_bytes()[:2000]
+
+
+def test_plot_without_matplotlib_is_refused_up_front(monkeypatch, capsys):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import fails as if not installed
+    assert main(["bench", *TINY, "--plot", "r.png"]) == 2
+    assert "matplotlib is not installed" in capsys.readouterr().err
+
+
+def test_reference_content_any_seed_and_distinct_heads():
+    from kvstage.bench.reference import full_buffer, head_column
+
+    big = head_column(10**30, 3, 1, 8, 64)  # --seed of any size (content seeds multiply up)
+    assert big.shape == (8, 64) and torch_equal(big, head_column(10**30, 3, 1, 8, 64))
+    full = full_buffer(7, 2, 8, 4, 64)
+    assert full.shape == (8, 4, 64)
+    assert not torch_equal(full[:, 0], full[:, 1])
+    assert torch_equal(full[:, 2:], full_buffer(7, 2, 8, 4, 64, first=2))  # a rank builds only its heads
+
+
+def torch_equal(a, b) -> bool:
+    import torch
+
+    return bool(torch.equal(a, b))
