@@ -36,6 +36,8 @@ def _bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--arena-mb", type=float, default=512.0)
     p.add_argument("--slot-mb", type=float, default=64.0)
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    p.add_argument("--src-gpu", type=int, default=0, help="CUDA device of the source ranks (--device cuda)")
+    p.add_argument("--dst-gpu", type=int, default=0, help="CUDA device of the destination ranks (--device cuda)")
     p.add_argument("--mode", default="all", help="staged, bulk, per-slice, a comma list, or all")
     p.add_argument("--iters", type=int, default=3)
     p.add_argument("--warmup", type=int, default=1)
@@ -138,7 +140,7 @@ def sweep_from_args(a: argparse.Namespace):
         geometry=geo, src_page=PageLayout(a.page_size, a.layout),
         dst_page=PageLayout(a.dst_page_size or a.page_size, a.dst_layout or a.layout),
         modes=modes, device=a.device, iters=a.iters, warmup=a.warmup, seed=a.seed, verify=a.verify,
-        arena_mb=a.arena_mb, slot_mb=a.slot_mb,
+        arena_mb=a.arena_mb, slot_mb=a.slot_mb, src_gpu=a.src_gpu, dst_gpu=a.dst_gpu,
     )
 
 

@@ -45,6 +45,8 @@ class Scenario:
     slot_mb: float = 64.0
     settings_extra: dict = field(default_factory=dict)
     concurrency: int = 1
+    src_gpu: int = 0  # CUDA device of every source rank (device=cuda)
+    dst_gpu: int = 0  # CUDA device of every destination rank
 
     def __post_init__(self) -> None:
         self.modes = tuple(self.modes)
@@ -61,6 +63,9 @@ class Scenario:
             raise ConfigError(f"iters={self.iters}, warmup={self.warmup}: need iters >= 1 and warmup >= 0")
         if self.device not in ("cpu", "cuda"):
             raise ConfigError(f"device={self.device!r}: must be cpu or cuda")
+        for name in ("src_gpu", "dst_gpu"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"{name}={getattr(self, name)}: must be a CUDA device index >= 0")
         self.settings()  # validates arena and slot sizes
         self.plan  # validates the pair before any process or memory exists
 
@@ -75,6 +80,14 @@ class Scenario:
     @property
     def plan(self) -> TransferPlan:
         return plan(self.src, self.dst)
+
+    def torch_device(self, side: str):
+        """Where ``side``'s ("src" or "dst") rank buffers live."""
+        import torch
+
+        if self.device != "cuda":
+            return torch.device("cpu")
+        return torch.device("cuda", self.src_gpu if side == "src" else self.dst_gpu)
 
     def settings(self) -> Settings:
         return Settings(arena_mb=self.arena_mb, slot_mb=self.slot_mb, **self.settings_extra)

@@ -117,7 +117,9 @@ def dst_main(link: Link, g: Group, rank: int, listen_host: str) -> None:
     from kvstage.transports.nixl import NixlTransport
 
     b = g.base
-    dev = torch.device("cuda", 0) if b.device == "cuda" else torch.device("cpu")
+    dev = b.torch_device("dst")
+    if dev.type == "cuda":
+        torch.cuda.set_device(dev)
     cache = RankCache.allocate(b.dst, rank, g.pages(b.dst), dev)
     ep = Destination(cache, b.settings(), listen=(listen_host, 0))
     base = NixlTransport(f"kvstage-bench-dst{rank}")
@@ -202,7 +204,9 @@ def src_main(link: Link, g: Group, rank: int) -> None:
     from kvstage.transports.nixl import NixlTransport
 
     b = g.base
-    dev = torch.device("cuda", 0) if b.device == "cuda" else torch.device("cpu")
+    dev = b.torch_device("src")
+    if dev.type == "cuda":
+        torch.cuda.set_device(dev)
     cache = RankCache.allocate(b.src, rank, g.pages(b.src), dev)
     ep = Source(cache, b.settings())
     base = NixlTransport(f"kvstage-bench-src{rank}")
