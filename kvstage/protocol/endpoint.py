@@ -140,8 +140,8 @@ class Endpoint:
 
     def _start_reader(self, conn: Connection, first_timeout: float | None = None) -> None:
         def read():
-            conn.sock.settimeout(first_timeout)
             try:
+                conn.sock.settimeout(first_timeout)
                 while True:
                     msg = conn.recv()
                     conn.sock.settimeout(None)
