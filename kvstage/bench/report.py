@@ -32,6 +32,17 @@ def _num(x) -> str:
     return str(int(x))
 
 
+def _cells(r: dict, show_n: bool, arrow: str, failed: str) -> list[str]:
+    """One result row's cells, shared by the terminal table and the markdown table."""
+    ratio = "-" if r["ratio_to_bulk"] is None else f"{r['ratio_to_bulk']:.2f}x"
+    v = {True: "yes", False: failed, None: "-"}[r["verified"]]
+    arena = "-" if r["arena_bytes"] is None else f"{r['arena_bytes'] / (1 << 20):g}"
+    mode = r["mode"] + (" (direct)" if r.get("path") == ["direct"] else "")
+    return [mode, f"{r['src_tp']}{arrow}{r['dst_tp']}", str(r["tokens"])] + ([str(r["concurrency"])] if show_n else []) + [
+        f"{r['bytes'] / 1e6:.2f}", f"{r['gbps']:.3f}", _ms(r["latency_p50_s"]), _ms(r["latency_p99_s"]),
+        _num(r["descriptors"]), arena, ratio, v]
+
+
 def _geometry_line(cfg: dict) -> str:
     g = cfg["geometry"]
     sp, dp = cfg["src_page"], cfg["dst_page"]
@@ -62,14 +73,7 @@ def render_table(result: dict, title: str | None = None) -> str:
         if prev is not None and point != prev:
             t.add_section()
         prev = point
-        ratio = "-" if r["ratio_to_bulk"] is None else f"{r['ratio_to_bulk']:.2f}x"
-        v = {True: "yes", False: "NO", None: "-"}[r["verified"]]
-        arena = "-" if r["arena_bytes"] is None else f"{r['arena_bytes'] / (1 << 20):g}"
-        mode = r["mode"] + (" (direct)" if r.get("path") == ["direct"] else "")
-        cells = [mode, f"{r['src_tp']}->{r['dst_tp']}", str(r["tokens"])] + ([str(r["concurrency"])] if show_n else []) + [
-            f"{r['bytes'] / 1e6:.2f}", f"{r['gbps']:.3f}", _ms(r["latency_p50_s"]), _ms(r["latency_p99_s"]),
-            _num(r["descriptors"]), arena, ratio, v]
-        t.add_row(*cells)
+        t.add_row(*_cells(r, show_n, "->", "NO"))
     console = Console(record=True, width=132)
     with console.capture() as cap:
         console.print(t)
@@ -121,14 +125,7 @@ def markdown(result: dict, title: str | None = None, command: str | None = None)
     lines += [_geometry_line(result["config"]) + ".", "",
               "| " + " | ".join(head) + " |", "|" + "|".join("---" if h == "mode" else "--:" for h in head) + "|"]
     for r in rows:
-        ratio = "-" if r["ratio_to_bulk"] is None else f"{r['ratio_to_bulk']:.2f}x"
-        v = {True: "yes", False: "**NO**", None: "-"}[r["verified"]]
-        arena = "-" if r["arena_bytes"] is None else f"{r['arena_bytes'] / (1 << 20):g}"
-        mode = r["mode"] + (" (direct)" if r.get("path") == ["direct"] else "")
-        cells = [mode, f"{r['src_tp']}→{r['dst_tp']}", str(r["tokens"])] + ([str(r["concurrency"])] if show_n else []) + [
-            f"{r['bytes'] / 1e6:.2f}", f"{r['gbps']:.3f}", _ms(r["latency_p50_s"]), _ms(r["latency_p99_s"]),
-            _num(r["descriptors"]), arena, ratio, v]
-        lines.append("| " + " | ".join(cells) + " |")
+        lines.append("| " + " | ".join(_cells(r, show_n, "→", "**NO**")) + " |")
     lines.append("")
     lines += [f"- {n}" for n in notes(result)]
     return "\n".join(lines) + "\n"
