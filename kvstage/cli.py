@@ -38,6 +38,8 @@ def _bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     p.add_argument("--src-gpu", type=int, default=0, help="CUDA device of the source ranks (--device cuda)")
     p.add_argument("--dst-gpu", type=int, default=0, help="CUDA device of the destination ranks (--device cuda)")
+    p.add_argument("--transport", choices=("nixl", "ucx"), default=None,
+                   help="nixl (one-sided writes) or ucx (UCXX tag messages, two-sided); default: KVSTAGE_TRANSPORT, else nixl")
     p.add_argument("--mode", default="all", help="staged, bulk, per-slice, a comma list, or all")
     p.add_argument("--iters", type=int, default=3)
     p.add_argument("--warmup", type=int, default=1)
@@ -141,7 +143,14 @@ def sweep_from_args(a: argparse.Namespace):
         dst_page=PageLayout(a.dst_page_size or a.page_size, a.dst_layout or a.layout),
         modes=modes, device=a.device, iters=a.iters, warmup=a.warmup, seed=a.seed, verify=a.verify,
         arena_mb=a.arena_mb, slot_mb=a.slot_mb, src_gpu=a.src_gpu, dst_gpu=a.dst_gpu,
+        transport=a.transport or _env_transport(),
     )
+
+
+def _env_transport() -> str:
+    import os
+
+    return os.environ.get("KVSTAGE_TRANSPORT") or "nixl"  # Scenario checks the value
 
 
 def scenario_from_args(a: argparse.Namespace):

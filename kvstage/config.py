@@ -27,6 +27,11 @@ def _env(name: str, default, kind):
         raise ConfigError(f"{name}={raw!r}: must be a {kind.__name__}") from None
 
 
+#: transports ``Settings.transport`` may name; the one-sided ones support the direct path
+TRANSPORTS = ("nixl", "ucx")
+ONE_SIDED = ("nixl",)
+
+
 @dataclass
 class Settings:
     """Per-endpoint settings. Defaults come from ``KVSTAGE_*`` variables."""
@@ -37,7 +42,9 @@ class Settings:
     handshake_timeout_s: float = field(default_factory=lambda: _env("KVSTAGE_HANDSHAKE_TIMEOUT_S", 5.0, float))
     ready_timeout_s: float = field(default_factory=lambda: _env("KVSTAGE_READY_TIMEOUT_S", 120.0, float))
     stall_timeout_s: float = field(default_factory=lambda: _env("KVSTAGE_STALL_TIMEOUT_S", 5.0, float))
-    direct: bool = field(default_factory=lambda: _env("KVSTAGE_DIRECT", True, bool))
+    transport: str = field(default_factory=lambda: _env("KVSTAGE_TRANSPORT", "nixl", str))
+    #: None: on for one-sided transports (nixl), off for two-sided ones (ucx)
+    direct: bool | None = field(default_factory=lambda: _env("KVSTAGE_DIRECT", None, bool))
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -46,6 +53,16 @@ class Settings:
                 raise ConfigError(f"{f.name}={v!r}: must be at least 4 KiB (0.00390625 MiB)")
             if f.name.endswith("_s") and not v > 0:
                 raise ConfigError(f"{f.name}={v!r}: must be > 0 seconds")
+        if self.transport not in TRANSPORTS:
+            raise ConfigError(f"transport={self.transport!r}: must be one of {', '.join(TRANSPORTS)}")
+        if self.direct is None:
+            self.direct = self.transport in ONE_SIDED
+        elif self.direct and self.transport not in ONE_SIDED:
+            raise ConfigError(
+                f"direct={self.direct!r} with transport={self.transport!r}: the direct path writes into the "
+                f"destination's KV pages one-sidedly, which {self.transport} (two-sided) cannot do; "
+                "set KVSTAGE_DIRECT=0 (equal TP then goes staged) or KVSTAGE_TRANSPORT=nixl"
+            )
         if self.slot_mb > self.arena_mb:
             raise ConfigError(f"slot_mb={self.slot_mb} > arena_mb={self.arena_mb}: a slot must fit in the arena")
 

@@ -190,8 +190,10 @@ class Session:
                 host, port = d["address"]
                 info[r] = dict(d, address=[p.local_host if wildcard(host) else host, port])
             p.send({"type": "dsts", "dsts": info})
+        agents = {}  # source rank -> its baseline transport's id (two-sided destinations post receives for it)
         for p, msg in self._gather(set(srcs), "ready", "source ranks to connect").items():
             self._clock(p, msg)
+            agents[str(p.rank)] = msg.get("agent")
         everyone = set(srcs) | set(dsts)
         reports = []
         steps = group.schedule()
@@ -201,10 +203,14 @@ class Session:
             self._tick(done_steps + i, total_steps,
                        f"{group.label} {sc.tokens} tok{f' x{sc.concurrency}' if sc.concurrency > 1 else ''} {mode}")
             for p in everyone:
-                p.send({"type": "prep", "step": i})
-            self._gather(everyone, "armed", f"step {i} to be armed")
+                p.send({"type": "prep", "step": i} | ({"agents": agents} if p.role == "dst" else {}))
+            armed = self._gather(everyone, "armed", f"step {i} to be armed")
             for p in everyone:
-                p.send({"type": "go", "step": i})
+                go = {"type": "go", "step": i}
+                if p.role == "src":  # receive tickets of two-sided transports, per destination rank
+                    go["tickets"] = {str(d.rank): m["tickets"][str(p.rank)] for d, m in armed.items()
+                                     if d.role == "dst" and str(p.rank) in (m.get("tickets") or {})}
+                p.send(go)
             for p, msg in self._gather(everyone, "result", f"results of step {i} ({mode})").items():
                 reports.append((p.role, p.rank, pi, mode, it, msg["data"]))
         for p in everyone:
@@ -337,7 +343,7 @@ def host_facts(device: str = "cpu") -> dict:
             facts["gpus"] = [ln.strip() for ln in out.stdout.splitlines() if ln.strip()]
         except (OSError, subprocess.SubprocessError):
             pass
-    for dist in ("torch", "nixl-cu13", "nixl-cu12", "nixl"):
+    for dist in ("torch", "nixl-cu13", "nixl-cu12", "nixl", "ucxx-cu13", "ucxx-cu12", "libucx-cu13", "libucx-cu12"):
         try:
             facts[dist] = metadata.version(dist)
         except metadata.PackageNotFoundError:

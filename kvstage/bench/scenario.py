@@ -47,6 +47,7 @@ class Scenario:
     concurrency: int = 1
     src_gpu: int = 0  # CUDA device of every source rank (device=cuda)
     dst_gpu: int = 0  # CUDA device of every destination rank
+    transport: str = "nixl"  # nixl (one-sided) or ucx (two-sided, UCXX); every mode uses it
 
     def __post_init__(self) -> None:
         self.modes = tuple(self.modes)
@@ -90,7 +91,7 @@ class Scenario:
         return torch.device("cuda", self.src_gpu if side == "src" else self.dst_gpu)
 
     def settings(self) -> Settings:
-        return Settings(arena_mb=self.arena_mb, slot_mb=self.slot_mb, **self.settings_extra)
+        return Settings(arena_mb=self.arena_mb, slot_mb=self.slot_mb, transport=self.transport, **self.settings_extra)
 
     def pages(self, side: SideSpec) -> int:
         """Cache size per rank: room for every concurrent request plus as much

@@ -111,10 +111,12 @@ def _stages(handles) -> dict:
 def dst_main(link: Link, g: Group, rank: int, listen_host: str) -> None:
     import torch
 
+    from kvstage.bench.baselines import slice_spans
     from kvstage.bench.reference import check_shard
     from kvstage.protocol.destination import Destination
     from kvstage.staging.cache import RankCache
-    from kvstage.transports.nixl import NixlTransport
+    from kvstage.transports import make_transport
+    from kvstage.transports.base import Spans
 
     b = g.base
     dev = b.torch_device("dst")
@@ -122,7 +124,7 @@ def dst_main(link: Link, g: Group, rank: int, listen_host: str) -> None:
         torch.cuda.set_device(dev)
     cache = RankCache.allocate(b.dst, rank, g.pages(b.dst), dev)
     ep = Destination(cache, b.settings(), listen=(listen_host, 0))
-    base = NixlTransport(f"kvstage-bench-dst{rank}")
+    base = make_transport(b.transport, f"kvstage-bench-dst{rank}")
     plan = b.plan
     writers = plan.writers_of(rank)
     kv = [base.register(t) for t in cache.buffers] if "per-slice" in b.modes else []
@@ -146,8 +148,22 @@ def dst_main(link: Link, g: Group, rank: int, listen_host: str) -> None:
             for t in cache.buffers:
                 t.view(torch.uint8)[idx] = 0
         handles = [ep.expect(tag(pi, mode, it, k), reqs[k], tokens) for k in range(n)] if mode == "staged" else []
+        tickets = {}
+        if mode != "staged" and not base.one_sided:  # post the receives of this step's baseline writes
+            agents = msg["agents"]
+            for p in writers:
+                ts = []
+                for k in range(n):
+                    if mode == "bulk":
+                        off = k * plan.dst_token_bytes() * tokens + plan.writer_offsets(rank, tokens)[p.src_rank]
+                        spans = Spans.single(bulk_region, [off], [plan.piece_token_bytes(p) * tokens])
+                    else:
+                        src_pages = request_pages(g, pi, "src", p.src_rank, it)[k]
+                        spans = slice_spans(p, sc.src, sc.dst, src_pages, reqs[k], tokens, kv, kv)[1]
+                    ts.append(base64.b64encode(base.expect(agents[str(p.src_rank)], spans)).decode())
+                tickets[str(p.src_rank)] = ts
         _sync(dev)
-        link.send({"type": "armed", "step": step})
+        link.send({"type": "armed", "step": step, "tickets": tickets})
         link.recv("go")
         path, stages, done = None, {}, [None] * n
         if handles:
@@ -200,8 +216,8 @@ def src_main(link: Link, g: Group, rank: int) -> None:
     from kvstage.bench.reference import fill_shard
     from kvstage.protocol.source import Source
     from kvstage.staging.cache import RankCache
+    from kvstage.transports import make_transport
     from kvstage.transports.base import Region, Spans
-    from kvstage.transports.nixl import NixlTransport
 
     b = g.base
     dev = b.torch_device("src")
@@ -209,7 +225,7 @@ def src_main(link: Link, g: Group, rank: int) -> None:
         torch.cuda.set_device(dev)
     cache = RankCache.allocate(b.src, rank, g.pages(b.src), dev)
     ep = Source(cache, b.settings())
-    base = NixlTransport(f"kvstage-bench-src{rank}")
+    base = make_transport(b.transport, f"kvstage-bench-src{rank}")
     dsts = {int(d): info for d, info in link.recv("dsts", timeout=WAIT_S)["dsts"].items()}
     ep.connect([tuple(dsts[d]["address"]) for d in sorted(dsts)])
     plan = b.plan
@@ -221,7 +237,7 @@ def src_main(link: Link, g: Group, rank: int) -> None:
     bulk_bytes = max((p.concurrency * p.tokens for p in g.points if "bulk" in p.modes), default=0) * mine_tok
     bulk = torch.empty(bulk_bytes, dtype=torch.uint8, device=dev) if bulk_bytes else None
     bulk_region = base.register(bulk) if bulk is not None else None
-    link.send({"type": "ready", "clock_error_s": link.sync_error})
+    link.send({"type": "ready", "clock_error_s": link.sync_error, "agent": base.id})
     for step, (pi, mode, it) in enumerate(g.schedule()):
         msg = link.recv("prep")
         assert msg["step"] == step, (msg, step)
@@ -241,7 +257,11 @@ def src_main(link: Link, g: Group, rank: int) -> None:
                     prepared[k].append((p, base.prepare(None, local), base.prepare(peers[p.dst_rank], remote), idx))
         _sync(dev)
         link.send({"type": "armed", "step": step})
-        link.recv("go")
+        tickets = link.recv("go").get("tickets") or {}
+
+        def ticket(d: int, k: int) -> bytes:  # from the destination's expect() (two-sided transports)
+            return base64.b64decode(tickets[str(d)][k]) if str(d) in tickets else b""
+
         t0 = link.now()
         sent, stages, descriptors = [], {}, 0
         if mode == "staged":
@@ -264,7 +284,7 @@ def src_main(link: Link, g: Group, rank: int) -> None:
                     remote = Region.from_wire(dsts[p.dst_rank]["bulk"])
                     handles.append(base.write(peers[p.dst_rank], Spans.single(bulk_region, [at], [size]),
                                               Spans.single(remote, [off], [size]),
-                                              f"{tag(pi, mode, it, k)}-{rank}".encode()))
+                                              f"{tag(pi, mode, it, k)}-{rank}".encode(), ticket(p.dst_rank, k)))
                     at += size
                     descriptors += 1
             _wait_writes(base, handles)
@@ -274,7 +294,7 @@ def src_main(link: Link, g: Group, rank: int) -> None:
                 sent.append(link.now())
                 for p, lp, rp, idx in prepared[k]:
                     handles.append(base.write_prepared(peers[p.dst_rank], lp, idx, rp, idx,
-                                                       f"{tag(pi, mode, it, k)}-{rank}".encode()))
+                                                       f"{tag(pi, mode, it, k)}-{rank}".encode(), ticket(p.dst_rank, k)))
                     descriptors += len(idx)
             _wait_writes(base, handles)
         _sync(dev)

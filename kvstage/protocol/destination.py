@@ -21,12 +21,12 @@ from dataclasses import dataclass, field as dc_field
 import numpy as np
 
 from kvstage.errors import IncompatibleGeometry, KVStageError, ProtocolError
-from kvstage.protocol.endpoint import Endpoint, check_pages, md_from_wire, md_to_wire, spec_from_wire, spec_to_wire
+from kvstage.protocol.endpoint import Endpoint, check_pages, check_transport, md_from_wire, md_to_wire, spec_from_wire, spec_to_wire
 from kvstage.protocol.request import State, TransferHandle
 from kvstage.protocol.wire import PROTOCOL_VERSION, Connection, decode_notice, field
 from kvstage.staging.copy import TokenIndex, scatter_chunk
 from kvstage.tp import Piece, TransferPlan, plan
-from kvstage.transports.base import Region
+from kvstage.transports.base import Region, Spans
 
 log = logging.getLogger("kvstage")
 
@@ -156,13 +156,15 @@ class Destination(Endpoint):
             raise ProtocolError(f"protocol version {version} unsupported; this side speaks {PROTOCOL_VERSION}")
         if not hmac.compare_digest(str(msg.get("token", "")).encode(), self.settings.auth_token.encode()):
             raise ProtocolError("auth token does not match KVSTAGE_AUTH_TOKEN on the destination")
+        check_transport(msg, self.transport.name, "source")
         src = spec_from_wire(field(msg, "spec", dict))
         p = plan(src, self.spec)
         if self.plan is not None and p.src != self.plan.src:
             raise IncompatibleGeometry(f"source spec {src} differs from the first source's {self.plan.src}")
         rank = field(msg, "rank", int, minimum=0, maximum=src.tp - 1)
         piece = next((x for x in p.writers_of(self.rank) if x.src_rank == rank), None)
-        welcome = {"type": "welcome", "version": PROTOCOL_VERSION, "spec": spec_to_wire(self.spec), "rank": self.rank}
+        welcome = {"type": "welcome", "version": PROTOCOL_VERSION, "spec": spec_to_wire(self.spec), "rank": self.rank,
+                   "transport": self.transport.name}
         if piece is None:  # nothing to send here; the source closes this connection
             conn.send(welcome)
             return
@@ -202,6 +204,11 @@ class Destination(Endpoint):
             raise ProtocolError(f"protocol version {version} unsupported; this side speaks {PROTOCOL_VERSION}")
         if not hmac.compare_digest(str(msg.get("token", "")).encode(), self.settings.auth_token.encode()):
             raise ProtocolError("auth token does not match KVSTAGE_AUTH_TOKEN on the destination")
+        if not self.transport.one_sided:
+            raise ProtocolError(
+                f"probe: this destination moves bytes with transport={self.transport.name}; `kvstage probe --peer` "
+                "measures NIXL writes only (run `kvstage probe --transport ucx` on each host for UCX's view)"
+            )
         nbytes = min(field(msg, "nbytes", int, minimum=1), self.arena.slot_bytes)
         agent = field(msg, "agent", str)
         slot = self.arena.allocator.acquire()
@@ -295,15 +302,25 @@ class Destination(Endpoint):
         start = c * inc.chunk_tokens
         count = min(inc.chunk_tokens, inc.handle.tokens - start)
         offsets = self.plan.writer_offsets(self.rank, count)
+        base = self.arena.offset(slot)
+        tickets = {}
+        try:  # a two-sided transport posts its receives now, before any writer can send
+            for rank, off in offsets.items():
+                nbytes = self.plan.piece_token_bytes(self.writers[rank].piece) * count
+                tickets[rank] = self.transport.expect(self.writers[rank].agent,
+                                                      Spans.single(self.arena_region, [base + off], [nbytes]))
+        except KVStageError as e:
+            self.arena.allocator.release(slot)
+            return self._fail(inc.handle.req, "local", "grant", f"posting receives: {e}", tell=True)
         inc.open[c] = Chunk(c, start, count, slot, set(offsets))
         inc.next_chunk += 1
         inc.touched = time.monotonic()
-        base = self.arena.offset(slot)
         for rank, off in offsets.items():
-            self.writers[rank].conn.send({
-                "type": "grant", "req": inc.handle.req, "chunk": c, "chunks": inc.chunks, "start": start,
-                "count": count, "offset": base + off,
-            })
+            grant = {"type": "grant", "req": inc.handle.req, "chunk": c, "chunks": inc.chunks, "start": start,
+                     "count": count, "offset": base + off}
+            if tickets[rank]:
+                grant["ticket"] = md_to_wire(tickets[rank])
+            self.writers[rank].conn.send(grant)
 
     def _progress(self) -> None:
         for agent, data in self.transport.notifications():

@@ -83,6 +83,15 @@ def check_pages(cache: RankCache, page_ids, tokens: int) -> np.ndarray:
     return ids
 
 
+def check_transport(msg: dict, mine: str, who: str) -> None:
+    """Both sides of a connection must move bytes with the same transport (absent: nixl, protocol 1's only one)."""
+    theirs = msg.get("transport", "nixl")
+    if theirs != mine:
+        raise ProtocolError(
+            f"transport: the {who} uses {str(theirs)[:32]!r}, this side {mine!r}; set the same KVSTAGE_TRANSPORT on both sides"
+        )
+
+
 def _plugins(transport: Transport) -> list[str] | None:
     plugins = getattr(transport, "plugins", None)
     return plugins() if callable(plugins) else None
@@ -99,9 +108,14 @@ class Endpoint:
         self.rank = cache.rank
         self.settings = settings or Settings()
         if transport is None:
-            from kvstage.transports.nixl import NixlTransport
+            from kvstage.transports import make_transport
 
-            transport = NixlTransport(f"kvstage-{self.role}{self.rank}")
+            transport = make_transport(self.settings.transport, f"kvstage-{self.role}{self.rank}")
+        elif self.settings.direct and not transport.one_sided:
+            raise ConfigError(
+                f"direct=True with a {transport.name} transport: {transport.name} is two-sided and has no direct "
+                f"path; pass Settings(transport={transport.name!r}) (direct then defaults to off) or direct=False"
+            )
         self.transport = transport
         self.arena = StagingArena(self.settings.slot_bytes, self.settings.slots, cache.device)
         self.arena_region: Region = self.transport.register(self.arena.buffer)

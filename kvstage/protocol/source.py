@@ -18,7 +18,7 @@ import numpy as np
 
 from kvstage.errors import KVStageError, ProtocolError, TransferFailed
 from kvstage.layout import pages_needed
-from kvstage.protocol.endpoint import Endpoint, check_pages, md_from_wire, md_to_wire, spec_from_wire, spec_to_wire
+from kvstage.protocol.endpoint import Endpoint, check_pages, check_transport, md_from_wire, md_to_wire, spec_from_wire, spec_to_wire
 from kvstage.protocol.request import State, TransferHandle
 from kvstage.protocol.wire import PROTOCOL_VERSION, Connection, encode_notice, field
 from kvstage.staging.copy import TokenIndex, gather
@@ -47,6 +47,7 @@ class Job:
     count: int
     offset: int = 0
     pages: np.ndarray | None = None
+    ticket: bytes = b""  # from the destination's transport.expect (two-sided transports)
     queued: float = dc_field(default_factory=time.perf_counter)
 
 
@@ -120,6 +121,7 @@ class Source(Endpoint):
             conn.send({
                 "type": "hello", "version": PROTOCOL_VERSION, "token": self.settings.auth_token,
                 "spec": spec_to_wire(self.spec), "rank": self.rank, "agent": self.transport.id,
+                "transport": self.transport.name,
                 "metadata": md_to_wire(self.transport.metadata()), "slot_bytes": self.arena.slot_bytes,
                 "facts": self.facts,
             })
@@ -135,6 +137,7 @@ class Source(Endpoint):
                 raise ProtocolError(f"expected welcome, got {msg['type']!r}")
             if field(msg, "version", int) != PROTOCOL_VERSION:
                 raise ProtocolError(f"destination speaks protocol {msg['version']}, this side {PROTOCOL_VERSION}")
+            check_transport(msg, self.transport.name, "destination")
             dst = spec_from_wire(field(msg, "spec", dict))
             p = plan(self.spec, dst)
             rank = field(msg, "rank", int, minimum=0, maximum=dst.tp - 1)
@@ -246,6 +249,8 @@ class Source(Endpoint):
             job.pages = np.asarray(pages, dtype=np.int64)
         else:
             job.offset = field(msg, "offset", int, minimum=0)
+            if "ticket" in msg:
+                job.ticket = md_from_wire(field(msg, "ticket", str))
             nbytes = self.plan.piece_token_bytes(target.piece) * count
             if job.offset + nbytes > target.arena.nbytes:
                 raise ProtocolError(
@@ -325,7 +330,7 @@ class Source(Endpoint):
     def _post_write(self, out, job, slot, local: Spans, remote: Spans, nbytes: int, t: float) -> None:
         target = self.targets[job.dst]
         try:
-            h = self.transport.write(target.agent, local, remote, encode_notice(job.req, job.chunk, self.rank))
+            h = self.transport.write(target.agent, local, remote, encode_notice(job.req, job.chunk, self.rank), job.ticket)
         except KVStageError as e:
             if slot is not None:
                 self.arena.allocator.release(slot)

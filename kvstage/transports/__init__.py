@@ -1,0 +1,16 @@
+"""Transports: ``nixl`` (one-sided, NIXL/UCX) and ``ucx`` (two-sided, UCXX)."""
+
+
+def make_transport(name: str, label: str):
+    """A transport by its ``Settings.transport`` name; raises TransportError if it cannot start."""
+    if name == "nixl":
+        from kvstage.transports.nixl import NixlTransport
+
+        return NixlTransport(label)
+    if name == "ucx":
+        from kvstage.transports.ucx import UcxTransport
+
+        return UcxTransport(label)
+    from kvstage.errors import ConfigError
+
+    raise ConfigError(f"transport={name!r}: must be nixl or ucx")

@@ -4,6 +4,13 @@ A transport knows nothing of KV, heads or TP. It registers memory, exchanges
 opaque metadata with peers, writes local spans into a peer's registered spans
 with a notification that arrives after the data, reports completion, and
 hands over notifications it received.
+
+One-sided transports (NIXL) write into any registered span. Two-sided ones
+(UCX tag messages) can only land bytes where the receiver posted a receive:
+the receiving side calls ``expect(peer, spans)`` before the peer writes there,
+and hands the ticket it returns to the writer (the request protocol carries it
+in the grant); the writer passes it to ``write``. For a one-sided transport
+``expect`` checks nothing, posts nothing and returns an empty ticket.
 """
 
 from __future__ import annotations
@@ -86,6 +93,15 @@ class Transport(abc.ABC):
     """One endpoint of a transport. Not thread-safe: one thread drives it."""
 
     name: str
+    #: True: ``write`` may target any registered span (``expect`` is a no-op).
+    #: False: only spans the receiver ``expect``-ed, with the ticket it returned.
+    one_sided: bool = True
+
+    def expect(self, peer: str, spans: Spans) -> bytes:
+        """Receiver side: ``peer`` will write into ``spans`` (registered here) in
+        one ``write`` whose spans match these one for one. Returns the ticket
+        that write must carry. One-sided transports: a no-op, ``b""``."""
+        return b""
 
     @abc.abstractmethod
     def register(self, tensor) -> Region:
@@ -109,9 +125,11 @@ class Transport(abc.ABC):
         """This endpoint's id as peers see it (``connect``'s result, notification sender)."""
 
     @abc.abstractmethod
-    def write(self, peer: str, local: Spans, remote: Spans, notification: bytes) -> object:
+    def write(self, peer: str, local: Spans, remote: Spans, notification: bytes, ticket: bytes = b"") -> object:
         """Start writing each local span to the matching remote span of ``peer``;
-        ``notification`` reaches the peer after all of them. Returns a handle for ``poll``."""
+        ``notification`` reaches the peer after all of them. ``ticket``: what the
+        peer's ``expect`` returned for ``remote`` (two-sided transports). Returns
+        a handle for ``poll``."""
 
     @abc.abstractmethod
     def prepare(self, peer: str | None, spans: Spans) -> object:
@@ -120,7 +138,8 @@ class Transport(abc.ABC):
 
     @abc.abstractmethod
     def write_prepared(
-        self, peer: str, local: object, local_index: np.ndarray, remote: object, remote_index: np.ndarray, notification: bytes
+        self, peer: str, local: object, local_index: np.ndarray, remote: object, remote_index: np.ndarray, notification: bytes,
+        ticket: bytes = b"",
     ) -> object:
         """Like ``write``, for spans chosen by index from two prepared lists."""
 

@@ -105,7 +105,7 @@ class NixlTransport(Transport):
     def id(self) -> str:
         return self.agent_name
 
-    def write(self, peer, local, remote, notification):
+    def write(self, peer, local, remote, notification, ticket=b""):
         if len(local) != len(remote) or np.any(local.lengths != remote.lengths):
             raise TransportError("write: local and remote spans differ in count or lengths")
         try:
@@ -125,7 +125,7 @@ class NixlTransport(Transport):
         except Exception as e:
             raise TransportError(f"NIXL could not prepare {len(spans)} descriptors for {peer or 'local'}: {e}") from e
 
-    def write_prepared(self, peer, local, local_index, remote, remote_index, notification):
+    def write_prepared(self, peer, local, local_index, remote, remote_index, notification, ticket=b""):
         try:
             handle = self._agent.make_prepped_xfer(
                 "WRITE", local, np.asarray(local_index, dtype=np.int32), remote, np.asarray(remote_index, dtype=np.int32), notification
