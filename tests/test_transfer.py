@@ -1,9 +1,11 @@
-"""Byte-exact transfers over real NIXL between real rank processes.
+"""Byte-exact transfers over both real transports between real rank processes.
 
 Each case builds the full KV cache from a seed, shards it by source TP into
 random non-contiguous pages, transfers, and compares every destination shard
 (random pages too) with the full cache sharded by destination TP; pages
-outside the request must stay untouched.
+outside the request must stay untouched. Every case runs over NIXL (one-sided
+writes) and over UCX through UCXX (two-sided tag messages); the direct path is
+NIXL's only (with UCX, equal TP goes staged, tested below).
 """
 
 import pytest
@@ -14,10 +16,11 @@ from kvstage.layout import KVGeometry, PageLayout, token_bytes
 
 
 def scenario(src_tp, dst_tp, heads=8, tokens=203, src_page=(16, "nhd"), dst_page=None, mla=False, device="cpu",
-             modes=("staged",), arena_mb=2.0, slot_mb=0.25, head_dim=32, layers=3):
+             modes=("staged",), arena_mb=2.0, slot_mb=0.25, head_dim=32, layers=3, transport="nixl"):
     geo = KVGeometry(layers, 1 if mla else heads, head_dim, "bfloat16", mla)
     return Scenario(geo, src_tp, dst_tp, tokens, PageLayout(*src_page), PageLayout(*(dst_page or src_page)),
-                    modes=modes, device=device, iters=1, warmup=0, arena_mb=arena_mb, slot_mb=slot_mb)
+                    modes=modes, device=device, iters=1, warmup=0, arena_mb=arena_mb, slot_mb=slot_mb,
+                    transport=transport)
 
 
 CASES = {
@@ -41,12 +44,14 @@ def _check(result, path):
 
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
+TRANSPORTS = ["nixl", "ucx"]
 
 
+@pytest.mark.parametrize("transport", TRANSPORTS)
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("name", sorted(CASES))
-def test_staged_byte_exact(name, device):
-    _check(run(scenario(**CASES[name], device=device)), "staged")
+def test_staged_byte_exact(name, device, transport):
+    _check(run(scenario(**CASES[name], device=device, transport=transport)), "staged")
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -66,11 +71,25 @@ def test_mla_equal_paging_is_direct_one_sender_per_destination(device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_request_four_times_the_arena_streams_through_it(device):
+@pytest.mark.parametrize("case", [dict(src_tp=2, dst_tp=2), dict(src_tp=4, dst_tp=2, mla=True)], ids=["equal_tp", "mla"])
+def test_ucx_has_no_direct_path_whole_shards_go_staged(device, case):
+    # the plan allows the direct path; UCX is two-sided, so the destination grants slots instead
+    sc = scenario(**case, modes=("staged", "per-slice"), device=device, transport="ucx")
+    assert sc.plan.direct and sc.settings().direct is False
+    result = run(sc)
+    row = _check(result, "staged")
+    chunk = sc.settings().slot_bytes // sc.plan.dst_token_bytes() // 16 * 16  # whole pages of 16 tokens
+    assert row["descriptors"] == len(sc.plan.pieces) * -(-sc.tokens // chunk)  # one write per piece and chunk
+    assert [r["verified"] for r in result["results"]] == [True, True]
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+@pytest.mark.parametrize("device", DEVICES)
+def test_request_four_times_the_arena_streams_through_it(device, transport):
     geo_bytes = token_bytes(KVGeometry(3, 8, 32, "bfloat16"), 8)  # destination token bytes, TP 1
     arena_mb = 0.5
     tokens = int(4 * arena_mb * (1 << 20) // geo_bytes)
-    sc = scenario(4, 1, tokens=tokens, arena_mb=arena_mb, slot_mb=0.125, device=device)
+    sc = scenario(4, 1, tokens=tokens, arena_mb=arena_mb, slot_mb=0.125, device=device, transport=transport)
     assert sc.payload_bytes() >= 4 * arena_mb * (1 << 20) * 0.99
     row = _check(run(sc), "staged")
     fit = (1 << 17) // geo_bytes  # tokens that fit one 128 KiB slot
@@ -78,9 +97,10 @@ def test_request_four_times_the_arena_streams_through_it(device):
     assert row["descriptors"] == 4 * -(-tokens // chunk)  # four writers, one write per chunk each
 
 
+@pytest.mark.parametrize("transport", TRANSPORTS)
 @pytest.mark.parametrize("device", DEVICES)
-def test_baselines_write_the_same_bytes_and_verify(device):
-    result = run(scenario(4, 1, modes=("staged", "bulk", "per-slice"), device=device))
+def test_baselines_write_the_same_bytes_and_verify(device, transport):
+    result = run(scenario(4, 1, modes=("staged", "bulk", "per-slice"), device=device, transport=transport))
     rows = {r["mode"]: r for r in result["results"]}
     assert rows["staged"]["verified"] and rows["per-slice"]["verified"]
     assert rows["bulk"]["verified"] is None

@@ -208,9 +208,9 @@ class UcxTransport(Transport):
     def disconnect(self, peer: str) -> None:
         ep = self._eps.pop(peer, None)
         if ep is not None:
-            try:
-                ep.close()
-                self._progress()
+            try:  # blocking: a non-blocking close completing after the endpoint object is gone crashes UCXX
+                ep.close_blocking(period=10**9, max_attempts=1)
+                ep.remove_close_callback()
             except Exception as e:  # already gone is fine
                 log.debug("ucx: closing the endpoint to %s: %s", peer, e)
 
