@@ -48,6 +48,7 @@ _NOTIF_MAGIC = b"KVN1"
 _NOTIF_TAG = (1 << 63) | 0x4B5653  # data tags stay below 1 << 62
 _NOTIF_MAX = 4096  # bytes of one notification message, header included
 _NOTIF_POSTED = 16  # notification receives kept posted
+_MAX_DISCARD = 1 << 16  # messages of one stray write received and thrown away
 _TICKET = struct.Struct("!QI")  # first tag, number of spans
 _HEAD = struct.Struct("!4sI12sH")  # magic, total length, ticket, sender id length
 _U16 = struct.Struct("!H")
@@ -141,6 +142,7 @@ class UcxTransport(Transport):
         self._next_tag = random.randrange(1, 1 << 40)
         self._expected: dict[int, _Expected] = {}
         self._held: list[tuple[str, int, int, bytes]] = []  # (sender, base, count, notification)
+        self._discards: list = []  # (request, 1-byte buffer) receiving stray messages
         self._notif = [self._post_notif(bytearray(_NOTIF_MAX)) for _ in range(_NOTIF_POSTED)]
 
     # -- helpers ---------------------------------------------------------------
@@ -309,12 +311,15 @@ class UcxTransport(Transport):
             else:
                 self._take_notif(buf)
             self._notif[i] = self._post_notif(buf)
+        self._discards = [(r, b) for r, b in self._discards if not r.completed]
         out, still = [], []
         for sender, base, count, note in self._held:
             exp = self._expected.get(base)
             if exp is None or exp.peer != sender or exp.count != count:
                 log.warning("ucx: notification from %s names ticket (%d, %d), which this side did not issue to it; "
-                            "dropped", sender, base, count)
+                            "dropped%s", sender, base, count, "" if exp else ", its bytes are discarded")
+                if exp is None:
+                    self._discard(base, count)
                 continue
             if not all(r.completed for r in exp.requests):
                 still.append((sender, base, count, note))
@@ -328,6 +333,13 @@ class UcxTransport(Transport):
             out.append((sender, note))
         self._held = still
         return out
+
+    def _discard(self, base: int, count: int) -> None:
+        """Receive a stray write's messages into one byte each (UCX ends them truncated): an unmatched
+        message would otherwise stay queued, and UCXX's worker destructor waits for it forever."""
+        for i in range(min(count, _MAX_DISCARD)):
+            buf = bytearray(1)
+            self._discards.append((self._worker.tag_recv(self._Array(buf), self._api.UCXXTag(base + i)), buf))
 
     def _take_notif(self, buf: bytearray) -> None:
         try:
@@ -355,6 +367,7 @@ class UcxTransport(Transport):
             self._progress()
         self._expected.clear()
         self._held.clear()
+        self._discards.clear()
         self._notif = []
         self._registered.clear()
         # Destroy worker and context now, while the interpreter is whole.
