@@ -64,6 +64,26 @@ def test_sweep_with_concurrency_writes_json_csv_and_plot(tmp_path):
         assert col in proc.stdout
 
 
+def test_bench_over_ucx_runs_every_mode_and_verifies(tmp_path):
+    out = tmp_path / "r.json"
+    proc = bench(*TINY, "--transport", "ucx", "--src-tp", "2", "--tokens", "100", "--concurrency", "2",
+                 "--iters", "1", "--warmup", "0", "--json", str(out))
+    assert proc.returncode == 0, proc.stderr
+    data = json.loads(out.read_text())
+    assert data["config"]["transport"] == "ucx"
+    assert data["host"].get("ucxx-cu13")  # the UCXX release that moved the bytes is recorded with them
+    rows = {r["mode"]: r for r in data["results"]}
+    assert set(rows) == {"staged", "bulk", "per-slice"}
+    assert rows["staged"]["verified"] is True and rows["per-slice"]["verified"] is True, rows
+    assert rows["bulk"]["verified"] is None and rows["bulk"]["descriptors"] == 2
+    assert rows["staged"]["path"] == ["staged"]
+
+
+def test_bench_refuses_an_unknown_transport():
+    proc = bench(*TINY, "--transport", "tcp", "--iters", "1")
+    assert proc.returncode == 2 and "invalid choice: 'tcp'" in proc.stderr
+
+
 def test_json_to_stdout():
     proc = bench(*TINY, "--src-tp", "2", "--tokens", "32", "--mode", "bulk", "--iters", "1", "--warmup", "0",
                  "--json", "-")
