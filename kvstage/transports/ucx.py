@@ -35,6 +35,7 @@ import random
 import struct
 import threading
 import uuid
+import weakref
 
 import numpy as np
 
@@ -107,10 +108,10 @@ class _Expected:
 
 
 class _Write:
-    __slots__ = ("peer", "requests", "buffers")
+    __slots__ = ("peer", "requests", "buffers", "failed", "__weakref__")
 
     def __init__(self, peer, requests, buffers):
-        self.peer, self.requests, self.buffers = peer, requests, buffers
+        self.peer, self.requests, self.buffers, self.failed = peer, requests, buffers, None
 
 
 def _error_of(request) -> str | None:
@@ -125,7 +126,18 @@ class UcxTransport(Transport):
     name = "ucx"
     one_sided = False
 
-    def __init__(self, label: str = "kvstage"):
+    def __init__(self, label: str = "kvstage", error_handling: bool | None = None):
+        """``error_handling``: UCX peer-failure handling on endpoints (default: the variable
+        ``KVSTAGE_UCX_ERROR_HANDLING``, else off). With it UCX 1.21 leaves shared memory and cma
+        out of tag rendezvous, so host-to-host bytes between processes of one host take tcp/lo
+        (measured ~7x slower); without it a dead peer's writes are failed by ``disconnect``
+        (the protocol calls it when the peer's control connection closes) instead of by UCX."""
+        if error_handling is None:
+            raw = os.environ.get("KVSTAGE_UCX_ERROR_HANDLING", "0").lower()
+            if raw not in ("0", "1", "true", "false", "yes", "no", "on", "off", ""):
+                raise TransportError(f"KVSTAGE_UCX_ERROR_HANDLING={raw!r}: must be 0 or 1")
+            error_handling = raw in ("1", "true", "yes", "on")
+        self.error_handling = bool(error_handling)
         self._api, self._Array = load_ucxx()
         api = self._api
         self._id = f"{label}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
@@ -143,6 +155,9 @@ class UcxTransport(Transport):
         self._expected: dict[int, _Expected] = {}
         self._held: list[tuple[str, int, int, bytes]] = []  # (sender, base, count, notification)
         self._discards: list = []  # (request, 1-byte buffer) receiving stray messages
+        self._writes: dict[str, weakref.WeakSet] = {}  # peer -> its writes not yet released
+        self._orphans: list = []  # buffers of writes failed while UCX still held them
+        self._closed_eps: list = []  # endpoints closed by disconnect, kept alive until close()
         self._notif = [self._post_notif(bytearray(_NOTIF_MAX)) for _ in range(_NOTIF_POSTED)]
 
     # -- helpers ---------------------------------------------------------------
@@ -202,19 +217,24 @@ class UcxTransport(Transport):
             return peer
         try:
             addr = self._api.UCXAddress.create_from_buffer(bytearray(address))
-            self._eps[peer] = self._worker.create_endpoint_from_worker_address(addr, True)
+            self._eps[peer] = self._worker.create_endpoint_from_worker_address(addr, self.error_handling)
         except Exception as e:
             raise TransportError(f"ucx: could not reach peer {peer} from its worker address: {type(e).__name__}: {e}") from e
         return peer
 
     def disconnect(self, peer: str) -> None:
+        for w in self._writes.pop(peer, ()):  # without UCX error handling nothing else ever ends them
+            if not all(r.completed for r in w.requests):
+                w.failed = f"peer {peer} disconnected before the write completed"
         ep = self._eps.pop(peer, None)
         if ep is not None:
-            try:  # blocking: a non-blocking close completing after the endpoint object is gone crashes UCXX
-                ep.close_blocking(period=10**9, max_attempts=1)
-                ep.remove_close_callback()
+            # non-blocking: a blocking close of an endpoint whose peer died crashed UCXX 0.52 (segfault);
+            # the endpoint object lives until the worker goes, so the close never outlives it
+            try:
+                ep.close()
             except Exception as e:  # already gone is fine
                 log.debug("ucx: closing the endpoint to %s: %s", peer, e)
+            self._closed_eps.append(ep)
 
     @property
     def id(self) -> str:
@@ -271,7 +291,9 @@ class UcxTransport(Transport):
             requests.append(ep.tag_send(self._Array(note), tag(_NOTIF_TAG)))
         except Exception as e:
             raise TransportError(f"ucx write to {peer} could not be posted: {type(e).__name__}: {e}") from e
-        return _Write(peer, requests, buffers)
+        w = _Write(peer, requests, buffers)
+        self._writes.setdefault(peer, weakref.WeakSet()).add(w)
+        return w
 
     def prepare(self, peer, spans):
         try:
@@ -288,6 +310,8 @@ class UcxTransport(Transport):
         return self.write(peer, pick(local, local_index), pick(remote, remote_index), notification, ticket)
 
     def poll(self, handle) -> WriteState:
+        if handle.failed:
+            raise TransportError(f"UCX write to {handle.peer} failed: {handle.failed}")
         self._progress()
         if not all(r.completed for r in handle.requests):
             return WriteState.PENDING
@@ -298,6 +322,9 @@ class UcxTransport(Transport):
         return WriteState.DONE
 
     def release(self, handle) -> None:
+        self._writes.get(handle.peer, set()).discard(handle)
+        if handle.failed:  # UCX may still hold the buffers: keep them alive with the transport
+            self._orphans.append(handle.buffers)
         handle.requests, handle.buffers = [], []
 
     def notifications(self):
@@ -365,6 +392,7 @@ class UcxTransport(Transport):
             self.disconnect(peer)
         for _ in range(10):
             self._progress()
+        self._closed_eps.clear()
         self._expected.clear()
         self._held.clear()
         self._discards.clear()
