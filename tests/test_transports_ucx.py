@@ -155,6 +155,15 @@ def test_a_write_with_a_ticket_never_issued_lands_nowhere_and_is_not_notified(pa
     assert notes == [] and not dst.any()
 
 
+def test_facts_come_from_ucxx_not_from_nixls_bundled_ucx(pair):
+    facts = pair[0].facts()
+    import ucxx
+
+    assert facts["ucx_version"]["value"] == ".".join(map(str, ucxx.get_ucx_version()))
+    assert {"self", "tcp"} <= set(facts["ucx_transports"]["value"])  # what UCX lists on every host
+    assert "cma" in facts["ucx_modules"]["value"]  # a loadable module of the libucx wheel
+
+
 def test_metadata_of_another_transport_is_refused_by_name():
     from kvstage.transports.nixl import NixlTransport
 

@@ -207,7 +207,7 @@ class Destination(Endpoint):
         if not self.transport.one_sided:
             raise ProtocolError(
                 f"probe: this destination moves bytes with transport={self.transport.name}; `kvstage probe --peer` "
-                "measures NIXL writes only (run `kvstage probe --transport ucx` on each host for UCX's view)"
+                "measures NIXL writes only; the ucx transport logs the UCX it runs at connect (docs/transports.md)"
             )
         nbytes = min(field(msg, "nbytes", int, minimum=1), self.arena.slot_bytes)
         agent = field(msg, "agent", str)

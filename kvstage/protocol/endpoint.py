@@ -120,6 +120,9 @@ class Endpoint:
         self.arena = StagingArena(self.settings.slot_bytes, self.settings.slots, cache.device)
         self.arena_region: Region = self.transport.register(self.arena.buffer)
         self.facts = collect_local(self.arena.buffer, agent_plugins=_plugins(self.transport))
+        own = getattr(self.transport, "facts", None)
+        if callable(own):  # the transport's own introspection (UCXX's UCX, not NIXL's bundled one)
+            self.facts.update(own())
         self._kv_regions: list[Region] | None = None
         self._events: queue.Queue = queue.Queue()
         self._closing = False

@@ -185,6 +185,32 @@ class UcxTransport(Transport):
     def _progress(self) -> None:
         self._worker.progress()
 
+    def facts(self) -> dict:
+        """What UCXX says about the UCX it runs (the probe's facts, replacing NIXL's bundled UCX)."""
+        import glob
+        import re
+
+        from kvstage.probe.finding import fact
+
+        out = {"ucx_version": fact(".".join(map(str, self._api.get_ucx_version())), "queried",
+                                   "ucxx get_ucx_version() (the libucp UCXX loaded)")}
+        try:
+            info = self._ctx.info
+            tls = sorted({r.split()[-1].split("/")[0] for r in re.findall(r"^#.*resource.*md.*dev.*flags.*$", info, re.M)})
+            out["ucx_transports"] = fact(tls, "queried", "resources of this transport's UCX context (as ucxx.get_active_transports)")
+        except Exception as e:  # an introspection failure is a fact too
+            out["ucx_transports"] = fact(None, "queried", f"UCX context info unreadable: {e}")
+        try:
+            import libucx
+
+            folder = os.path.join(os.path.dirname(libucx.__file__), "lib", "ucx")
+            names = sorted({re.sub(r"\.so.*$", "", os.path.basename(p))[len("libuct_"):]
+                            for p in glob.glob(os.path.join(folder, "libuct_*.so*"))})
+            out["ucx_modules"] = fact(names, "queried", "libuct_*.so in the UCX modules folder of the libucx wheel UCXX loads")
+        except ImportError:
+            out["ucx_modules"] = fact(None, "queried", "no libucx wheel (UCXX uses a system UCX)")
+        return out
+
     # -- the contract ------------------------------------------------------------
     def register(self, tensor) -> Region:
         if not tensor.is_contiguous():
