@@ -140,6 +140,19 @@ def test_tickets_never_repeat_and_each_write_lands_where_its_ticket_says(pair):
     assert not dst[:8192].any() and not dst[12288:].any()
 
 
+def test_a_write_completes_only_once_the_receiver_took_the_bytes(pair):
+    # rendezvous for every size (RNDV_THRESH=0): without the receiver's progress nothing completes, so
+    # a finished write means landed bytes (what the protocol's abort_ack relies on), even for 16 bytes
+    a, b, peer, ra, rb, src, dst = pair
+    spans = Spans.single(rb, [0], [16])
+    h = a.write(peer, Spans.single(ra, [64], [16]), spans, b"tiny", b.expect(a.id, spans))
+    deadline = time.monotonic() + 0.5
+    while time.monotonic() < deadline:
+        assert a.poll(h) is WriteState.PENDING
+    assert _both(a, b, h) == [(a.id, b"tiny")]
+    assert torch.equal(dst[:16], src[64:80])
+
+
 def test_a_write_with_a_ticket_never_issued_lands_nowhere_and_is_not_notified(pair, caplog):
     a, b, peer, ra, rb, src, dst = pair
     forged = struct.pack("!QI", (1 << 61) + 12345, 1)  # no receive was posted for this tag

@@ -23,6 +23,8 @@ receive. The UCX context runs with ``RNDV_THRESH=0`` (every message uses the
 rendezvous protocol): a send then completes only once the receiver matched it
 and the bytes moved, so a completed write means landed bytes, as it does with
 NIXL, and the protocol's "no write of mine is in flight" (abort_ack) stays true.
+``RNDV_SCHEME=put_zcopy`` (unless ``UCX_RNDV_SCHEME`` is set) makes each sender
+write its own bytes, as NIXL's writers do.
 """
 
 from __future__ import annotations
@@ -55,8 +57,13 @@ _HEAD = struct.Struct("!4sI12sH")  # magic, total length, ticket, sender id leng
 _U16 = struct.Struct("!H")
 #: environment variables ``import ucxx`` sets for Dask-style use; kvstage puts back what was there
 _UCXX_ENV = ("UCX_MEMTYPE_CACHE", "UCX_RNDV_THRESH", "UCX_RNDV_FRAG_MEM_TYPE", "UCX_CUDA_COPY_MAX_REG_RATIO")
-#: UCX options of kvstage's context (see the module docstring)
+#: UCX options of kvstage's context (see the module docstring); always applied
 UCX_OPTIONS = {"RNDV_THRESH": "0"}
+#: applied unless the environment sets them (``UCX_<name>``): the sender writes into the
+#: receiver's buffer (cma, cuda_ipc, RDMA put), so every source rank copies its own bytes in
+#: parallel; the default lets the receiver read, and one destination then does every writer's
+#: copy itself (CPU, 4->1: bulk 4.3 GB/s vs 13.1 with put_zcopy, NIXL 12.6)
+UCX_DEFAULTS = {"RNDV_SCHEME": "put_zcopy"}
 
 
 def load_ucxx():
@@ -142,7 +149,8 @@ class UcxTransport(Transport):
         api = self._api
         self._id = f"{label}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         try:
-            self._ctx = api.UCXContext(dict(UCX_OPTIONS), feature_flags=(api.Feature.TAG,))
+            options = {k: v for k, v in UCX_DEFAULTS.items() if f"UCX_{k}" not in os.environ} | UCX_OPTIONS
+            self._ctx = api.UCXContext(options, feature_flags=(api.Feature.TAG,))
             self._worker = api.UCXWorker(self._ctx, enable_delayed_submission=False, enable_python_future=False)
         except Exception as e:
             raise TransportError(f"UCX context/worker for {self._id} failed to start: {type(e).__name__}: {e}") from e
