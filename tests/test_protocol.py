@@ -197,6 +197,7 @@ def test_hostile_grants_are_refused_and_the_source_keeps_serving():
             (good | {"offset": (1 << 16) - piece_bytes + 1}, "exceed the destination arena"),
             (good | {"offset": -1}, "offset=-1 is below 0"),
             (good | {"start": "0"}, "is not int"),
+            (good | {"ticket": "not base64!"}, "ticket is not base64"),
         ]:
             c.send(bad)
             reply = c.recv()

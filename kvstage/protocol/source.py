@@ -8,6 +8,7 @@ the bytes. Its own arena is back-pressure too: a grant waits for a free slot.
 
 from __future__ import annotations
 
+import base64
 import collections
 import logging
 import socket
@@ -250,7 +251,10 @@ class Source(Endpoint):
         else:
             job.offset = field(msg, "offset", int, minimum=0)
             if "ticket" in msg:
-                job.ticket = md_from_wire(field(msg, "ticket", str))
+                try:
+                    job.ticket = base64.b64decode(field(msg, "ticket", str), validate=True)
+                except ValueError:
+                    raise ProtocolError(f"grant for {req!r} chunk {c}: ticket is not base64") from None
             nbytes = self.plan.piece_token_bytes(target.piece) * count
             if job.offset + nbytes > target.arena.nbytes:
                 raise ProtocolError(
