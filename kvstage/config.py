@@ -27,6 +27,9 @@ def _env(name: str, default, kind):
         raise ConfigError(f"{name}={raw!r}: must be a {kind.__name__}") from None
 
 
+ARENA_LOCATIONS = ("auto", "device", "host")
+
+
 @dataclass
 class Settings:
     """Per-endpoint settings. Defaults come from ``KVSTAGE_*`` variables."""
@@ -38,6 +41,7 @@ class Settings:
     ready_timeout_s: float = field(default_factory=lambda: _env("KVSTAGE_READY_TIMEOUT_S", 120.0, float))
     stall_timeout_s: float = field(default_factory=lambda: _env("KVSTAGE_STALL_TIMEOUT_S", 5.0, float))
     direct: bool = field(default_factory=lambda: _env("KVSTAGE_DIRECT", True, bool))
+    arena: str = field(default_factory=lambda: _env("KVSTAGE_ARENA", "auto", str))
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -46,6 +50,8 @@ class Settings:
                 raise ConfigError(f"{f.name}={v!r}: must be at least 4 KiB (0.00390625 MiB)")
             if f.name.endswith("_s") and not v > 0:
                 raise ConfigError(f"{f.name}={v!r}: must be > 0 seconds")
+        if self.arena not in ARENA_LOCATIONS:
+            raise ConfigError(f"arena={self.arena!r}: must be one of {', '.join(ARENA_LOCATIONS)}")
         if self.slot_mb > self.arena_mb:
             raise ConfigError(f"slot_mb={self.slot_mb} > arena_mb={self.arena_mb}: a slot must fit in the arena")
 

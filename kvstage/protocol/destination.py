@@ -25,6 +25,7 @@ from kvstage.protocol.endpoint import Endpoint, check_pages, md_from_wire, md_to
 from kvstage.protocol.request import State, TransferHandle
 from kvstage.protocol.wire import PROTOCOL_VERSION, Connection, decode_notice, field
 from kvstage.staging.copy import TokenIndex, scatter_chunk
+from kvstage.staging.fence import CopyFence
 from kvstage.tp import Piece, TransferPlan, plan
 from kvstage.transports.base import Region
 
@@ -80,6 +81,7 @@ class Destination(Endpoint):
         self.requests: dict[str, Incoming] = {}
         self._early: dict[str, dict[int, int]] = {}
         self._rr: list[str] = []  # grant order (round robin)
+        self._scattering: list = []  # (fence, request, chunk, start time) of scatters still on the device
         self._probes: dict[Connection, tuple[int, str]] = {}  # probe connection -> (lent slot, prober agent)
         self._listener = socket.create_server(listen)
         self.address = self._listener.getsockname()[:2]
@@ -122,7 +124,7 @@ class Destination(Endpoint):
         self._maybe_start(inc)
 
     def _busy(self) -> bool:
-        return any(r.open or r.quarantine for r in self.requests.values())
+        return bool(self._scattering) or any(r.open or r.quarantine for r in self.requests.values())
 
     def _on_message(self, conn: Connection, msg: dict) -> None:
         kind = msg["type"]
@@ -306,6 +308,7 @@ class Destination(Endpoint):
             })
 
     def _progress(self) -> None:
+        self._poll_scatters()
         for agent, data in self.transport.notifications():
             try:
                 self._on_notice(agent, data)
@@ -334,21 +337,40 @@ class Destination(Endpoint):
         if chunk.pending:
             return
         del inc.open[c]
-        if not inc.direct:
-            inc.stage = "scatter"
-            t0 = time.perf_counter()
-            idx = TokenIndex(self.cache, inc.pages, chunk.start, chunk.count)
-            offsets = self.plan.writer_offsets(self.rank, chunk.count)
-            pieces = [(p.dst_offset, p.heads.count, offsets[p.src_rank]) for p in self.plan.writers_of(self.rank)]
-            slot = self.arena.view(self.arena.offset(chunk.slot), self.arena.slot_bytes)
-            scatter_chunk(self.cache, idx, pieces, slot)
-            if self.cache.device.type == "cuda":
-                import torch
+        if inc.direct:
+            return self._landed(inc, chunk)
+        inc.stage = "scatter"
+        t0 = time.perf_counter()
+        idx = TokenIndex(self.cache, inc.pages, chunk.start, chunk.count)
+        offsets = self.plan.writer_offsets(self.rank, chunk.count)
+        pieces = [(p.dst_offset, p.heads.count, offsets[p.src_rank]) for p in self.plan.writers_of(self.rank)]
+        slot = self.arena.view(self.arena.offset(chunk.slot), self.arena.slot_bytes)
+        fence = CopyFence(self.cache.device)
+        scatter_chunk(self.cache, idx, pieces, slot)
+        self._scattering.append((fence.close(), inc, chunk, t0))
+        self._watch(fence)
+        self._poll_scatters()
 
-                torch.cuda.current_stream(self.cache.device).synchronize()
+    def _poll_scatters(self) -> None:
+        """Finish every chunk whose scatter has passed its fence: free its slot, count it."""
+        still = []
+        for fence, inc, chunk, t0 in self._scattering:
+            if not fence.done():
+                still.append((fence, inc, chunk, t0))
+                continue
             inc.handle.stages["scatter"] += time.perf_counter() - t0
+            gpu = fence.gpu_seconds()
+            if gpu is not None:
+                inc.handle.stages["scatter_gpu"] = inc.handle.stages.get("scatter_gpu", 0.0) + gpu
             self.arena.allocator.release(chunk.slot)
-            inc.stage = "grant"
+            if not inc.handle.done():
+                inc.stage = "grant"
+                self._landed(inc, chunk)
+        self._scattering = still
+
+    def _landed(self, inc: Incoming, chunk: Chunk) -> None:
+        """A chunk is in this rank's pages; the request is done with its last one."""
+        req = inc.handle.req
         inc.handle.bytes += self.plan.dst_token_bytes() * chunk.count
         inc.scattered += 1
         if inc.scattered == inc.chunks:

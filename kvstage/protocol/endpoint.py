@@ -11,27 +11,32 @@ from __future__ import annotations
 
 import base64
 import logging
+import os
 import queue
 import threading
 import time
 from typing import Callable
 
 import numpy as np
+import torch
 
 from kvstage.config import Settings
 from kvstage.errors import ConfigError, KVStageError, ProtocolError
 from kvstage.layout import KVGeometry, PageLayout, pages_needed
 from kvstage.probe.connect import connect_line
 from kvstage.probe.facts import collect_local
+from kvstage.probe.libs import ucx_modules
 from kvstage.protocol.wire import Connection, field
-from kvstage.staging.arena import StagingArena
+from kvstage.staging.arena import StagingArena, choose_arena
 from kvstage.staging.cache import RankCache
 from kvstage.tp import SideSpec
 from kvstage.transports.base import Region, Transport
 
 log = logging.getLogger("kvstage")
 
-_BUSY_WAIT = 0.0002  # seconds between transport polls while writes or notices are expected
+# seconds between transport polls while writes or notices are expected: GPU hosts have
+# cores to spare and sub-millisecond chunks; on a host cache the copies are the cores' work
+_BUSY_WAIT = {"cuda": 0.00005, "cpu": 0.0002}
 _IDLE_WAIT = 0.05
 
 
@@ -103,11 +108,20 @@ class Endpoint:
 
             transport = NixlTransport(f"kvstage-{self.role}{self.rank}")
         self.transport = transport
-        self.arena = StagingArena(self.settings.slot_bytes, self.settings.slots, cache.device)
+        where, why = choose_arena(self.settings.arena, cache.device, ucx_modules()["value"], os.environ)
+        on_gpu = where == "device"
+        self.arena = StagingArena(self.settings.slot_bytes, self.settings.slots,
+                                  cache.device if on_gpu else torch.device("cpu"), pinned=cache.device.type == "cuda")
+        self.arena_location = where
+        if cache.device.type == "cuda":
+            log.info("%s %d: staging arena of %d MiB in %s (%s)", self.role, self.rank,
+                     self.arena.buffer.numel() >> 20, f"{cache.device} memory" if on_gpu else "pinned host memory", why)
         self.arena_region: Region = self.transport.register(self.arena.buffer)
         self.facts = collect_local(self.arena.buffer, agent_plugins=_plugins(self.transport))
         self._kv_regions: list[Region] | None = None
         self._events: queue.Queue = queue.Queue()
+        self._fences: queue.Queue | None = None  # copies on the device, watched by a waiter thread
+        self._busy_wait = _BUSY_WAIT["cuda" if cache.device.type == "cuda" else "cpu"]
         self._closing = False
         self._thread = threading.Thread(target=self._run, name=f"kvstage-{self.role}{self.rank}", daemon=True)
 
@@ -138,6 +152,24 @@ class Endpoint:
             raise box["error"]
         return box.get("value")
 
+    def _watch(self, fence) -> None:
+        """Wake the loop the moment a device copy finishes, instead of at its next poll:
+        one waiter thread per endpoint blocks on the fences in launch order."""
+        if fence.done():
+            return
+        if self._fences is None:
+            self._fences = queue.Queue()
+            threading.Thread(target=self._wait_fences, name=f"kvstage-fences-{self.role}{self.rank}", daemon=True).start()
+        self._fences.put(fence)
+
+    def _wait_fences(self) -> None:
+        while True:
+            fence = self._fences.get()
+            if fence is None:
+                return
+            fence.wait()
+            self._post("copied")
+
     def _start_reader(self, conn: Connection, first_timeout: float | None = None) -> None:
         def read():
             try:
@@ -154,7 +186,7 @@ class Endpoint:
     def _run(self) -> None:
         while True:
             try:
-                kind, args = self._events.get(timeout=_BUSY_WAIT if self._busy() else _IDLE_WAIT)
+                kind, args = self._events.get(timeout=self._busy_wait if self._busy() else _IDLE_WAIT)
             except queue.Empty:
                 kind, args = None, ()
             if kind == "stop":
@@ -189,6 +221,8 @@ class Endpoint:
         """Fail requests that made no progress for ``stall_timeout_s``."""
 
     def _shutdown(self) -> None:
+        if self._fences is not None:
+            self._fences.put(None)
         self.transport.close()
 
     def _reject(self, conn: Connection, msg: dict, err: KVStageError) -> None:
