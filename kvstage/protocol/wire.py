@@ -57,9 +57,15 @@ def decode_notice(data: bytes) -> tuple[str, int, int]:
 
 def _keepalive(sock: socket.socket, idle: int = 1, interval: int = 1, count: int = 3) -> None:
     """Probe an idle peer every second and drop it after three missed answers:
-    a peer whose host or link died is noticed in ~4 s even with nothing to send."""
+    a peer whose host or link died is noticed in ~4 s even with nothing to send.
+
+    Keepalive only runs while nothing sent is waiting for an acknowledgement;
+    with a grant or an abort stuck in a cut link, TCP would retransmit for
+    ~15 minutes instead. ``TCP_USER_TIMEOUT`` bounds that wait to the same
+    ~4 s, so a dead link closes the connection (and frees its slots) either way."""
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
-    for name, value in (("TCP_KEEPIDLE", idle), ("TCP_KEEPINTVL", interval), ("TCP_KEEPCNT", count)):
+    for name, value in (("TCP_KEEPIDLE", idle), ("TCP_KEEPINTVL", interval), ("TCP_KEEPCNT", count),
+                        ("TCP_USER_TIMEOUT", (idle + interval * count) * 1000)):
         if hasattr(socket, name):
             sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, name), value)
 
