@@ -310,25 +310,62 @@ class Destination(Endpoint):
             try:
                 self._on_notice(agent, data)
             except ProtocolError as e:
-                log.warning("dst %d: ignored a notification from %s: %s", self.rank, agent, e)
+                self._reject_notice(agent, data, e)
         self._grant()
 
+    def _reject_notice(self, agent: str, data: bytes, err: ProtocolError) -> None:
+        """A notice that breaks the protocol changes nothing but what it names
+        (see ``_on_notice``); its writer hears why on its control connection."""
+        writer = next((w for w in self.writers.values() if w.agent == agent), None)
+        who = f"source rank {writer.rank} (agent {agent})" if writer else f"agent {agent}, not a connected source"
+        log.warning("dst %d: rejected a landing notice from %s: %s", self.rank, who, err)
+        if writer is not None:
+            self._reject(writer.conn, {"type": "landed"}, err)
+
     def _on_notice(self, agent: str, data: bytes) -> None:
+        """Check a "chunk landed" notice against the grant it answers.
+
+        Refused without effect: a notice that is malformed, names another
+        writer than the agent that sent it, an unknown or finished request, a
+        chunk out of range, not granted yet, or already landed. A notice for
+        a granted chunk whose write went elsewhere or had another length than
+        the grant fails that request: its slot does not hold the chunk."""
         if any(agent == a for _, a in self._probes.values()):
             return  # a probe's measured write into its lent slot
-        req, c, rank = decode_notice(data)
+        req, c, rank, offset, nbytes = decode_notice(data)
         writer = self.writers.get(rank)
         if writer is None or writer.agent != agent:
-            raise ProtocolError(f"notice for writer {rank} came from agent {agent}, not that writer's")
+            raise ProtocolError(f"notice names writer {rank}, but agent {agent} is not that source rank's")
         inc = self.requests.get(req)
         if inc is None:
             raise ProtocolError(f"notice for unknown request {req!r}")
         if c in inc.quarantine:
             self._unquarantine(inc, c, rank)
             return
+        if inc.handle.done():
+            raise ProtocolError(f"notice for chunk {c} of {req!r}, which already {inc.handle.state.value}")
+        if inc.handle.state is State.PENDING:
+            raise ProtocolError(f"notice for chunk {c} of {req!r}, which is not granted yet (the request waits for its writers)")
+        if c >= inc.chunks:
+            raise ProtocolError(f"notice for chunk {c} of {req!r}, out of range: the request has {inc.chunks} chunks")
+        if c >= inc.next_chunk:
+            raise ProtocolError(f"notice for chunk {c} of {req!r}, which is not granted yet")
         chunk = inc.open.get(c)
         if chunk is None or rank not in chunk.pending:
-            raise ProtocolError(f"notice for chunk {c} of {req!r} from writer {rank}, which was not granted or already landed")
+            raise ProtocolError(f"duplicate notice: chunk {c} of {req!r} from writer {rank} already landed")
+        if inc.direct:
+            want_offset, want = None, len(inc.pages) * sum(b.nbytes // self.cache.pages for b in self.cache.buffers)
+        else:
+            want_offset = self.arena.offset(chunk.slot) + self.plan.writer_offsets(self.rank, chunk.count)[rank]
+            want = self.plan.piece_token_bytes(writer.piece) * chunk.count
+        if offset != want_offset or nbytes != want:
+            chunk.pending.discard(rank)  # its write is over, if not where it belongs
+            what = "wrong slot" if offset != want_offset else "wrong size"
+            self._fail(req, f"source rank {rank}", "write",
+                       f"{what}: chunk {c} was written as {nbytes} bytes at arena offset {offset}; its grant was "
+                       f"{want} bytes at {want_offset}", tell=True)
+            raise ProtocolError(f"{what}: chunk {c} of {req!r} written as {nbytes} bytes at arena offset {offset}, "
+                                f"granted {want} bytes at {want_offset}; the request failed")
         chunk.pending.discard(rank)
         inc.touched = time.monotonic()
         if chunk.pending:

@@ -325,7 +325,8 @@ class Source(Endpoint):
     def _post_write(self, out, job, slot, local: Spans, remote: Spans, nbytes: int, t: float) -> None:
         target = self.targets[job.dst]
         try:
-            h = self.transport.write(target.agent, local, remote, encode_notice(job.req, job.chunk, self.rank))
+            notice = encode_notice(job.req, job.chunk, self.rank, None if slot is None else job.offset, nbytes)
+            h = self.transport.write(target.agent, local, remote, notice)
         except KVStageError as e:
             if slot is not None:
                 self.arena.allocator.release(slot)
