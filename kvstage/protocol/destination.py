@@ -115,6 +115,11 @@ class Destination(Endpoint):
     def _add(self, handle: TransferHandle, pages: np.ndarray) -> None:
         if handle.req in self.requests:
             raise ValueError(f"request {handle.req!r} is already in flight on destination rank {self.rank}")
+        if self._take_abort(handle):  # a writer aborted it already: the others hear of it now
+            self._early.pop(handle.req, None)
+            for p in self.plan.writers_of(self.rank) if self.plan else []:
+                self._send(p.src_rank, {"type": "abort", "req": handle.req, "reason": handle.error.cause})
+            return
         inc = Incoming(handle, pages)
         self.requests[handle.req] = inc
         for w, tokens in self._early.pop(handle.req, {}).items():
@@ -140,7 +145,12 @@ class Destination(Endpoint):
                 self._on_ready(writer, msg)
             elif kind == "abort":
                 req = field(msg, "req", str)
-                self._fail(req, f"source rank {writer.rank}", "abort", "source aborted: " + str(msg.get("reason"))[:200], tell=False)
+                cause = "source aborted: " + str(msg.get("reason"))[:200]
+                if req in self.requests:  # the other writers of the request hear of it too
+                    self._fail(req, f"source rank {writer.rank}", "abort", cause, tell=True, skip=writer.rank)
+                else:
+                    self._early.pop(req, None)
+                    self._remember_abort(req, f"source rank {writer.rank}", cause)
             elif kind == "abort_ack":
                 self._on_abort_ack(writer.rank, field(msg, "req", str))
             else:
@@ -405,7 +415,7 @@ class Destination(Endpoint):
                 log.debug("dst %d: send to source rank %d failed: %s", self.rank, rank, e)
 
     # -- failures --------------------------------------------------------------
-    def _fail(self, req: str, peer: str, stage: str, cause: str, tell: bool) -> None:
+    def _fail(self, req: str, peer: str, stage: str, cause: str, tell: bool, skip: int | None = None) -> None:
         inc = self.requests.get(req)
         if inc is None or inc.handle.done():
             return
@@ -422,7 +432,8 @@ class Destination(Endpoint):
         inc.open.clear()
         if tell and self.plan is not None:
             for p in self.plan.writers_of(self.rank):
-                self._send(p.src_rank, {"type": "abort", "req": req, "reason": cause})
+                if p.src_rank != skip:
+                    self._send(p.src_rank, {"type": "abort", "req": req, "reason": cause})
         self._forget_if_clear(inc)
 
     def _unquarantine(self, inc: Incoming, c: int, rank: int) -> None:

@@ -188,6 +188,8 @@ class Source(Endpoint):
         if not want:  # replicas or MLA: another source rank covers these heads
             handle._move(State.DONE)
             return
+        if self._take_abort(handle):
+            return
         out = Outgoing(handle, pages)
         self.requests[handle.req] = out
         for d in want:
@@ -208,8 +210,11 @@ class Source(Endpoint):
                 self._on_grant(target, msg)
             elif kind == "abort":
                 req = field(msg, "req", str)
-                self._fail(req, f"destination rank {target.rank}", "abort",
-                           "destination aborted: " + str(msg.get("reason"))[:200], tell=False)
+                cause = "destination aborted: " + str(msg.get("reason"))[:200]
+                if req in self.requests:
+                    self._fail(req, f"destination rank {target.rank}", "abort", cause, tell=False)
+                else:
+                    self._remember_abort(req, f"destination rank {target.rank}", cause)
             elif kind == "done":
                 field(msg, "req", str)
             elif kind == "error":
