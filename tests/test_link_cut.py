@@ -108,7 +108,6 @@ def _env(tls: str | None) -> dict:
 TOKEN_BYTES = 512  # destination bytes per token: 2 layers x 4 heads x 16 x bf16 x (K, V)
 BIG = 20_000  # tokens, ~10 MB in 16 KiB chunks: seconds over the veth, so the cut lands mid-transfer
 DETECT_LIMIT = 5.0 + 2.0  # the default timeouts (4 s TCP, 5 s stall) plus slack for a loaded machine
-DETECTIONS: list[tuple[str, str, float]] = []  # (side cut, side failing, seconds): printed by the last test
 
 
 def _final(rank: Rank, req: str, timeout: float) -> dict:
@@ -178,7 +177,6 @@ def test_link_cut_mid_transfer_fails_both_sides_then_recovers(netns_pair, side):
                 for e in (ed, es):
                     assert "connection lost" in e["cause"] or "not landed" in e["cause"] or "not complete" in e["cause"], e
                 if req == reqs[0]:
-                    DETECTIONS.extend([(side, "dst", fd["t"] - t_cut), (side, "src", fs["t"] - t_cut)])
                     print(f"link cut ({side} end) round {n}: destination failed after {(fd['t'] - t_cut) * 1e3:.0f} ms, "
                           f"source after {(fs['t'] - t_cut) * 1e3:.0f} ms")
                     assert fd["t"] - t_cut < DETECT_LIMIT and fs["t"] - t_cut < DETECT_LIMIT
