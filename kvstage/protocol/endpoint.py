@@ -38,6 +38,7 @@ log = logging.getLogger("kvstage")
 # cores to spare and sub-millisecond chunks; on a host cache the copies are the cores' work
 _BUSY_WAIT = {"cuda": 0.00005, "cpu": 0.0002}
 _IDLE_WAIT = 0.05
+MAX_ABORTED = 4096
 
 
 def spec_to_wire(spec: SideSpec) -> dict:
@@ -119,6 +120,7 @@ class Endpoint:
         self.arena_region: Region = self.transport.register(self.arena.buffer)
         self.facts = collect_local(self.arena.buffer, agent_plugins=_plugins(self.transport))
         self._kv_regions: list[Region] | None = None
+        self._aborted: dict[str, tuple[str, str]] = {}  # req -> (peer, cause): aborted by a peer before this side knew it
         self._events: queue.Queue = queue.Queue()
         self._fences: queue.Queue | None = None  # copies on the device, watched by a waiter thread
         self._busy_wait = _BUSY_WAIT["cuda" if cache.device.type == "cuda" else "cpu"]
@@ -205,6 +207,21 @@ class Endpoint:
         self._shutdown()
 
     # -- for subclasses ------------------------------------------------------
+    def _remember_abort(self, req: str, peer: str, cause: str) -> None:
+        """A peer aborted ``req`` before this side was told of it: fail it the
+        moment it is added instead of waiting for a grant or a writer that will
+        never come. At most ``MAX_ABORTED`` are kept, the oldest dropped first."""
+        self._aborted.pop(req, None)
+        self._aborted[req] = (peer, cause)
+        while len(self._aborted) > MAX_ABORTED:
+            self._aborted.pop(next(iter(self._aborted)))
+
+    def _take_abort(self, handle) -> bool:
+        got = self._aborted.pop(handle.req, None)
+        if got is not None:
+            handle._fail(got[0], "abort", got[1])
+        return got is not None
+
     def _busy(self) -> bool:
         return False
 

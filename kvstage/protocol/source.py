@@ -202,6 +202,8 @@ class Source(Endpoint):
         if not want:  # replicas or MLA: another source rank covers these heads
             handle._move(State.DONE)
             return
+        if self._take_abort(handle):
+            return
         out = Outgoing(handle, pages)
         self.requests[handle.req] = out
         for d in want:
@@ -222,8 +224,11 @@ class Source(Endpoint):
                 self._on_grant(target, msg)
             elif kind == "abort":
                 req = field(msg, "req", str)
-                self._fail(req, f"destination rank {target.rank}", "abort",
-                           "destination aborted: " + str(msg.get("reason"))[:200], tell=False)
+                cause = "destination aborted: " + str(msg.get("reason"))[:200]
+                if req in self.requests:
+                    self._fail(req, f"destination rank {target.rank}", "abort", cause, tell=False)
+                else:
+                    self._remember_abort(req, f"destination rank {target.rank}", cause)
             elif kind == "done":
                 field(msg, "req", str)
             elif kind == "error":
@@ -363,7 +368,8 @@ class Source(Endpoint):
     def _post_write(self, out, job, slot, local: Spans, remote: Spans, nbytes: int, t: float) -> None:
         target = self.targets[job.dst]
         try:
-            h = self.transport.write(target.agent, local, remote, encode_notice(job.req, job.chunk, self.rank))
+            notice = encode_notice(job.req, job.chunk, self.rank, None if slot is None else job.offset, nbytes)
+            h = self.transport.write(target.agent, local, remote, notice)
         except KVStageError as e:
             if slot is not None:
                 self.arena.allocator.release(slot)
