@@ -161,6 +161,8 @@ def main(cfg: dict) -> None:
                     s.clear()
                     waiting.pop(room, None), sent.pop(room, None)
                 elif room in waiting and poll == KVPoll.WaitingForInput:
+                    if time.monotonic() - r.setdefault("ready_at", time.monotonic()) < r.get("hold_s", 0):
+                        continue  # a slow prefill forward: the decode may abort meanwhile
                     p = pages_of[room]
                     s.init(len(p), r["slot"])
                     for view, row in zip(_aux_views(meta), aux_rows(room, kv_args.aux_item_lens)):
@@ -229,8 +231,8 @@ def main(cfg: dict) -> None:
     print("RESULT " + json.dumps({"role": role, "rank": rank, "results": {str(k): v for k, v in results.items()}}),
           flush=True)
     dist.barrier(group)
-    if server is not None:
-        time.sleep(cfg.get("linger_s", 1.0))  # decode ranks may still read the bootstrap server
+    if role == "prefill":
+        time.sleep(cfg.get("linger_s", 2.0))  # decode ranks may still read the bootstrap server or call in
     os._exit(0)
 
 

@@ -58,6 +58,7 @@ from kvstage.errors import ConfigError
 from kvstage.plugin.sglang_layout import RowBuffers, SglangKVLayout, decode_spec, kv_buffers, prefill_layout
 from kvstage.protocol.request import State
 from kvstage.staging.cache import RankCache
+from kvstage.tp import SideSpec, plan
 
 log = logging.getLogger("kvstage.sglang")
 
@@ -294,18 +295,22 @@ class KVStageManager(CommonKVManager):
             want = {int(h["pages"]) for h in peers}
             if want != {len(pages)}:
                 raise ConfigError(f"the decode ranks allocated {sorted(want)} pages, this prefill rank holds {len(pages)}")
-            src = self._source(tuple(tuple(h["dst"]) for h in peers))
+            # the same plan the endpoints will agree on: a rank that writes nothing (MLA, replicated
+            # heads) finishes here, without waiting for any decode rank
+            spec = self.cache.spec
+            p = plan(spec, SideSpec(spec.geometry, len(peers), spec.page))
             handle = None
-            if len(pages):
-                handle = src.send(str(room), pages, len(pages) * self.cache.spec.page.page_size)
+            if p.targets_of(self.attn_tp_rank):
+                src = self._source(tuple(tuple(h["dst"]) for h in peers))
+                if len(pages):
+                    handle = src.send(str(room), pages, len(pages) * spec.page.page_size)
             with self._lock:
                 out.handle = handle
             if handle is not None:
                 self.update_status(room, KVPoll.Transferring)
             for d, h in enumerate(peers):
-                writers = src.plan.writers_of(d)
-                if writers and writers[0].src_rank == self.attn_tp_rank:
-                    self._send_aux(room, out, h, src.plan)
+                if p.writers_of(d)[0].src_rank == self.attn_tp_rank:  # the first writer sends the rows
+                    self._send_aux(room, out, h, p)
             with self._lock:
                 out.sent = True
         except Exception as e:
@@ -452,7 +457,7 @@ class KVStageManager(CommonKVManager):
             return
         h = inc.handle
         if h is not None and h.state is State.FAILED:
-            self.record_failure(room, str(h.error))
+            self.first_failure(room, str(h.error))
             self.update_status(room, KVPoll.Failed)
         elif (h is None or h.state is State.DONE) and inc.aux_done:
             self.update_status(room, KVPoll.Success)
@@ -476,9 +481,16 @@ class KVStageManager(CommonKVManager):
             return
         room, status, prefill_rank, reason = parsed
         if status == KVPoll.Failed and room in self.request_status:
-            self.record_failure(room, reason or self.DEFAULT_PREFILL_FAILURE_REASON)
+            reason = f"prefill rank {prefill_rank}: {reason or self.DEFAULT_PREFILL_FAILURE_REASON}"
+            self.first_failure(room, reason)
             self.update_status(room, KVPoll.Failed)
-            self.abort_incoming(room, f"prefill rank {prefill_rank} failed: {reason}")
+            self.abort_incoming(room, reason)
+
+    def first_failure(self, room: int, reason: str) -> None:
+        """Record ``reason`` unless a cause is already recorded: the root cause wins over its echoes
+        (a decode's own timeout, answered Failed by the prefill it aborted)."""
+        with self.failure_lock:
+            self.failure_records.setdefault(room, reason)
 
     def _on_aux(self, msg: list) -> None:
         room, meta = int(msg[1]), json.loads(msg[3])
@@ -505,7 +517,7 @@ class KVStageManager(CommonKVManager):
                 return
             except Exception as e:
                 reason = f"metadata/state rows from prefill rank {msg[2].decode()}: {e}"
-        self.record_failure(room, reason)
+        self.first_failure(room, reason)
         self.update_status(room, KVPoll.Failed)
         self.abort_incoming(room, reason)
 
