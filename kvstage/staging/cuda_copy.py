@@ -102,9 +102,13 @@ class WordCopier:
         self.table = torch.tensor([b.data_ptr() for b in buffers], dtype=torch.int64, device=self.device)
         self.nbuf = len(buffers)
         self.aligned = all(b.data_ptr() % 16 == 0 for b in buffers)
-        self._ring: list[tuple[torch.Tensor, torch.cuda.Event | None]] = []
+        self._ring = [_Upload() for _ in range(_RING)]
         self._next = 0
         self._stream_key, self._stream = None, None
+        g = self.geometry
+        self._table = np.uint64(self.table.data_ptr())
+        self._fixed = None if g is None else (np.uint32(g.page_size), np.uint32(g.heads), np.uint32(g.head_words),
+                                              np.int32(int(g.hnd)))
         import cupy
 
         self._cupy_device = cupy.cuda.Device(self.device.index or 0)
@@ -117,41 +121,49 @@ class WordCopier:
                 and all(base % 16 == 0 for _, _, base in pieces)
                 and count * max(n for _, n, _ in pieces) * g.head_words < 2**31)
 
-    def _upload(self, meta: np.ndarray, stream) -> torch.Tensor:
-        """``meta`` to the device through the next pinned buffer of the ring (waits
-        only if that buffer's previous upload is still in flight)."""
-        if len(self._ring) < _RING:
-            self._ring.append((torch.empty(0, dtype=torch.int64), None))
-        host, done = self._ring[self._next]
-        if done is not None:
-            done.synchronize()
-        if host.numel() < len(meta):
-            host = torch.empty(max(len(meta), 1024), dtype=torch.int64).pin_memory()
-        host.numpy()[: len(meta)] = meta
-        dev = host[: len(meta)].to(self.device, non_blocking=True)
-        event = torch.cuda.Event()
-        event.record(stream)
-        self._ring[self._next] = (host, event)
-        self._next = (self._next + 1) % _RING
-        return dev
-
     def run(self, pages: np.ndarray, first: int, count: int, pieces, region: torch.Tensor, to_region: bool) -> None:
         """Copy tokens ``first .. first+count`` of ``pages`` for every ``(head_lo, heads, base)`` piece."""
         import cupy
 
-        wg = self.geometry
         meta = np.concatenate([np.asarray(pieces, dtype=np.int64).reshape(-1), pages.astype(np.int64, copy=False)])
         stream = torch.cuda.current_stream(self.device)
-        dev = self._upload(meta, stream)
-        most = max(n for _, n, _ in pieces) * count * wg.head_words
+        up = self._ring[self._next]
+        self._next = (self._next + 1) % _RING
+        dev = up.load(meta, self.device)
+        most = max(n for _, n, _ in pieces) * count * self.geometry.head_words
         grid = (-(-most // (_THREADS * _UNROLL)), self.nbuf, len(pieces))
         if self._stream_key != stream.cuda_stream:
             self._stream_key, self._stream = stream.cuda_stream, cupy.cuda.ExternalStream(stream.cuda_stream)
         with self._cupy_device, self._stream:
             _get_kernel()(
                 grid, (_THREADS,),
-                (np.uint64(self.table.data_ptr()), np.uint64(region.data_ptr()), np.uint64(dev.data_ptr()),
-                 np.int32(len(pieces)), np.uint32(count), np.uint32(first), np.uint32(wg.page_size),
-                 np.uint32(wg.heads), np.uint32(wg.head_words), np.int32(int(wg.hnd)), np.int32(int(to_region))),
+                (self._table, np.uint64(region.data_ptr()), np.uint64(dev.data_ptr()),
+                 np.int32(len(pieces)), np.uint32(count), np.uint32(first), *self._fixed, np.int32(int(to_region))),
             )
-        dev.record_stream(stream)
+        up.used.record(stream)
+
+
+class _Upload:
+    """One slot of the upload ring: a pinned host buffer, its device twin, and an
+    event after the kernel that read it. A slot is refilled only once that kernel
+    is done (with four slots, in practice never a wait); nothing is allocated per call."""
+
+    def __init__(self):
+        self.host: torch.Tensor | None = None
+        self.dev: torch.Tensor | None = None
+        self.used = torch.cuda.Event()
+        self._recorded = False
+
+    def load(self, meta: np.ndarray, device: torch.device) -> torch.Tensor:
+        n = len(meta)
+        if self._recorded:
+            self.used.synchronize()
+        self._recorded = True  # the caller records ``used`` after its launch
+        if self.host is None or self.host.numel() < n:
+            size = max(n, 4096)
+            self.host = torch.empty(size, dtype=torch.int64).pin_memory()
+            self.dev = torch.empty(size, dtype=torch.int64, device=device)
+        self.host.numpy()[:n] = meta
+        dev = self.dev[:n]
+        dev.copy_(self.host[:n], non_blocking=True)
+        return dev
