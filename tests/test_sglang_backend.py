@@ -186,7 +186,12 @@ def test_abort_from_either_side(runs, name):
     for rank in range(ptp):
         got = res[("prefill", rank)]
         assert got["3003"]["state"] == "failed" and "Aborted by AbortReq" in got["3003"]["error"], got["3003"]
-        assert got["4004"]["state"] == "failed" and "decode aborted" in got["4004"]["error"], got["4004"]
+    # the decode's abort reaches each prefill rank on its own: a rank that has not read it yet when the MIN
+    # all-reduce turns Failed reports SGLang's "from another rank"; at least one rank names the cause
+    got = [res[("prefill", rank)]["4004"] for rank in range(ptp)]
+    assert all(g["state"] == "failed" and ("decode aborted" in g["error"] or "from another rank" in g["error"])
+               for g in got), got
+    assert any("decode aborted" in g["error"] for g in got), got
     for rank in range(dtp):
         got = res[("decode", rank)]
         # the prefill's own record ("Aborted by AbortReq.") or kvstage's, from whichever prefill rank (each
