@@ -295,6 +295,9 @@ class KVStageManager(CommonKVManager):
             want = {int(h["pages"]) for h in peers}
             if want != {len(pages)}:
                 raise ConfigError(f"the decode ranks allocated {sorted(want)} pages, this prefill rank holds {len(pages)}")
+            if out.state and len(peers) != self.attn_tp_size:  # refused before any byte moves
+                raise ConfigError(f"state buffers (mamba/SWA/...) with prefill TP {self.attn_tp_size} and decode TP "
+                                  f"{len(peers)}: the kvstage backend moves state rows at equal TP only")
             # the same plan the endpoints will agree on: a rank that writes nothing (MLA, replicated
             # heads) finishes here, without waiting for any decode rank
             spec = self.cache.spec
@@ -310,18 +313,15 @@ class KVStageManager(CommonKVManager):
                 self.update_status(room, KVPoll.Transferring)
             for d, h in enumerate(peers):
                 if p.writers_of(d)[0].src_rank == self.attn_tp_rank:  # the first writer sends the rows
-                    self._send_aux(room, out, h, p)
+                    self._send_aux(room, out, h)
             with self._lock:
                 out.sent = True
         except Exception as e:
             self.fail_room(room, f"prefill rank {self.attn_tp_rank}: {type(e).__name__}: {e}")
 
-    def _send_aux(self, room: int, out: _Outgoing, header: dict, plan) -> None:
+    def _send_aux(self, room: int, out: _Outgoing, header: dict) -> None:
         frames, parts = [], []
-        if out.state:
-            if plan.src.tp != plan.dst.tp:
-                raise ConfigError(f"state buffers (mamba/SWA/...) with prefill TP {plan.src.tp} and decode TP "
-                                  f"{plan.dst.tp}: the kvstage backend moves state rows at equal TP only")
+        if out.state:  # equal TP (checked in _start): this rank's rows are the decode rank's
             want = {int(c): rows for c, rows in header.get("state") or []}
             for c, data in sorted(out.state.items()):
                 if c not in want:
