@@ -20,6 +20,9 @@ from kvstage.tp import SideSpec, plan
 
 
 def timed(fn, reps=20):
+    """Best single call (CUDA events around one call, host set-up included when
+    the GPU waits for it) and the mean per call of ``reps`` calls queued back to
+    back (set-up overlapped with the previous call's copy, as in the pipeline)."""
     fn()
     torch.cuda.synchronize()
     best = float("inf")
@@ -30,10 +33,31 @@ def timed(fn, reps=20):
         b.record()
         b.synchronize()
         best = min(best, a.elapsed_time(b) / 1e3)
-    return best
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record()
+    for _ in range(reps):
+        fn()
+    b.record()
+    b.synchronize()
+    return best, a.elapsed_time(b) / 1e3 / reps
 
 
-def case(src_tp, dst_tp, tokens, fused=True):
+def host_seconds(fn, reps=20):
+    """Host time of one call (launch only, no synchronization): the per-call set-up."""
+    import time
+
+    fn()
+    torch.cuda.synchronize()
+    t = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        t.append(time.perf_counter() - t0)
+        torch.cuda.synchronize()
+    return sorted(t)[len(t) // 2]
+
+
+def case(src_tp, dst_tp, tokens, fused=True, host_region=False):
     geo = KVGeometry(32, 8, 128, "bfloat16")
     p = plan(SideSpec(geo, src_tp, PageLayout(16)), SideSpec(geo, dst_tp, PageLayout(16)))
     dev = torch.device("cuda", 0)
@@ -50,22 +74,34 @@ def case(src_tp, dst_tp, tokens, fused=True):
     nbytes_g = p.piece_token_bytes(piece) * tokens
     offs = p.writer_offsets(0, tokens)
     nbytes_s = sum(p.piece_token_bytes(w) * tokens for w in writers)
-    region = torch.empty(max(nbytes_g, nbytes_s), dtype=torch.uint8, device=dev)
+    if host_region:  # the pinned-host arena: the kernel reads/writes host memory over the GPU's host link
+        region = torch.empty(max(nbytes_g, nbytes_s), dtype=torch.uint8).pin_memory()
+    else:
+        region = torch.empty(max(nbytes_g, nbytes_s), dtype=torch.uint8, device=dev)
     sidx = kcopy.TokenIndex(src, sp, 0, tokens)
     didx = kcopy.TokenIndex(dst, dp, 0, tokens)
-    g = timed(lambda: kcopy.gather(src, kcopy.TokenIndex(src, sp, 0, tokens), piece.src_offset, piece.heads.count, region[:nbytes_g]))
-    s = timed(lambda: kcopy.scatter_chunk(dst, kcopy.TokenIndex(dst, dp, 0, tokens),
-                                          [(w.dst_offset, w.heads.count, offs[w.src_rank]) for w in writers], region))
+    def do_gather():
+        kcopy.gather(src, kcopy.TokenIndex(src, sp, 0, tokens), piece.src_offset, piece.heads.count, region[:nbytes_g])
+
+    def do_scatter():
+        kcopy.scatter_chunk(dst, kcopy.TokenIndex(dst, dp, 0, tokens),
+                            [(w.dst_offset, w.heads.count, offs[w.src_rank]) for w in writers], region)
+
+    g, gq = timed(do_gather)
+    s, sq = timed(do_scatter)
+    gh, sh = host_seconds(do_gather), host_seconds(do_scatter)
     a = torch.empty(max(nbytes_g, nbytes_s), dtype=torch.uint8, device=dev)
     b = torch.empty_like(a)
-    cg = timed(lambda: b[:nbytes_g].copy_(a[:nbytes_g]))
-    cs = timed(lambda: b[:nbytes_s].copy_(a[:nbytes_s]))
+    cg, _ = timed(lambda: b[:nbytes_g].copy_(a[:nbytes_g]))
+    cs, _ = timed(lambda: b[:nbytes_s].copy_(a[:nbytes_s]))
     del sidx, didx
     return {
-        "case": f"{src_tp}->{dst_tp}", "tokens": tokens, "fused": fused,
+        "case": f"{src_tp}->{dst_tp}{' host arena' if host_region else ''}", "tokens": tokens, "fused": fused,
         "gather_gbps": nbytes_g / g / 1e9, "gather_vs_copy": cg / g, "gather_us": g * 1e6,
         "scatter_gbps": nbytes_s / s / 1e9, "scatter_vs_copy": cs / s, "scatter_us": s * 1e6,
         "copy_gbps": nbytes_s / cs / 1e9,
+        "gather_queued_gbps": nbytes_g / gq / 1e9, "scatter_queued_gbps": nbytes_s / sq / 1e9,
+        "gather_host_us": gh * 1e6, "scatter_host_us": sh * 1e6,
     }
 
 
@@ -74,14 +110,17 @@ def main():
     ap.add_argument("--json")
     a = ap.parse_args()
     rows = []
-    for fused in (True, False):
-        for src_tp, dst_tp in ((4, 1), (1, 4)):
-            for tokens in (8192, 128):
-                r = case(src_tp, dst_tp, tokens, fused)
-                rows.append(r)
-                print(f"{'fused' if fused else 'torch'} {r['case']} {tokens:5d} tok: gather {r['gather_gbps']:7.1f} GB/s "
-                      f"({r['gather_vs_copy']:.0%} of copy, {r['gather_us']:.0f} us)  scatter {r['scatter_gbps']:7.1f} GB/s "
-                      f"({r['scatter_vs_copy']:.0%} of copy, {r['scatter_us']:.0f} us)", flush=True)
+    cases = [(True, s, d, t, False) for s, d in ((4, 1), (1, 4)) for t in (8192, 128)]
+    cases += [(True, 4, 1, 8192, True), (True, 1, 4, 8192, True)]  # pinned-host arena
+    cases += [(False, s, d, t, False) for s, d in ((4, 1), (1, 4)) for t in (8192, 128)]
+    for fused, src_tp, dst_tp, tokens, host in cases:
+        r = case(src_tp, dst_tp, tokens, fused, host)
+        rows.append(r)
+        print(f"{'fused' if fused else 'torch'} {r['case']} {tokens:5d} tok: gather {r['gather_gbps']:7.1f} GB/s "
+              f"({r['gather_vs_copy']:.0%} of copy, {r['gather_us']:.0f} us)  scatter {r['scatter_gbps']:7.1f} GB/s "
+              f"({r['scatter_vs_copy']:.0%} of copy, {r['scatter_us']:.0f} us)  queued: gather "
+              f"{r['gather_queued_gbps']:.1f} scatter {r['scatter_queued_gbps']:.1f} GB/s  host set-up: "
+              f"gather {r['gather_host_us']:.0f} us scatter {r['scatter_host_us']:.0f} us", flush=True)
     if a.json:
         json.dump(rows, open(a.json, "w"), indent=1)
 

@@ -27,6 +27,7 @@ def _env(name: str, default, kind):
         raise ConfigError(f"{name}={raw!r}: must be a {kind.__name__}") from None
 
 
+ARENA_LOCATIONS = ("auto", "device", "host")
 #: transports ``Settings.transport`` may name; the one-sided ones support the direct path
 TRANSPORTS = ("nixl", "ucx")
 ONE_SIDED = ("nixl",)
@@ -45,6 +46,7 @@ class Settings:
     transport: str = field(default_factory=lambda: _env("KVSTAGE_TRANSPORT", "nixl", str))
     #: None: on for one-sided transports (nixl), off for two-sided ones (ucx)
     direct: bool | None = field(default_factory=lambda: _env("KVSTAGE_DIRECT", None, bool))
+    arena: str = field(default_factory=lambda: _env("KVSTAGE_ARENA", "auto", str))
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -63,6 +65,8 @@ class Settings:
                 f"destination's KV pages one-sidedly, which {self.transport} (two-sided) cannot do; "
                 "set KVSTAGE_DIRECT=0 (equal TP then goes staged) or KVSTAGE_TRANSPORT=nixl"
             )
+        if self.arena not in ARENA_LOCATIONS:
+            raise ConfigError(f"arena={self.arena!r}: must be one of {', '.join(ARENA_LOCATIONS)}")
         if self.slot_mb > self.arena_mb:
             raise ConfigError(f"slot_mb={self.slot_mb} > arena_mb={self.arena_mb}: a slot must fit in the arena")
 

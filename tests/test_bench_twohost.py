@@ -1,14 +1,12 @@
 """Two-host ``kvstage bench`` (``--role dst --listen`` / ``--role src --connect``)
 between two network namespaces joined by a veth pair, and the rendezvous itself.
 
-The namespace test needs root and ``ip netns``; where either is missing it
-skips and says why. Its namespaces and veth pair exist only for the test and
-only carry traffic between themselves.
+The namespace test uses the ``netns_pair`` fixture of tests/netns.py (root and
+``ip netns``; it skips and says why where either is missing).
 """
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 import threading
@@ -16,43 +14,13 @@ import threading
 import pytest
 
 from kvstage.bench.control import BenchError, Coordinator, Link
+from netns import DST_IP, netns_pair  # noqa: F401  (netns_pair is a fixture)
 
 TINY = ["--layers", "2", "--head-dim", "32", "--arena-mb", "4", "--slot-mb", "1"]
-DST_IP, SRC_IP = "10.77.0.1", "10.77.0.2"
-
-
-def _ip(*args, check=True):
-    return subprocess.run(["ip", *args], capture_output=True, text=True, timeout=20, check=check)
-
-
-@pytest.fixture
-def netns_pair():
-    """Two namespaces ``(dst, src)`` joined by a veth pair: 10.77.0.1/24 and 10.77.0.2/24."""
-    if shutil.which("ip") is None:
-        pytest.skip("the `ip` command (iproute2) is not installed")
-    if os.geteuid() != 0:
-        pytest.skip("network namespaces need root")
-    tag = f"{os.getpid() % 100000}"
-    a, b = f"kvbd{tag}", f"kvbs{tag}"
-    probe = _ip("netns", "add", a, check=False)
-    if probe.returncode != 0:
-        pytest.skip(f"`ip netns add` is not permitted here: {probe.stderr.strip()}")
-    try:
-        _ip("netns", "add", b)
-        _ip("link", "add", f"vd{tag}", "type", "veth", "peer", "name", f"vs{tag}")
-        for ns, dev, addr in ((a, f"vd{tag}", DST_IP), (b, f"vs{tag}", SRC_IP)):
-            _ip("link", "set", dev, "netns", ns)
-            _ip("-n", ns, "addr", "add", f"{addr}/24", "dev", dev)
-            _ip("-n", ns, "link", "set", dev, "up")
-            _ip("-n", ns, "link", "set", "lo", "up")
-        yield a, b
-    finally:
-        for ns in (a, b):  # deleting a namespace deletes its end of the veth pair, and so the pair
-            _ip("netns", "del", ns, check=False)
 
 
 def test_two_hosts_across_network_namespaces(netns_pair, tmp_path):
-    dst_ns, src_ns = netns_pair
+    dst_ns, src_ns = netns_pair.dst, netns_pair.src
     out_dst, out_src = tmp_path / "dst.json", tmp_path / "src.json"
     env = dict(os.environ, KVSTAGE_BENCH_CLOCK_SYNC="1", KVSTAGE_AUTH_TOKEN="netns-test")
     cmd = [sys.executable, "-m", "kvstage.cli", "bench"]

@@ -1,4 +1,4 @@
-"""Staging: gather/scatter (torch/numpy), the fused kernel's run lists, the slot allocator."""
+"""Staging: gather/scatter (torch/numpy), the CUDA kernel's word addressing, the slot allocator."""
 
 import itertools
 
@@ -10,7 +10,7 @@ from kvstage.layout import KVGeometry, PageLayout, pages_needed
 from kvstage.staging.arena import SlotAllocator, StagingArena
 from kvstage.staging.cache import RankCache
 from kvstage.staging.copy import TokenIndex, gather, region_bytes, scatter, scatter_chunk
-from kvstage.staging.runs import apply_on_host, piece_runs
+from kvstage.staging.words import WordGeometry, chunk_pages, word_index
 from kvstage.tp import SideSpec
 
 GEO = KVGeometry(3, 4, 8, "bfloat16")
@@ -57,31 +57,45 @@ def test_gather_then_scatter_moves_exactly_the_slice(src, dst, rng):
         assert not dc.buffers[0][p].view(torch.uint8).any()
 
 
-@pytest.mark.parametrize("side,rng,mla", [(s, r, m) for s in SIDES for r in RANGES for m in (False, True) if not (m and s[1] == "hnd")])
-def test_run_lists_match_the_reference_copy(side, rng, mla):
-    """The fused kernel's run list, executed on the host, equals the torch gather and scatter."""
+def _words_of(buf, word):
+    return buf.view(-1).view(torch.uint8).numpy().view(np.dtype((np.void, word)))
+
+
+@pytest.mark.parametrize("side,rng,mla,word", [(s, r, m, w) for s in SIDES for r in RANGES for m in (False, True)
+                                               for w in (16, 4) if not (m and s[1] == "hnd")])
+def test_kernel_word_addressing_matches_the_reference_copy(side, rng, mla, word):
+    """The kernel's word map (word_index, the same arithmetic as the CUDA source),
+    executed on the host, equals the torch gather; and scattering through it equals the torch scatter."""
     start, count = rng
     geo = KVGeometry(2, 1, 16, "bfloat16", True) if mla else GEO
     spec = SideSpec(geo, 1, PageLayout(*side))
+    wg = WordGeometry.of(spec, word)
+    assert wg is not None and wg.hnd == (side[1] == "hnd" and not mla)
     c = _random_cache(spec, 80, 3)
     ids = np.random.default_rng(4).permutation(80)[: pages_needed(start + count, side[0])]
-    heads = 1 if mla else 4
+    pages, first = chunk_pages(ids, side[0], start, count)
     for lo, n in ([(0, 1)] if mla else [(0, 4), (1, 2), (3, 1)]):
         ref = torch.empty(region_bytes(c, count, n), dtype=torch.uint8)
         gather(c, TokenIndex(c, ids, start, count), lo, n, ref)
-        base = 48
-        host = np.zeros(base + ref.numel(), dtype=np.uint8)
-        runs = piece_runs(c, ids, start, count, lo, n, base)
-        apply_on_host(c, runs, host, to_region=True)
-        assert np.array_equal(host[base:], ref.numpy()), (lo, n)
-        assert runs.length.sum() == ref.numel() // geo.buffers
-        # and back: scatter through the runs into a zeroed copy equals the torch scatter
+        at = word_index(wg, pages, first, count, lo, n)
+        per_buffer = ref.numel() // geo.buffers
+        assert len(at) * word == per_buffer
+        host = np.concatenate([_words_of(b, word)[at] for b in c.buffers])
+        assert host.tobytes() == ref.numpy().tobytes(), (lo, n)
+        # and back: scatter through the map into a zeroed copy equals the torch scatter
         a = RankCache.allocate(spec, 0, 80, fill=0)
         b = RankCache.allocate(spec, 0, 80, fill=0)
-        apply_on_host(a, runs, host, to_region=False)
+        region = ref.numpy().view(np.dtype((np.void, word))).reshape(geo.buffers, -1)
+        for k, buf in enumerate(a.buffers):
+            _words_of(buf, word)[at] = region[k]
         scatter(b, TokenIndex(b, ids, start, count), lo, n, ref)
         assert all(torch.equal(x.view(torch.uint8), y.view(torch.uint8)) for x, y in zip(a.buffers, b.buffers))
-    assert heads
+
+
+def test_word_geometry_refuses_heads_that_are_not_whole_words():
+    spec = SideSpec(KVGeometry(2, 4, 4, "float16"), 1, PageLayout(4))  # 8-byte heads
+    assert WordGeometry.of(spec, 16) is None
+    assert WordGeometry.of(spec, 8) == WordGeometry(4, 4, 1, False, 8)
 
 
 def test_scatter_chunk_places_every_writer():

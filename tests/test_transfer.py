@@ -8,6 +8,8 @@ writes) and over UCX through UCXX (two-sided tag messages); the direct path is
 NIXL's only (with UCX, equal TP goes staged, tested below).
 """
 
+import dataclasses
+
 import pytest
 
 from kvstage.bench.runner import run
@@ -108,3 +110,37 @@ def test_baselines_write_the_same_bytes_and_verify(device, transport):
     assert rows["bulk"]["descriptors"] == 4
     # one per token and buffer on each of the four sources: heads are contiguous in NHD
     assert rows["per-slice"]["descriptors"] == 4 * 203 * 6
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("name", ["4to1", "1to4", "hnd_to_nhd", "mla_4to2"])
+def test_pinned_host_arena_byte_exact(name, device):
+    """arena=host: GPU -> pinned host arena -> NIXL (host memory) -> pinned host arena -> GPU.
+    (On a CPU-only machine a host arena is every arena; the GPU run is the real test.)"""
+    sc = dataclasses.replace(scenario(**CASES[name], device=device), settings_extra={"arena": "host"})
+    row = _check(run(sc), "staged")
+    assert row["arena"] == ["host"]
+
+
+@pytest.mark.gpu
+def test_gpu_arena_defaults_to_device_memory():
+    row = _check(run(scenario(4, 1, device="cuda")), "staged")
+    assert row["arena"] == ["device"]
+
+
+def _two_gpus() -> bool:
+    import torch
+
+    return torch.cuda.is_available() and torch.cuda.device_count() >= 2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["2to1", "1to2", "4to1", "1to4", "hnd_to_nhd", "direct_2to2"])
+def test_across_two_gpus_byte_exact(name):
+    """Sources on GPU 0, destinations on GPU 1: every byte crosses the GPU link (NVLink on the H200 pair)."""
+    if not _two_gpus():
+        pytest.skip("needs two CUDA devices")
+    kw = {"2to1": dict(src_tp=2, dst_tp=1), "1to2": dict(src_tp=1, dst_tp=2), "direct_2to2": dict(src_tp=2, dst_tp=2),
+          **CASES}[name]
+    sc = dataclasses.replace(scenario(**kw, device="cuda"), src_gpu=0, dst_gpu=1)
+    _check(run(sc), "direct" if name == "direct_2to2" else "staged")

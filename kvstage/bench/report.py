@@ -17,6 +17,7 @@ CSV_COLUMNS = (
     "mode", "src_tp", "dst_tp", "tokens", "concurrency", "bytes", "total_bytes", "seconds", "gbps",
     "latency_p50_ms", "latency_p99_ms", "latency_samples", "descriptors_per_request", "arena_bytes",
     "ratio_to_bulk", "verified", "path", "gather_s", "write_s", "slot_wait_s", "scatter_s",
+    "gather_gpu_s", "scatter_gpu_s", "stage_overlap", "arena",
     "layers", "kv_heads", "head_dim", "dtype", "mla", "device", "src_page_size", "src_layout",
     "dst_page_size", "dst_layout", "iters", "warmup",
 )
@@ -95,7 +96,10 @@ def notes(result: dict) -> list[str]:
             parts.append(f"staged / per-slice: {modes['staged']['gbps'] / modes['per-slice']['gbps']:.1f}x")
         st = modes.get("staged", {}).get("stages")
         if st and modes["staged"].get("path") != ["direct"]:
-            parts.append("staged ms, summed over ranks: " + ", ".join(f"{k} {v * 1e3:.1f}" for k, v in st.items()))
+            ms = {k: v for k, v in st.items() if k != "overlap"}
+            parts.append("staged ms, summed over ranks: " + ", ".join(f"{k} {v * 1e3:.1f}" for k, v in ms.items()))
+            if st.get("overlap"):
+                parts.append(f"stage overlap {st['overlap']:.2f}x")
         if parts:
             prefix = f"{s}->{d} {tok} tok{f' x{n}' if n > 1 else ''}: " if many else ""
             out.append(prefix + "; ".join(parts))
@@ -142,8 +146,10 @@ def csv_rows(result: dict) -> list[dict]:
                                       "seconds", "gbps", "latency_samples", "arena_bytes", "ratio_to_bulk", "verified")},
             "latency_p50_ms": r["latency_p50_s"] * 1e3, "latency_p99_ms": r["latency_p99_s"] * 1e3,
             "descriptors_per_request": r["descriptors"], "path": "+".join(r.get("path") or []),
+            "arena": "+".join(r.get("arena") or []),
             "gather_s": st.get("gather"), "write_s": st.get("write"), "slot_wait_s": st.get("slot_wait"),
-            "scatter_s": st.get("scatter"),
+            "scatter_s": st.get("scatter"), "gather_gpu_s": st.get("gather_gpu"),
+            "scatter_gpu_s": st.get("scatter_gpu"), "stage_overlap": st.get("overlap"),
             "layers": g["layers"], "kv_heads": g["kv_heads"], "head_dim": g["head_dim"], "dtype": g["dtype"],
             "mla": g["mla"], "device": cfg["device"], "src_page_size": cfg["src_page"]["page_size"],
             "src_layout": cfg["src_page"]["order"], "dst_page_size": cfg["dst_page"]["page_size"],

@@ -393,7 +393,7 @@ def summarize(group: Group, reports: list) -> list[dict]:
         payload = sc.payload_bytes()
         rows = []
         for mode in sc.modes:
-            walls, descs, stage_rows, lat, verified, errors, paths = [], [], [], [], None, [], set()
+            walls, descs, stage_rows, lat, verified, errors, paths, arenas = [], [], [], [], None, [], set(), set()
             for it in range(sc.warmup, sc.warmup + sc.iters):
                 got = by[(pi, mode, it)]
                 srcs = [d for role, _, d in got if role == "src"]
@@ -404,6 +404,15 @@ def summarize(group: Group, reports: list) -> list[dict]:
                     lat.append(max(d["done"][k] for d in dsts) - min(d["sent"][k] for d in srcs))
                 st = {k: sum(d["stages"].get(k, 0.0) for d in srcs) for k in ("gather", "write", "slot_wait")}
                 st["scatter"] = sum(d["stages"].get("scatter", 0.0) for d in dsts)
+                for k, side in (("gather_gpu", srcs), ("scatter_gpu", dsts)):
+                    if any(k in d["stages"] for d in side):
+                        st[k] = sum(d["stages"].get(k, 0.0) for d in side)
+                # stages one after another: a source rank's gather + write, then a destination rank's
+                # scatter (each the mean over its side's ranks); over the wall time, >1 means they overlapped
+                serial = (sum(d["stages"].get("gather", 0.0) + d["stages"].get("write", 0.0) for d in srcs) / len(srcs)
+                          + st["scatter"] / len(dsts))
+                st["overlap"] = serial / walls[-1] if walls[-1] > 0 else None
+                arenas |= {d.get("arena") for d in srcs + dsts if d.get("arena")}
                 stage_rows.append(st)
                 paths |= {d["path"] for d in dsts if d.get("path")}
                 flags = [d["verified"] for d in dsts if d["verified"] is not None]
@@ -423,6 +432,7 @@ def summarize(group: Group, reports: list) -> list[dict]:
             if mode == "staged":
                 row["stages"] = stage_rows[mid]
                 row["path"] = sorted(paths)
+                row["arena"] = sorted(arenas)
             if errors:
                 row["errors"] = errors[:10]
             rows.append(row)

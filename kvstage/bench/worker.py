@@ -203,6 +203,7 @@ def dst_main(link: Link, g: Group, rank: int, listen_host: str) -> None:
             dirty = np.concatenate(reqs)
         link.send({"type": "result", "step": step, "data": {
             "t1": t1, "done": done, "verified": verified, "errors": errors[:5], "stages": stages, "path": path,
+            "arena": ep.arena_location,
         }})
     link.recv("end")
     ep.close()
@@ -301,6 +302,7 @@ def src_main(link: Link, g: Group, rank: int) -> None:
         t_end = link.now()
         link.send({"type": "result", "step": step, "data": {
             "t0": t0, "sent": sent, "t_end": t_end, "descriptors": descriptors, "stages": stages,
+            "arena": ep.arena_location,
         }})
         del prepared
     link.recv("end")

@@ -25,6 +25,7 @@ from kvstage.protocol.endpoint import Endpoint, check_pages, check_transport, md
 from kvstage.protocol.request import State, TransferHandle
 from kvstage.protocol.wire import PROTOCOL_VERSION, Connection, decode_notice, field
 from kvstage.staging.copy import TokenIndex, scatter_chunk
+from kvstage.staging.fence import CopyFence
 from kvstage.tp import Piece, TransferPlan, plan
 from kvstage.transports.base import Region, Spans
 
@@ -80,6 +81,7 @@ class Destination(Endpoint):
         self.requests: dict[str, Incoming] = {}
         self._early: dict[str, dict[int, int]] = {}
         self._rr: list[str] = []  # grant order (round robin)
+        self._scattering: list = []  # (fence, request, chunk, start time) of scatters still on the device
         self._probes: dict[Connection, tuple[int, str]] = {}  # probe connection -> (lent slot, prober agent)
         self._listener = socket.create_server(listen)
         self.address = self._listener.getsockname()[:2]
@@ -115,6 +117,11 @@ class Destination(Endpoint):
     def _add(self, handle: TransferHandle, pages: np.ndarray) -> None:
         if handle.req in self.requests:
             raise ValueError(f"request {handle.req!r} is already in flight on destination rank {self.rank}")
+        if self._take_abort(handle):  # a writer aborted it already: the others hear of it now
+            self._early.pop(handle.req, None)
+            for p in self.plan.writers_of(self.rank) if self.plan else []:
+                self._send(p.src_rank, {"type": "abort", "req": handle.req, "reason": handle.error.cause})
+            return
         inc = Incoming(handle, pages)
         self.requests[handle.req] = inc
         for w, tokens in self._early.pop(handle.req, {}).items():
@@ -122,7 +129,7 @@ class Destination(Endpoint):
         self._maybe_start(inc)
 
     def _busy(self) -> bool:
-        return any(r.open or r.quarantine for r in self.requests.values())
+        return bool(self._scattering) or any(r.open or r.quarantine for r in self.requests.values())
 
     def _on_message(self, conn: Connection, msg: dict) -> None:
         kind = msg["type"]
@@ -140,7 +147,12 @@ class Destination(Endpoint):
                 self._on_ready(writer, msg)
             elif kind == "abort":
                 req = field(msg, "req", str)
-                self._fail(req, f"source rank {writer.rank}", "abort", "source aborted: " + str(msg.get("reason"))[:200], tell=False)
+                cause = "source aborted: " + str(msg.get("reason"))[:200]
+                if req in self.requests:  # the other writers of the request hear of it too
+                    self._fail(req, f"source rank {writer.rank}", "abort", cause, tell=True, skip=writer.rank)
+                else:
+                    self._early.pop(req, None)
+                    self._remember_abort(req, f"source rank {writer.rank}", cause)
             elif kind == "abort_ack":
                 self._on_abort_ack(writer.rank, field(msg, "req", str))
             else:
@@ -323,49 +335,106 @@ class Destination(Endpoint):
             self.writers[rank].conn.send(grant)
 
     def _progress(self) -> None:
+        self._poll_scatters()
         for agent, data in self.transport.notifications():
             try:
                 self._on_notice(agent, data)
             except ProtocolError as e:
-                log.warning("dst %d: ignored a notification from %s: %s", self.rank, agent, e)
+                self._reject_notice(agent, data, e)
         self._grant()
 
+    def _reject_notice(self, agent: str, data: bytes, err: ProtocolError) -> None:
+        """A notice that breaks the protocol changes nothing but what it names
+        (see ``_on_notice``); its writer hears why on its control connection."""
+        writer = next((w for w in self.writers.values() if w.agent == agent), None)
+        who = f"source rank {writer.rank} (agent {agent})" if writer else f"agent {agent}, not a connected source"
+        log.warning("dst %d: rejected a landing notice from %s: %s", self.rank, who, err)
+        if writer is not None:
+            self._reject(writer.conn, {"type": "landed"}, err)
+
     def _on_notice(self, agent: str, data: bytes) -> None:
+        """Check a "chunk landed" notice against the grant it answers.
+
+        Refused without effect: a notice that is malformed, names another
+        writer than the agent that sent it, an unknown or finished request, a
+        chunk out of range, not granted yet, or already landed. A notice for
+        a granted chunk whose write went elsewhere or had another length than
+        the grant fails that request: its slot does not hold the chunk."""
         if any(agent == a for _, a in self._probes.values()):
             return  # a probe's measured write into its lent slot
-        req, c, rank = decode_notice(data)
+        req, c, rank, offset, nbytes = decode_notice(data)
         writer = self.writers.get(rank)
         if writer is None or writer.agent != agent:
-            raise ProtocolError(f"notice for writer {rank} came from agent {agent}, not that writer's")
+            raise ProtocolError(f"notice names writer {rank}, but agent {agent} is not that source rank's")
         inc = self.requests.get(req)
         if inc is None:
             raise ProtocolError(f"notice for unknown request {req!r}")
         if c in inc.quarantine:
             self._unquarantine(inc, c, rank)
             return
+        if inc.handle.done():
+            raise ProtocolError(f"notice for chunk {c} of {req!r}, which already {inc.handle.state.value}")
+        if inc.handle.state is State.PENDING:
+            raise ProtocolError(f"notice for chunk {c} of {req!r}, which is not granted yet (the request waits for its writers)")
+        if c >= inc.chunks:
+            raise ProtocolError(f"notice for chunk {c} of {req!r}, out of range: the request has {inc.chunks} chunks")
+        if c >= inc.next_chunk:
+            raise ProtocolError(f"notice for chunk {c} of {req!r}, which is not granted yet")
         chunk = inc.open.get(c)
         if chunk is None or rank not in chunk.pending:
-            raise ProtocolError(f"notice for chunk {c} of {req!r} from writer {rank}, which was not granted or already landed")
+            raise ProtocolError(f"duplicate notice: chunk {c} of {req!r} from writer {rank} already landed")
+        if inc.direct:
+            want_offset, want = None, len(inc.pages) * sum(b.nbytes // self.cache.pages for b in self.cache.buffers)
+        else:
+            want_offset = self.arena.offset(chunk.slot) + self.plan.writer_offsets(self.rank, chunk.count)[rank]
+            want = self.plan.piece_token_bytes(writer.piece) * chunk.count
+        if offset != want_offset or nbytes != want:
+            chunk.pending.discard(rank)  # its write is over, if not where it belongs
+            what = "wrong slot" if offset != want_offset else "wrong size"
+            self._fail(req, f"source rank {rank}", "write",
+                       f"{what}: chunk {c} was written as {nbytes} bytes at arena offset {offset}; its grant was "
+                       f"{want} bytes at {want_offset}", tell=True)
+            raise ProtocolError(f"{what}: chunk {c} of {req!r} written as {nbytes} bytes at arena offset {offset}, "
+                                f"granted {want} bytes at {want_offset}; the request failed")
         chunk.pending.discard(rank)
         inc.touched = time.monotonic()
         if chunk.pending:
             return
         del inc.open[c]
-        if not inc.direct:
-            inc.stage = "scatter"
-            t0 = time.perf_counter()
-            idx = TokenIndex(self.cache, inc.pages, chunk.start, chunk.count)
-            offsets = self.plan.writer_offsets(self.rank, chunk.count)
-            pieces = [(p.dst_offset, p.heads.count, offsets[p.src_rank]) for p in self.plan.writers_of(self.rank)]
-            slot = self.arena.view(self.arena.offset(chunk.slot), self.arena.slot_bytes)
-            scatter_chunk(self.cache, idx, pieces, slot)
-            if self.cache.device.type == "cuda":
-                import torch
+        if inc.direct:
+            return self._landed(inc, chunk)
+        inc.stage = "scatter"
+        t0 = time.perf_counter()
+        idx = TokenIndex(self.cache, inc.pages, chunk.start, chunk.count)
+        offsets = self.plan.writer_offsets(self.rank, chunk.count)
+        pieces = [(p.dst_offset, p.heads.count, offsets[p.src_rank]) for p in self.plan.writers_of(self.rank)]
+        slot = self.arena.view(self.arena.offset(chunk.slot), self.arena.slot_bytes)
+        fence = CopyFence(self.cache.device)
+        scatter_chunk(self.cache, idx, pieces, slot)
+        self._scattering.append((fence.close(), inc, chunk, t0))
+        self._watch(fence)
+        self._poll_scatters()
 
-                torch.cuda.current_stream(self.cache.device).synchronize()
+    def _poll_scatters(self) -> None:
+        """Finish every chunk whose scatter has passed its fence: free its slot, count it."""
+        still = []
+        for fence, inc, chunk, t0 in self._scattering:
+            if not fence.done():
+                still.append((fence, inc, chunk, t0))
+                continue
             inc.handle.stages["scatter"] += time.perf_counter() - t0
+            gpu = fence.gpu_seconds()
+            if gpu is not None:
+                inc.handle.stages["scatter_gpu"] = inc.handle.stages.get("scatter_gpu", 0.0) + gpu
             self.arena.allocator.release(chunk.slot)
-            inc.stage = "grant"
+            if not inc.handle.done():
+                inc.stage = "grant"
+                self._landed(inc, chunk)
+        self._scattering = still
+
+    def _landed(self, inc: Incoming, chunk: Chunk) -> None:
+        """A chunk is in this rank's pages; the request is done with its last one."""
+        req = inc.handle.req
         inc.handle.bytes += self.plan.dst_token_bytes() * chunk.count
         inc.scattered += 1
         if inc.scattered == inc.chunks:
@@ -385,7 +454,7 @@ class Destination(Endpoint):
                 log.debug("dst %d: send to source rank %d failed: %s", self.rank, rank, e)
 
     # -- failures --------------------------------------------------------------
-    def _fail(self, req: str, peer: str, stage: str, cause: str, tell: bool) -> None:
+    def _fail(self, req: str, peer: str, stage: str, cause: str, tell: bool, skip: int | None = None) -> None:
         inc = self.requests.get(req)
         if inc is None or inc.handle.done():
             return
@@ -402,7 +471,8 @@ class Destination(Endpoint):
         inc.open.clear()
         if tell and self.plan is not None:
             for p in self.plan.writers_of(self.rank):
-                self._send(p.src_rank, {"type": "abort", "req": req, "reason": cause})
+                if p.src_rank != skip:
+                    self._send(p.src_rank, {"type": "abort", "req": req, "reason": cause})
         self._forget_if_clear(inc)
 
     def _unquarantine(self, inc: Incoming, c: int, rank: int) -> None:

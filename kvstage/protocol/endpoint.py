@@ -11,28 +11,34 @@ from __future__ import annotations
 
 import base64
 import logging
+import os
 import queue
 import threading
 import time
 from typing import Callable
 
 import numpy as np
+import torch
 
 from kvstage.config import Settings
 from kvstage.errors import ConfigError, KVStageError, ProtocolError
 from kvstage.layout import KVGeometry, PageLayout, pages_needed
 from kvstage.probe.connect import connect_line
 from kvstage.probe.facts import collect_local
+from kvstage.probe.libs import ucx_modules
 from kvstage.protocol.wire import Connection, field
-from kvstage.staging.arena import StagingArena
+from kvstage.staging.arena import StagingArena, choose_arena
 from kvstage.staging.cache import RankCache
 from kvstage.tp import SideSpec
 from kvstage.transports.base import Region, Transport
 
 log = logging.getLogger("kvstage")
 
-_BUSY_WAIT = 0.0002  # seconds between transport polls while writes or notices are expected
+# seconds between transport polls while writes or notices are expected: GPU hosts have
+# cores to spare and sub-millisecond chunks; on a host cache the copies are the cores' work
+_BUSY_WAIT = {"cuda": 0.00005, "cpu": 0.0002}
 _IDLE_WAIT = 0.05
+MAX_ABORTED = 4096
 
 
 def spec_to_wire(spec: SideSpec) -> dict:
@@ -117,14 +123,24 @@ class Endpoint:
                 f"path; pass Settings(transport={transport.name!r}) (direct then defaults to off) or direct=False"
             )
         self.transport = transport
-        self.arena = StagingArena(self.settings.slot_bytes, self.settings.slots, cache.device)
+        where, why = choose_arena(self.settings.arena, cache.device, ucx_modules()["value"], os.environ)
+        on_gpu = where == "device"
+        self.arena = StagingArena(self.settings.slot_bytes, self.settings.slots,
+                                  cache.device if on_gpu else torch.device("cpu"), pinned=cache.device.type == "cuda")
+        self.arena_location = where
+        if cache.device.type == "cuda":
+            log.info("%s %d: staging arena of %d MiB in %s (%s)", self.role, self.rank,
+                     self.arena.buffer.numel() >> 20, f"{cache.device} memory" if on_gpu else "pinned host memory", why)
         self.arena_region: Region = self.transport.register(self.arena.buffer)
         self.facts = collect_local(self.arena.buffer, agent_plugins=_plugins(self.transport))
         own = getattr(self.transport, "facts", None)
         if callable(own):  # the transport's own introspection (UCXX's UCX, not NIXL's bundled one)
             self.facts.update(own())
         self._kv_regions: list[Region] | None = None
+        self._aborted: dict[str, tuple[str, str]] = {}  # req -> (peer, cause): aborted by a peer before this side knew it
         self._events: queue.Queue = queue.Queue()
+        self._fences: queue.Queue | None = None  # copies on the device, watched by a waiter thread
+        self._busy_wait = _BUSY_WAIT["cuda" if cache.device.type == "cuda" else "cpu"]
         self._closing = False
         self._thread = threading.Thread(target=self._run, name=f"kvstage-{self.role}{self.rank}", daemon=True)
 
@@ -155,6 +171,24 @@ class Endpoint:
             raise box["error"]
         return box.get("value")
 
+    def _watch(self, fence) -> None:
+        """Wake the loop the moment a device copy finishes, instead of at its next poll:
+        one waiter thread per endpoint blocks on the fences in launch order."""
+        if fence.done():
+            return
+        if self._fences is None:
+            self._fences = queue.Queue()
+            threading.Thread(target=self._wait_fences, name=f"kvstage-fences-{self.role}{self.rank}", daemon=True).start()
+        self._fences.put(fence)
+
+    def _wait_fences(self) -> None:
+        while True:
+            fence = self._fences.get()
+            if fence is None:
+                return
+            fence.wait()
+            self._post("copied")
+
     def _start_reader(self, conn: Connection, first_timeout: float | None = None) -> None:
         def read():
             try:
@@ -171,7 +205,7 @@ class Endpoint:
     def _run(self) -> None:
         while True:
             try:
-                kind, args = self._events.get(timeout=_BUSY_WAIT if self._busy() else _IDLE_WAIT)
+                kind, args = self._events.get(timeout=self._busy_wait if self._busy() else _IDLE_WAIT)
             except queue.Empty:
                 kind, args = None, ()
             if kind == "stop":
@@ -190,6 +224,21 @@ class Endpoint:
         self._shutdown()
 
     # -- for subclasses ------------------------------------------------------
+    def _remember_abort(self, req: str, peer: str, cause: str) -> None:
+        """A peer aborted ``req`` before this side was told of it: fail it the
+        moment it is added instead of waiting for a grant or a writer that will
+        never come. At most ``MAX_ABORTED`` are kept, the oldest dropped first."""
+        self._aborted.pop(req, None)
+        self._aborted[req] = (peer, cause)
+        while len(self._aborted) > MAX_ABORTED:
+            self._aborted.pop(next(iter(self._aborted)))
+
+    def _take_abort(self, handle) -> bool:
+        got = self._aborted.pop(handle.req, None)
+        if got is not None:
+            handle._fail(got[0], "abort", got[1])
+        return got is not None
+
     def _busy(self) -> bool:
         return False
 
@@ -206,6 +255,8 @@ class Endpoint:
         """Fail requests that made no progress for ``stall_timeout_s``."""
 
     def _shutdown(self) -> None:
+        if self._fences is not None:
+            self._fences.put(None)
         self.transport.close()
 
     def _reject(self, conn: Connection, msg: dict, err: KVStageError) -> None:

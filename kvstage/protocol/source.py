@@ -23,6 +23,7 @@ from kvstage.protocol.endpoint import Endpoint, check_pages, check_transport, md
 from kvstage.protocol.request import State, TransferHandle
 from kvstage.protocol.wire import PROTOCOL_VERSION, Connection, encode_notice, field
 from kvstage.staging.copy import TokenIndex, gather
+from kvstage.staging.fence import CopyFence
 from kvstage.tp import Piece, TransferPlan, plan
 from kvstage.transports.base import Region, Spans, WriteState
 
@@ -65,6 +66,18 @@ class Outgoing:
 
 
 @dataclass
+class Gathering:
+    """A chunk whose gather is launched; its write is posted once the fence passes."""
+
+    fence: CopyFence
+    out: "Outgoing"
+    job: Job
+    slot: int
+    nbytes: int
+    started: float
+
+
+@dataclass
 class InFlight:
     handle: object
     job: Job
@@ -84,6 +97,7 @@ class Source(Endpoint):
         self.requests: dict[str, Outgoing] = {}
         self._jobs: collections.deque[Job] = collections.deque()
         self._inflight: list[InFlight] = []
+        self._gathering: list[Gathering] = []
         self._start()
 
     # -- public --------------------------------------------------------------
@@ -192,6 +206,8 @@ class Source(Endpoint):
         if not want:  # replicas or MLA: another source rank covers these heads
             handle._move(State.DONE)
             return
+        if self._take_abort(handle):
+            return
         out = Outgoing(handle, pages)
         self.requests[handle.req] = out
         for d in want:
@@ -200,7 +216,7 @@ class Source(Endpoint):
             self.targets[d].conn.send({"type": "ready", "req": handle.req, "tokens": handle.tokens})
 
     def _busy(self) -> bool:
-        return bool(self._inflight or self._jobs)
+        return bool(self._inflight or self._jobs or self._gathering)
 
     def _on_message(self, conn: Connection, msg: dict) -> None:
         target = next((t for t in self.targets.values() if t.conn is conn), None)
@@ -212,8 +228,11 @@ class Source(Endpoint):
                 self._on_grant(target, msg)
             elif kind == "abort":
                 req = field(msg, "req", str)
-                self._fail(req, f"destination rank {target.rank}", "abort",
-                           "destination aborted: " + str(msg.get("reason"))[:200], tell=False)
+                cause = "destination aborted: " + str(msg.get("reason"))[:200]
+                if req in self.requests:
+                    self._fail(req, f"destination rank {target.rank}", "abort", cause, tell=False)
+                else:
+                    self._remember_abort(req, f"destination rank {target.rank}", cause)
             elif kind == "done":
                 field(msg, "req", str)
             elif kind == "error":
@@ -273,6 +292,7 @@ class Source(Endpoint):
 
     def _progress(self) -> None:
         self._poll_writes()
+        self._poll_gathers()
         while self._jobs:
             job = self._jobs[0]
             out = self.requests.get(job.req)
@@ -300,19 +320,42 @@ class Source(Endpoint):
         t0 = time.perf_counter()
         try:
             region = self.arena.view(self.arena.offset(slot), nbytes)
+            fence = CopyFence(self.cache.device)
             gather(self.cache, TokenIndex(self.cache, out.pages, job.start, job.count), piece.src_offset, piece.heads.count, region)
-            if self.cache.device.type == "cuda":
-                import torch
-
-                torch.cuda.current_stream(self.cache.device).synchronize()
+            fence.close()
         except Exception as e:
             self.arena.allocator.release(slot)
             return self._fail(job.req, "local", "gather", f"{type(e).__name__}: {e}", tell=True)
-        t1 = time.perf_counter()
-        out.handle.stages["gather"] += t1 - t0
-        local = Spans.single(self.arena_region, [self.arena.offset(slot)], [nbytes])
-        remote = Spans.single(target.arena, [job.offset], [nbytes])
-        self._post_write(out, job, slot, local, remote, nbytes, t1)
+        out.inflight += 1  # the request is not forgotten while its gather may still run
+        self._gathering.append(Gathering(fence, out, job, slot, nbytes, t0))
+        self._watch(fence)
+        self._poll_gathers()
+
+    def _poll_gathers(self) -> None:
+        """Post the write of every chunk whose gather has finished on the device."""
+        still = []
+        for g in self._gathering:
+            if not g.fence.done():
+                still.append(g)
+                continue
+            t1 = time.perf_counter()
+            out, job = g.out, g.job
+            out.inflight -= 1
+            out.handle.stages["gather"] += t1 - g.started
+            gpu = g.fence.gpu_seconds()
+            if gpu is not None:
+                out.handle.stages["gather_gpu"] = out.handle.stages.get("gather_gpu", 0.0) + gpu
+            target = self.targets.get(job.dst)
+            if out.handle.done() or target is None:
+                self.arena.allocator.release(g.slot)
+                if target is None:
+                    self._fail(job.req, f"destination rank {job.dst}", "write", "not connected", tell=False)
+                self._maybe_forget(out)
+                continue
+            local = Spans.single(self.arena_region, [self.arena.offset(g.slot)], [g.nbytes])
+            remote = Spans.single(target.arena, [job.offset], [g.nbytes])
+            self._post_write(out, job, g.slot, local, remote, g.nbytes, t1)
+        self._gathering = still
 
     def _write_direct(self, out: Outgoing, job: Job) -> None:
         """Whole pages straight into the destination's KV, coalesced into runs."""
@@ -334,7 +377,8 @@ class Source(Endpoint):
     def _post_write(self, out, job, slot, local: Spans, remote: Spans, nbytes: int, t: float) -> None:
         target = self.targets[job.dst]
         try:
-            h = self.transport.write(target.agent, local, remote, encode_notice(job.req, job.chunk, self.rank), job.ticket)
+            notice = encode_notice(job.req, job.chunk, self.rank, None if slot is None else job.offset, nbytes)
+            h = self.transport.write(target.agent, local, remote, notice, job.ticket)
         except KVStageError as e:
             if slot is not None:
                 self.arena.allocator.release(slot)

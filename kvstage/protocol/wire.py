@@ -15,10 +15,11 @@ import json
 import socket
 import struct
 import threading
+from typing import NamedTuple
 
 from kvstage.errors import ProtocolError
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: landing notices say where the write went and how long it was
 MAX_FRAME = 16 << 20
 MAX_ID = 256
 _LEN = struct.Struct("!I")
@@ -41,25 +42,47 @@ def field(msg: dict, name: str, kind: type | tuple, *, minimum: int | None = Non
     return v
 
 
-def encode_notice(req: str, chunk: int, writer: int) -> bytes:
-    return json.dumps({"t": "landed", "req": req, "chunk": chunk, "writer": writer}, separators=(",", ":")).encode()
+class Notice(NamedTuple):
+    """A "chunk landed" notice: ``writer`` wrote ``nbytes`` for ``chunk`` of ``req``
+    at ``offset`` in the destination arena (``None`` on the direct path)."""
+
+    req: str
+    chunk: int
+    writer: int
+    offset: int | None
+    nbytes: int
 
 
-def decode_notice(data: bytes) -> tuple[str, int, int]:
+def encode_notice(req: str, chunk: int, writer: int, offset: int | None, nbytes: int) -> bytes:
+    return json.dumps({"t": "landed", "req": req, "chunk": chunk, "writer": writer, "offset": offset, "bytes": nbytes},
+                      separators=(",", ":")).encode()
+
+
+def decode_notice(data: bytes) -> Notice:
     try:
         msg = json.loads(data)
     except (ValueError, UnicodeDecodeError) as e:
         raise ProtocolError(f"notification is not JSON: {data[:60]!r}") from e
     if field(msg, "t", str) != "landed":
         raise ProtocolError(f"notification type {msg['t']!r} unknown")
-    return field(msg, "req", str), field(msg, "chunk", int, minimum=0), field(msg, "writer", int, minimum=0)
+    offset = msg.get("offset")
+    if offset is not None:
+        offset = field(msg, "offset", int, minimum=0)
+    return Notice(field(msg, "req", str), field(msg, "chunk", int, minimum=0), field(msg, "writer", int, minimum=0),
+                  offset, field(msg, "bytes", int, minimum=1))
 
 
 def _keepalive(sock: socket.socket, idle: int = 1, interval: int = 1, count: int = 3) -> None:
     """Probe an idle peer every second and drop it after three missed answers:
-    a peer whose host or link died is noticed in ~4 s even with nothing to send."""
+    a peer whose host or link died is noticed in ~4 s even with nothing to send.
+
+    Keepalive only runs while nothing sent is waiting for an acknowledgement;
+    with a grant or an abort stuck in a cut link, TCP would retransmit for
+    ~15 minutes instead. ``TCP_USER_TIMEOUT`` bounds that wait to the same
+    ~4 s, so a dead link closes the connection (and frees its slots) either way."""
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
-    for name, value in (("TCP_KEEPIDLE", idle), ("TCP_KEEPINTVL", interval), ("TCP_KEEPCNT", count)):
+    for name, value in (("TCP_KEEPIDLE", idle), ("TCP_KEEPINTVL", interval), ("TCP_KEEPCNT", count),
+                        ("TCP_USER_TIMEOUT", (idle + interval * count) * 1000)):
         if hasattr(socket, name):
             sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, name), value)
 

@@ -88,12 +88,45 @@ def _cudart():
     raise OSError("no CUDA runtime library (libcudart) found to allocate the staging arena")
 
 
-def allocate_arena(nbytes: int, device: torch.device) -> torch.Tensor:
-    """A contiguous byte buffer for the arena: plain host memory, or cudaMalloc'd device memory."""
+_CUDA_TLS = ("cuda", "cuda_copy", "cuda_ipc")
+
+
+def _tls_moves_device_memory(tls: str) -> bool:
+    """Whether a UCX_TLS value leaves UCX a CUDA transport ("^a,b" excludes a and b)."""
+    names = {t.strip() for t in tls.lstrip("^").split(",") if t.strip()}
+    if tls.startswith("^"):
+        return not ("cuda" in names or {"cuda_copy", "cuda_ipc"} <= names)
+    return "all" in names or bool(names & set(_CUDA_TLS))
+
+
+def choose_arena(setting: str, device: torch.device, ucx_modules: list[str] | None, env) -> tuple[str, str]:
+    """Where a rank's arena lives, "device" or "host", and why (logged once per endpoint).
+
+    "auto" keeps a CUDA rank's arena on its GPU when this process's UCX can move
+    device memory (a CUDA transport module is bundled and UCX_TLS allows one),
+    and otherwise stages through pinned host memory: GPU -> pinned host arena ->
+    transfer -> pinned host arena -> GPU, with the copies done by the same kernels."""
+    if device.type != "cuda":
+        return "host", "the KV cache is in host memory"
+    if setting in ("device", "host"):
+        return setting, f"arena={setting} was asked for"
+    if setting != "auto":
+        raise ValueError(f"arena={setting!r}: must be auto, device or host")
+    if ucx_modules is not None and not any(m.startswith("cuda") for m in ucx_modules):
+        return "host", "arena=auto: the UCX bundled with NIXL has no CUDA transport module (libuct_cuda*)"
+    tls = env.get("UCX_TLS")
+    if tls and not _tls_moves_device_memory(tls):
+        return "host", f"arena=auto: UCX_TLS={tls} leaves out the CUDA transports"
+    return "device", "arena=auto: UCX has a CUDA transport for device memory"
+
+
+def allocate_arena(nbytes: int, device: torch.device, pinned: bool = False) -> torch.Tensor:
+    """A contiguous byte buffer for the arena: host memory (pinned for a CUDA rank's
+    host arena, so its kernels reach it), or cudaMalloc'd device memory."""
     if device.type != "cuda":
         # touch every page now: a first write into untouched memory page-faults,
         # which would land inside the first transfers' timings
-        return torch.empty(nbytes, dtype=torch.uint8, device=device).fill_(0)
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=pinned).fill_(0)
     owner = _DeviceAllocation(nbytes, device)
     t = torch.as_tensor(owner, device=device)
     t._kvstage_owner = owner  # the allocation lives as long as the tensor
@@ -103,11 +136,11 @@ def allocate_arena(nbytes: int, device: torch.device) -> torch.Tensor:
 class StagingArena:
     """``slots`` slots of ``slot_bytes`` in one registered buffer."""
 
-    def __init__(self, slot_bytes: int, slots: int, device: torch.device):
+    def __init__(self, slot_bytes: int, slots: int, device: torch.device, pinned: bool = False):
         self.slot_bytes = slot_bytes
         self.allocator = SlotAllocator(slots)
-        self.buffer = allocate_arena(slot_bytes * slots, device)
-        log.debug("arena: %d slots of %d bytes on %s", slots, slot_bytes, device)
+        self.buffer = allocate_arena(slot_bytes * slots, device, pinned)
+        log.debug("arena: %d slots of %d bytes on %s%s", slots, slot_bytes, device, " (pinned)" if pinned else "")
 
     def offset(self, slot: int) -> int:
         return slot * self.slot_bytes

@@ -6,7 +6,8 @@ source gathers with its own page size and layout; the destination scatters
 with its own, which is how page size and NHD/HND conversion happen.
 
 On CUDA (with CuPy) one fused kernel launch moves a whole chunk
-(``cuda_copy``); elsewhere these are torch/numpy ops.
+(``cuda_copy``), into device memory or a pinned host arena; elsewhere these
+are torch/numpy ops.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import torch
 
 from kvstage.layout import token_positions
 from kvstage.staging.cache import RankCache
-from kvstage.staging.runs import Runs, piece_runs
+from kvstage.staging.words import chunk_pages
 
 
 class TokenIndex:
@@ -24,10 +25,21 @@ class TokenIndex:
 
     def __init__(self, cache: RankCache, page_ids: np.ndarray, start: int, count: int):
         page = cache.spec.page
-        pid, off = token_positions(page_ids, page.page_size, start, count)
-        if len(pid) and (pid.min() < 0 or pid.max() >= cache.pages):
-            raise IndexError(f"page ids must lie in [0, {cache.pages}); got {pid.min()}..{pid.max()}")
+        # the chunk's pages and the first token's offset: all the CUDA kernel needs
+        self.chunk_pages, self.first = chunk_pages(page_ids, page.page_size, start, count)
+        if len(self.chunk_pages) and (self.chunk_pages.min() < 0 or self.chunk_pages.max() >= cache.pages):
+            raise IndexError(f"page ids must lie in [0, {cache.pages}); got "
+                             f"{self.chunk_pages.min()}..{self.chunk_pages.max()}")
         self.page_ids, self.start, self.count = page_ids, start, count
+        self._cache = cache
+        if cache.device.type == "cuda" and _copier(cache) is not None:
+            return  # the kernel path: the token arrays below are built only if a torch path asks
+        self._positions()
+
+    def _positions(self) -> None:
+        cache, start, count = self._cache, self.start, self.count
+        page = cache.spec.page
+        pid, off = token_positions(self.page_ids, page.page_size, start, count)
         self.flat_order = cache.spec.geometry.mla or page.order == "nhd"
         self.on_cpu = cache.device.type == "cpu"
         # Whole pages at the front of the range (the range starts on a page
@@ -39,6 +51,13 @@ class TokenIndex:
         self.page_np, self.offset_np = pid, off
         self._device = cache.device
         self._on_device: dict = {}
+
+    def __getattr__(self, name: str):
+        """Token arrays for the torch paths, built on first use."""
+        if "_cache" not in self.__dict__ or "_on_device" in self.__dict__:
+            raise AttributeError(name)
+        self._positions()
+        return object.__getattribute__(self, name)
 
     def _dev(self, name: str) -> torch.Tensor:
         """Index arrays reach the device only when a torch path needs them."""
@@ -102,7 +121,7 @@ def _copier(cache: RankCache):
     if c is False:
         from kvstage.staging import cuda_copy
 
-        c = cuda_copy.RunCopier(cache.buffers) if cuda_copy.available() else None
+        c = cuda_copy.WordCopier(cache.spec, cache.buffers) if cuda_copy.available() else None
         cache._copier = c
     return c
 
@@ -110,19 +129,26 @@ def _copier(cache: RankCache):
 def _fused(cache: RankCache, idx: TokenIndex, pieces, region: torch.Tensor, to_region: bool) -> bool:
     """Run the whole chunk as one kernel launch if possible; False to fall back."""
     copier = _copier(cache)
-    if copier is None:
+    if copier is None or not copier.supports(region, pieces, idx.count):
         return False
-    runs = Runs.concat([piece_runs(cache, idx.page_ids, idx.start, idx.count, lo, n, base) for lo, n, base in pieces])
-    if not copier.supports(runs, region):
-        return False
-    copier.run(runs, region, to_region)
+    copier.run(idx.chunk_pages, idx.first, idx.count, pieces, region, to_region)
     return True
+
+
+def _bounce(cache: RankCache, region: torch.Tensor) -> torch.Tensor | None:
+    """A device copy of a region on another device (a host arena without the
+    kernel): the torch paths below need both sides on one device."""
+    return None if region.device == cache.device else torch.empty_like(region, device=cache.device)
 
 
 def scatter_chunk(cache: RankCache, idx: TokenIndex, pieces, region: torch.Tensor) -> None:
     """Scatter every writer's region of a slot: ``pieces`` = [(head_lo, heads, byte offset in region)]."""
     if _fused(cache, idx, pieces, region, to_region=False):
         return
+    tmp = _bounce(cache, region)
+    if tmp is not None:
+        tmp.copy_(region)
+        region = tmp
     for lo, n, base in pieces:
         scatter(cache, idx, lo, n, region[base : base + region_bytes(cache, idx.count, n)])
 
@@ -130,6 +156,11 @@ def scatter_chunk(cache: RankCache, idx: TokenIndex, pieces, region: torch.Tenso
 def gather(cache: RankCache, idx: TokenIndex, head_lo: int, heads: int, region: torch.Tensor) -> None:
     """Copy local heads ``[head_lo, head_lo+heads)`` of the indexed tokens into ``region``."""
     if _fused(cache, idx, [(head_lo, heads, 0)], region, to_region=True):
+        return
+    tmp = _bounce(cache, region)
+    if tmp is not None:
+        gather(cache, idx, head_lo, heads, tmp)
+        region.copy_(tmp)
         return
     out = _region_view(region, cache, idx.count, heads)
     whole = idx.full_pages if heads == _heads(cache) else 0
@@ -147,6 +178,10 @@ def gather(cache: RankCache, idx: TokenIndex, head_lo: int, heads: int, region: 
 
 def scatter(cache: RankCache, idx: TokenIndex, head_lo: int, heads: int, region: torch.Tensor) -> None:
     """Copy ``region`` into local heads ``[head_lo, head_lo+heads)`` of the indexed tokens."""
+    tmp = _bounce(cache, region)
+    if tmp is not None:
+        tmp.copy_(region)
+        region = tmp
     src = _region_view(region, cache, idx.count, heads)
     whole = idx.full_pages if heads == _heads(cache) else 0
     t0 = whole * cache.spec.page.page_size

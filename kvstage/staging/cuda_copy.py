@@ -1,10 +1,14 @@
-"""The CUDA gather/scatter kernel: one launch per chunk for every buffer
-(layers x K/V) and every writer, 16-byte vector copies, one warp per run.
+"""The CUDA gather/scatter kernel: one launch per chunk covers every (layer,
+plane) buffer and every writer's piece, with 16-byte vector loads and stores.
 
-Written as CUDA C and compiled at first use with CuPy's NVRTC (RawKernel):
-the copy is a pure byte move, so explicit ``uint4`` loads/stores are the
-whole kernel. Per-call set-up is one pinned host buffer holding the run list,
-one async upload, and one launch on the caller's current torch stream.
+Each thread finds its word's token, head and page from its index and the
+chunk's page ids (``words.word_index`` is the same arithmetic in numpy), so
+per-call set-up is one small upload (piece descriptors and page ids, from a
+ring of pinned buffers) and one launch on the caller's torch stream, with no
+host synchronization. Compiled at first use with CuPy's NVRTC (RawKernel):
+the copy is a pure byte move, so explicit ``uint4`` loads and stores are the
+whole kernel. The region may be device memory or pinned host memory (mapped
+into the GPU's address space: the pinned-host arena).
 """
 
 from __future__ import annotations
@@ -12,56 +16,63 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from kvstage.staging.runs import Runs
+from kvstage.staging.words import WordGeometry
+
+_UNROLL = 4
+_THREADS = 256
 
 _SOURCE = r"""
-// One warp per run. Each warp walks its run once and, for every 16-byte word,
-// moves it in all buffers of its buffer group: four independent loads are in
-// flight before their stores, which hides memory latency on short runs.
-// Addresses arrive as integers so the launch needs no array wrappers.
-extern "C" __global__ void kvstage_copy_runs(
-    const unsigned long long table_addr,   // device array: base address of each KV buffer
-    const unsigned long long region_addr,
-    const unsigned long long runs_addr,    // device array [4, n]: kv, reg, stride, length
-    const int n, const int nbuf, const int group, const int to_region)
+// grid: x = words of the largest piece / (THREADS * UNROLL), y = buffer, z = piece.
+// meta (device, int64): npieces x (head_lo, heads, region byte offset), then the chunk's page ids.
+// Index arithmetic is 32-bit (the host checks a piece's words fit); only the final
+// word offset inside a buffer is 64-bit.
+extern "C" __global__ void kvstage_copy_words(
+    const unsigned long long table_addr, const unsigned long long region_addr,
+    const unsigned long long meta_addr, const int npieces, const unsigned int count, const unsigned int first,
+    const unsigned int page_size, const unsigned int nheads, const unsigned int head_words, const int hnd,
+    const int to_region)
 {
     const unsigned long long* table = (const unsigned long long*)table_addr;
-    const long long* runs = (const long long*)runs_addr;
-    unsigned char* region = (unsigned char*)region_addr;
-    const int run = (blockIdx.x * blockDim.x + threadIdx.x) >> 5;
-    const int lane = threadIdx.x & 31;
-    if (run >= n) return;
-    const long long kvo = runs[run], rgo = runs[n + run], stride = runs[2 * n + run];
-    const long long words = runs[3 * n + run] >> 4;
-    const int b0 = blockIdx.y * group;
-    const int b1 = min(nbuf, b0 + group);
-    for (long long i = lane; i < words; i += 32) {
-        for (int b = b0; b < b1; b += 4) {
-            uint4 v[4];
-            #pragma unroll
-            for (int k = 0; k < 4; k++) {
-                if (b + k < b1) {
-                    const unsigned char* kv = (const unsigned char*)table[b + k] + kvo;
-                    const unsigned char* rg = region + rgo + (long long)(b + k) * stride;
-                    v[k] = ((const uint4*)(to_region ? kv : rg))[i];
-                }
-            }
-            #pragma unroll
-            for (int k = 0; k < 4; k++) {
-                if (b + k < b1) {
-                    unsigned char* kv = (unsigned char*)table[b + k] + kvo;
-                    unsigned char* rg = region + rgo + (long long)(b + k) * stride;
-                    ((uint4*)(to_region ? rg : kv))[i] = v[k];
-                }
-            }
+    const long long* meta = (const long long*)meta_addr;
+    const long long* pages = meta + 3 * npieces;
+    const int p = blockIdx.z, b = blockIdx.y;
+    const unsigned int head_lo = (unsigned int)meta[3 * p], heads = (unsigned int)meta[3 * p + 1];
+    const long long base = meta[3 * p + 2];
+    const unsigned int per_token = heads * head_words;
+    const unsigned int words = count * per_token;
+    uint4* kv = (uint4*)table[b];
+    uint4* rg = (uint4*)(region_addr + base) + (unsigned long long)b * words;
+    const unsigned int i0 = blockIdx.x * (THREADS * UNROLL) + threadIdx.x;
+    uint4 v[UNROLL];
+    long long at[UNROLL];
+    #pragma unroll
+    for (int k = 0; k < UNROLL; k++) {
+        const unsigned int i = i0 + k * THREADS;
+        at[k] = -1;
+        if (i < words) {
+            const unsigned int t = i / per_token, r = i - t * per_token;
+            const unsigned int j = r / head_words, w = r - j * head_words;
+            const unsigned int u = first + t;
+            const unsigned int q = u / page_size, off = u - q * page_size;
+            const long long page = pages[q];
+            const unsigned int h = head_lo + j;
+            at[k] = hnd ? ((page * nheads + h) * page_size + off) * head_words + w
+                        : ((page * page_size + off) * nheads + h) * head_words + w;
+            v[k] = to_region ? kv[at[k]] : rg[i];
+        }
+    }
+    #pragma unroll
+    for (int k = 0; k < UNROLL; k++) {
+        if (at[k] >= 0) {
+            if (to_region) rg[i0 + k * THREADS] = v[k];
+            else kv[at[k]] = v[k];
         }
     }
 }
 """
 
-_WARPS_PER_BLOCK = 8
-_GROUP = 16  # buffers per block row: 64 buffers (32 layers x K/V) -> 4 rows
 _kernel = None
+_RING = 4  # pinned upload buffers in flight per copier
 
 
 def available() -> bool:
@@ -77,53 +88,82 @@ def _get_kernel():
     if _kernel is None:
         import cupy
 
-        _kernel = cupy.RawKernel(_SOURCE, "kvstage_copy_runs")
+        opts = (f"-DTHREADS={_THREADS}", f"-DUNROLL={_UNROLL}")
+        _kernel = cupy.RawKernel(_SOURCE, "kvstage_copy_words", options=opts)
     return _kernel
 
 
-class RunCopier:
-    """Runs a chunk's run list against one rank's cache on its CUDA device."""
+class WordCopier:
+    """Runs chunk copies between one rank's CUDA cache and a region (device or pinned host)."""
 
-    def __init__(self, buffers: list[torch.Tensor]):
+    def __init__(self, spec, buffers: list[torch.Tensor]):
         self.device = buffers[0].device
+        self.geometry = WordGeometry.of(spec, 16)
         self.table = torch.tensor([b.data_ptr() for b in buffers], dtype=torch.int64, device=self.device)
         self.nbuf = len(buffers)
         self.aligned = all(b.data_ptr() % 16 == 0 for b in buffers)
-        self._pinned: torch.Tensor | None = None
+        self._ring = [_Upload() for _ in range(_RING)]
+        self._next = 0
         self._stream_key, self._stream = None, None
-        self._uploaded: torch.cuda.Event | None = None
+        g = self.geometry
+        self._table = np.uint64(self.table.data_ptr())
+        self._fixed = None if g is None else (np.uint32(g.page_size), np.uint32(g.heads), np.uint32(g.head_words),
+                                              np.int32(int(g.hnd)))
         import cupy
 
         self._cupy_device = cupy.cuda.Device(self.device.index or 0)
 
-    def supports(self, runs: Runs, region: torch.Tensor) -> bool:
-        return self.aligned and region.data_ptr() % 16 == 0 and runs.alignment() == 16
+    def supports(self, region: torch.Tensor, pieces, count: int) -> bool:
+        """16-byte words everywhere, a region the GPU can reach, and 32-bit word indices."""
+        reachable = region.is_cuda or region.is_pinned()
+        g = self.geometry
+        return (g is not None and self.aligned and reachable and region.data_ptr() % 16 == 0
+                and all(base % 16 == 0 for _, _, base in pieces)
+                and count * max(n for _, n, _ in pieces) * g.head_words < 2**31)
 
-    def run(self, runs: Runs, region: torch.Tensor, to_region: bool) -> None:
+    def run(self, pages: np.ndarray, first: int, count: int, pieces, region: torch.Tensor, to_region: bool) -> None:
+        """Copy tokens ``first .. first+count`` of ``pages`` for every ``(head_lo, heads, base)`` piece."""
         import cupy
 
-        n = len(runs.kv)
-        if n == 0:
-            return
-        # One pinned buffer, reused once the previous upload from it has finished.
-        if self._uploaded is not None:
-            self._uploaded.synchronize()
-        if self._pinned is None or self._pinned.numel() < 4 * n:
-            self._pinned = torch.empty(4 * max(n, 4096), dtype=torch.int64).pin_memory()
-        host = self._pinned[: 4 * n].view(4, n)
-        host.copy_(torch.from_numpy(np.stack([runs.kv, runs.reg, runs.stride, runs.length])))
+        meta = np.concatenate([np.asarray(pieces, dtype=np.int64).reshape(-1), pages.astype(np.int64, copy=False)])
         stream = torch.cuda.current_stream(self.device)
-        dev = host.to(self.device, non_blocking=True)
-        self._uploaded = torch.cuda.Event()
-        self._uploaded.record(stream)
-        group = _GROUP if self.nbuf > _GROUP else self.nbuf
-        blocks = (-(-n // _WARPS_PER_BLOCK), -(-self.nbuf // group))
+        up = self._ring[self._next]
+        self._next = (self._next + 1) % _RING
+        dev = up.load(meta, self.device)
+        most = max(n for _, n, _ in pieces) * count * self.geometry.head_words
+        grid = (-(-most // (_THREADS * _UNROLL)), self.nbuf, len(pieces))
         if self._stream_key != stream.cuda_stream:
             self._stream_key, self._stream = stream.cuda_stream, cupy.cuda.ExternalStream(stream.cuda_stream)
         with self._cupy_device, self._stream:
             _get_kernel()(
-                blocks, (32 * _WARPS_PER_BLOCK,),
-                (np.uint64(self.table.data_ptr()), np.uint64(region.data_ptr()), np.uint64(dev.data_ptr()),
-                 np.int32(n), np.int32(self.nbuf), np.int32(group), np.int32(int(to_region))),
+                grid, (_THREADS,),
+                (self._table, np.uint64(region.data_ptr()), np.uint64(dev.data_ptr()),
+                 np.int32(len(pieces)), np.uint32(count), np.uint32(first), *self._fixed, np.int32(int(to_region))),
             )
-        dev.record_stream(stream)
+        up.used.record(stream)
+
+
+class _Upload:
+    """One slot of the upload ring: a pinned host buffer, its device twin, and an
+    event after the kernel that read it. A slot is refilled only once that kernel
+    is done (with four slots, in practice never a wait); nothing is allocated per call."""
+
+    def __init__(self):
+        self.host: torch.Tensor | None = None
+        self.dev: torch.Tensor | None = None
+        self.used = torch.cuda.Event()
+        self._recorded = False
+
+    def load(self, meta: np.ndarray, device: torch.device) -> torch.Tensor:
+        n = len(meta)
+        if self._recorded:
+            self.used.synchronize()
+        self._recorded = True  # the caller records ``used`` after its launch
+        if self.host is None or self.host.numel() < n:
+            size = max(n, 4096)
+            self.host = torch.empty(size, dtype=torch.int64).pin_memory()
+            self.dev = torch.empty(size, dtype=torch.int64, device=device)
+        self.host.numpy()[:n] = meta
+        dev = self.dev[:n]
+        dev.copy_(self.host[:n], non_blocking=True)
+        return dev

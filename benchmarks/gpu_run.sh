@@ -1,0 +1,45 @@
+#!/usr/bin/env bash
+# One batch on the lent GPU machine (docs/benchmarks.md quotes its outputs):
+# kernels beside a d2d copy, staged vs bulk vs per-slice on one GPU, the same
+# across two GPUs when there are two, the byte-exact GPU suite.
+#   run with .whl/ carried (NIXL wheels, ../shared/notes/gpu-machine.md); outputs in $OUT
+#   PARTS="kernels x2 one pytest" (the default: all) picks parts.
+set -uo pipefail
+FINAL=${OUT:-/tmp/kvstage-out}
+OUT=$(mktemp -d)  # everything lands here and travels back as one archive (the device tool returns few files)
+trap 'tar czf "$FINAL/gpu-run.tgz" -C "$OUT" .' EXIT
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 NIXL_LOG_LEVEL=WARN
+nvidia-smi -L > "$OUT/gpu.txt"
+GPUS=$(nvidia-smi -L | wc -l)
+step() { echo "=== $(date +%T) $*" | tee -a "$OUT/steps.log"; }
+bench() { local name=$1; shift; step "bench $name: $*"
+  timeout 120 python3 -m kvstage.cli bench --device cuda --no-progress --json "$OUT/$name.json" "$@" 2>&1 | tee "$OUT/$name.log"; }
+
+BIG="--arena-mb 2048 --slot-mb 256"
+PARTS=${PARTS:-kernels x2 one pytest}
+want() { [[ " $PARTS " == *" $1 "* ]]; }
+want kernels && step kernels && timeout 150 python3 benchmarks/gpu_kernels.py --json "$OUT/kernels.json" 2>&1 | tee "$OUT/kernels.log"
+if want x2 && [ "$GPUS" -ge 2 ]; then  # sources on GPU 0, destinations on GPU 1: NVLink (the multi-GPU issue)
+  X="--src-gpu 0 --dst-gpu 1 --mode staged,bulk"
+  bench x2-2to1-8k --tokens 8192 --src-tp 2 --dst-tp 1 $X --iters 5 $BIG
+  bench x2-1to2-8k --tokens 8192 --src-tp 1 --dst-tp 2 $X --iters 5 $BIG
+  bench x2-2to1-32k --tokens 32768 --src-tp 2 --dst-tp 1 $X --iters 3 $BIG
+  bench x2-1to2-32k --tokens 32768 --src-tp 1 --dst-tp 2 $X --iters 3 $BIG
+  bench x2-4to1-32k --tokens 32768 $X --iters 3 $BIG
+  bench x2-1to4-32k --tokens 32768 --src-tp 1 --dst-tp 4 $X --iters 3 $BIG
+  bench x2-4to1-128 --tokens 128 $X --iters 30 --warmup 3
+  step probe
+  timeout 120 python3 -m kvstage.cli probe --device cuda --facts --json "$OUT/probe-x2.json" 2>&1 | tee "$OUT/probe-x2.log"
+fi
+# one GPU, all ranks on GPU 0 (the GPU-speed issue's targets)
+want one && {
+bench 4to1-8k --tokens 8192 --mode staged,bulk --iters 5
+bench 4to1-8k-big --tokens 8192 --mode staged,bulk --iters 5 $BIG
+bench 1to4-8k-big --tokens 8192 --src-tp 1 --dst-tp 4 --mode staged,bulk --iters 5 $BIG
+bench 4to1-128 --tokens 128 --mode staged,bulk --iters 30 --warmup 3
+bench 4to1-2k-all --tokens 2048 --mode all --iters 2
+KVSTAGE_ARENA=host bench 4to1-8k-hostarena --tokens 8192 --mode staged,bulk --iters 3
+}
+want pytest && step pytest && timeout 240 python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_transfer.py 2>&1 | tee "$OUT/pytest-gpu.log"
+step end

@@ -1,0 +1,40 @@
+"""The end of a gather or scatter launched on the caller's CUDA stream.
+
+The endpoint's loop polls a fence instead of blocking on the stream, so it can
+launch the next chunk's copy or post the previous chunk's write meanwhile
+(the overlap of gather k+1, write k and scatter k-1). The two CUDA events also
+time the copy on the GPU itself, which the stage profile reports beside the
+wall time the loop saw. On the CPU the copy has finished when it returns.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class CopyFence:
+    def __init__(self, device: torch.device):
+        self._cuda = device.type == "cuda"
+        self._start = self._end = None
+        if self._cuda:
+            self._start = torch.cuda.Event(enable_timing=True)
+            self._end = torch.cuda.Event(enable_timing=True)
+            self._start.record(torch.cuda.current_stream(device))
+        self._device = device
+
+    def close(self) -> "CopyFence":
+        """Mark the end of the copies launched since the fence was made."""
+        if self._cuda:
+            self._end.record(torch.cuda.current_stream(self._device))
+        return self
+
+    def done(self) -> bool:
+        return not self._cuda or self._end.query()
+
+    def wait(self) -> None:
+        if self._cuda:
+            self._end.synchronize()
+
+    def gpu_seconds(self) -> float | None:
+        """Time the copies took on the GPU (after ``done``), None on the CPU."""
+        return self._start.elapsed_time(self._end) / 1e3 if self._cuda else None

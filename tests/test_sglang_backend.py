@@ -1,0 +1,212 @@
+"""The kvstage transfer backend inside real SGLang 0.5.23 code (CPU, separate processes).
+
+Registration is checked in this process; transfers run one process per
+scheduler rank (tests/sglang_rank.py), the ranks of each side in one gloo
+group, all scenarios at once to keep the run short on two cores:
+
+- equal TP 1 -> 1, prefill TP 2 -> decode TP 1, 1 -> 2 (MHA, 4 KV heads), MLA 2 -> 1;
+- KV pages and metadata rows byte-identical on every decode rank;
+- state buffers (a hybrid SWA pool plus a mamba-style component, see tests/sglang_rank.py) at equal TP
+  1 -> 1 and 2 -> 2: KV, metadata and state rows byte-identical; TP 2 -> 1 with state buffers: Failed on
+  both sides with the reason (kvstage moves state rows at equal TP only);
+- the comparison itself: a request whose prefill bytes are corrupted (one byte of KV, of the metadata
+  row and of each state component, after the expected bytes are fixed) is reported as exactly those
+  mismatches;
+- an abort on either side, a prefill whose decode never calls (bootstrap
+  timeout) and a decode whose prefill never sends (waiting timeout) end in
+  Failed with a clear exception on the side(s) that hold the request, no hang.
+
+Needs sglang (0.5.23); the main venv skips this file. CI installs it into its own venv (.ci/run).
+"""
+
+import importlib.util
+import json
+import os
+import re
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+if importlib.util.find_spec("sglang") is None:
+    if os.environ.get("KVSTAGE_REQUIRE_SGLANG"):
+        raise ImportError("KVSTAGE_REQUIRE_SGLANG is set but sglang is not importable")
+    pytest.skip("sglang is not importable here (CI runs these in the SGLang venv, see .ci/run)", allow_module_level=True)
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+import sglang_cpu  # noqa: E402
+
+# SGLang's timeouts in these runs: the decode's waiting timeout must strike while the prefill ranks are still
+# alive (they stay until their own bootstrap timeout), or the decode sees "connection lost" instead
+BOOTSTRAP_TIMEOUT_S, WAITING_TIMEOUT_S = 25, 10
+OK = [{"room": 1001, "tokens": 10}, {"room": 2002, "tokens": 37}]
+ABORTS = [{"room": 3003, "tokens": 9, "abort": "prefill"},
+          {"room": 4004, "tokens": 9, "abort": "decode", "hold_s": 6}]
+TIMEOUTS = [{"room": 5005, "tokens": 5, "abort": "never_decode"},
+            {"room": 6006, "tokens": 5, "abort": "never_prefill"}]
+CORRUPT = [{"room": 7007, "tokens": 13, "corrupt": True}]
+SCENARIOS = {  # name: (prefill TP, decode TP, MLA, requests, state buffers)
+    "tp1-1": (1, 1, False, OK, False),
+    "tp2-1": (2, 1, False, OK + ABORTS + TIMEOUTS, False),
+    "tp1-2": (1, 2, False, OK + ABORTS, False),
+    "mla2-1": (2, 1, True, OK, False),
+    "state1-1": (1, 1, False, OK + CORRUPT, True),
+    "state2-2": (2, 2, False, OK, True),
+    "state2-1": (2, 1, False, OK[:1], True),
+}
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """Start every scenario's ranks at once; return {scenario: {(role, rank): results}}."""
+    logs = tmp_path_factory.mktemp("sglang")
+    env = dict(os.environ, KVSTAGE_ARENA_MB="2", KVSTAGE_SLOT_MB="0.0625", KVSTAGE_STALL_TIMEOUT_S="60",
+               SGLANG_HOST_IP="127.0.0.1", SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT=str(BOOTSTRAP_TIMEOUT_S),
+               SGLANG_DISAGGREGATION_WAITING_TIMEOUT=str(WAITING_TIMEOUT_S), PYTHONWARNINGS="ignore")
+    procs = []
+    for name, (ptp, dtp, mla, reqs, state) in SCENARIOS.items():
+        bootstrap, http = _port(), _port()
+        for role, tp in (("prefill", ptp), ("decode", dtp)):
+            store = _port()
+            for rank in range(tp):
+                cfg = dict(role=role, tp=tp, rank=rank, mla=mla, state=state, kv_heads=4, http_port=http,
+                           bootstrap_port=bootstrap, store_port=store, requests=reqs, deadline_s=200)
+                log = open(logs / f"{name}-{role}{rank}.log", "w")
+                procs.append((name, role, rank, log, subprocess.Popen(
+                    [sys.executable, os.path.join(HERE, "sglang_rank.py"), json.dumps(cfg)],
+                    env=env, stdout=subprocess.PIPE, stderr=log, text=True)))
+    out: dict = {name: {} for name in SCENARIOS}
+    deadline = time.monotonic() + 400
+    try:
+        for name, role, rank, log, p in procs:
+            stdout, _ = p.communicate(timeout=max(1, deadline - time.monotonic()))
+            lines = [ln for ln in stdout.splitlines() if ln.startswith("RESULT ")]
+            if p.returncode != 0 or not lines:
+                log.flush()
+                tail = open(log.name).read()[-3000:]
+                raise AssertionError(f"{name} {role} rank {rank} exited {p.returncode} without a result:\n{tail}")
+            out[name][(role, rank)] = json.loads(lines[-1][7:])["results"]
+    finally:
+        for *_, log, p in procs:
+            if p.poll() is None:
+                p.kill()
+            log.close()
+    return out
+
+
+def test_registration():
+    """After load_plugins: CLI choice, a real TransferBackend member, our classes; other backends unchanged."""
+    sglang_cpu.install()
+    from sglang.srt.plugins import load_plugins
+
+    load_plugins()
+    import argparse
+
+    from sglang.srt.disaggregation.utils import KVClassType, TransferBackend, get_kv_class
+    from sglang.srt.server_args import ServerArgs
+
+    from kvstage.plugin import sglang_conn
+
+    parser = argparse.ArgumentParser()
+    ServerArgs.add_cli_args(parser)
+    ns = parser.parse_args(["--model-path", "m", "--disaggregation-transfer-backend", "kvstage"])
+    assert ns.disaggregation_transfer_backend == "kvstage"
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--model-path", "m", "--disaggregation-transfer-backend", "no-such-backend"])
+    member = TransferBackend("kvstage")
+    assert member is TransferBackend.KVSTAGE and member.value == "kvstage" and member in list(TransferBackend)
+    assert get_kv_class(member, KVClassType.MANAGER) is sglang_conn.KVStageManager
+    assert get_kv_class(member, KVClassType.SENDER) is sglang_conn.KVStageSender
+    assert get_kv_class(member, KVClassType.RECEIVER) is sglang_conn.KVStageReceiver
+    assert get_kv_class(member, KVClassType.BOOTSTRAP_SERVER) is sglang_conn.KVStageBootstrapServer
+    from sglang.srt.disaggregation.base.conn import KVArgs
+
+    assert get_kv_class(member, KVClassType.KVARGS) is KVArgs
+    from sglang.srt.disaggregation.fake import FakeKVManager
+    from sglang.srt.disaggregation.nixl import NixlKVManager
+
+    assert get_kv_class(TransferBackend.NIXL, KVClassType.MANAGER) is NixlKVManager
+    assert get_kv_class(TransferBackend("fake"), KVClassType.MANAGER) is FakeKVManager
+    assert [m.value for m in TransferBackend][:5] == ["mooncake", "mori", "nixl", "ascend", "fake"]
+
+
+@pytest.mark.parametrize("name", [n for n, s in SCENARIOS.items() if s[0] == s[1] or not s[4]])
+def test_transfer_byte_identical(runs, name):
+    ptp, dtp, _, _, state = SCENARIOS[name]
+    res = runs[name]
+    for rank in range(ptp):
+        for r in OK:
+            assert res[("prefill", rank)][str(r["room"])] == {"state": "success"}, (name, rank, r)
+    for rank in range(dtp):
+        for r in OK:
+            got = res[("decode", rank)][str(r["room"])]
+            want = {"state": "success", "kv_mismatch": [], "aux_mismatch": [], "room_row": r["room"]}
+            if state:  # SWA window pages (a partial last page included) and one mamba slot, every buffer compared
+                want.update(state_mismatch=[], state_rows=[-(-r["tokens"] // 4) - max(0, r["tokens"] - 8) // 4, 1])
+            assert got == want, (name, rank, got)
+
+
+def test_state_buffers_refused_across_tp(runs):
+    """Prefill TP 2 -> decode TP 1 with state buffers: Failed on both sides with the reason, no hang."""
+    res = runs["state2-1"]
+    room = str(OK[0]["room"])
+    errors = [res[("prefill", rank)][room] for rank in range(2)] + [res[("decode", 0)][room]]
+    for got in errors:
+        assert got["state"] == "failed", errors
+    # each prefill rank refuses before sending; the MIN all-reduce may report the other's failure instead
+    assert any("state buffers" in g["error"] and "equal TP only" in g["error"] for g in errors[:2]), errors
+    assert "prefill rank " in errors[2]["error"] and "equal TP only" in errors[2]["error"], errors[2]
+
+
+def test_corruption_is_detected(runs):
+    """The byte comparison can fail: one corrupted byte each of KV, metadata row and state rows is reported."""
+    res = runs["state1-1"]
+    room = str(CORRUPT[0]["room"])
+    assert res[("prefill", 0)][room] == {"state": "success"}
+    got = res[("decode", 0)][room]
+    assert got["state"] == "success" and got["room_row"] == CORRUPT[0]["room"], got
+    assert got["kv_mismatch"] == ["layer 2 plane 1"], got
+    assert got["aux_mismatch"] == [0], got
+    assert got["state_mismatch"] == ["component 0 buffer 3", "component 1 buffer 3"], got
+
+
+@pytest.mark.parametrize("name", ["tp2-1", "tp1-2"])
+def test_abort_from_either_side(runs, name):
+    ptp, dtp, _, _, _ = SCENARIOS[name]
+    res = runs[name]
+    for rank in range(ptp):
+        got = res[("prefill", rank)]
+        assert got["3003"]["state"] == "failed" and "Aborted by AbortReq" in got["3003"]["error"], got["3003"]
+    # the decode's abort reaches each prefill rank on its own: a rank that has not read it yet when the MIN
+    # all-reduce turns Failed reports SGLang's "from another rank"; at least one rank names the cause
+    got = [res[("prefill", rank)]["4004"] for rank in range(ptp)]
+    assert all(g["state"] == "failed" and ("decode aborted" in g["error"] or "from another rank" in g["error"])
+               for g in got), got
+    assert any("decode aborted" in g["error"] for g in got), got
+    for rank in range(dtp):
+        got = res[("decode", rank)]
+        # the prefill's own record ("Aborted by AbortReq.") or kvstage's, from whichever prefill rank (each
+        # aborts) reached the wire first
+        err = got["3003"]["error"]
+        assert got["3003"]["state"] == "failed" and re.search(f"prefill rank [0-{ptp - 1}]: ", err) \
+            and "abort" in err.lower(), got["3003"]
+        assert got["4004"]["state"] == "failed" and "Aborted by AbortReq" in got["4004"]["error"], got["4004"]
+
+
+def test_timeouts_fail_cleanly(runs):
+    res = runs["tp2-1"]
+    got = [res[("prefill", rank)]["5005"] for rank in range(2)]
+    assert all(g["state"] == "failed" for g in got), got
+    # the rank that timed out says so; the MIN all-reduce fails the other with SGLang's "from another rank"
+    assert any("timed out" in g["error"] and "KVPoll.Bootstrapping" in g["error"] for g in got), got
+    got = res[("decode", 0)]["6006"]
+    assert got["state"] == "failed" and "KVPoll.WaitingForInput" in got["error"], got

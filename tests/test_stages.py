@@ -1,0 +1,222 @@
+"""Per-stage timeouts and aborts, from either side, at every stage (real NIXL,
+real sockets; a frozen source is a real process stopped with SIGSTOP).
+
+Every failure names the peer, the stage and the cause, reaches both sides, and
+leaves every slot free once no write of the request can still land.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import signal
+import socket
+import time
+
+import numpy as np
+import pytest
+
+import fault_ranks as fr
+from kvstage.config import Settings
+from kvstage.errors import TransferFailed
+from kvstage.layout import pages_needed
+from kvstage.protocol.destination import Destination
+from kvstage.protocol.request import State
+from kvstage.protocol.source import Source
+from kvstage.staging.cache import RankCache
+
+CTX = mp.get_context("spawn")
+BIG = 20_000  # tokens: hundreds of 32-token chunks, a second or more in flight
+
+
+def _dst(pages: int = pages_needed(BIG, 4) + 8, **over) -> Destination:
+    return Destination(RankCache.allocate(fr.dst_spec(), 0, pages), Settings(**(fr.SETTINGS | over)))
+
+
+def _src(tp: int = 1, rank: int = 0, **over) -> Source:
+    return Source(RankCache.allocate(fr.src_spec(tp), rank, pages_needed(BIG, 16) + 4), Settings(**(fr.SETTINGS | over)))
+
+
+def _until(cond, limit=10.0):
+    deadline = time.monotonic() + limit
+    while not cond():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        time.sleep(0.005)
+
+
+def _fails(h, peer: str, stage: str, cause: str, within: float = 5.0):
+    with pytest.raises(TransferFailed) as err:
+        h.wait(within)
+    e = err.value
+    assert (e.peer, e.stage) == (peer, stage) and cause in e.cause, str(e)
+    return e
+
+
+def _src_free(src: Source) -> int:
+    return src._call(lambda: (src.arena.allocator.free, len(src.requests)))
+
+
+# -- timeouts ------------------------------------------------------------------------------------
+
+def test_handshake_timeout_drops_a_silent_client_and_fails_a_silent_server():
+    dst = _dst(64, handshake_timeout_s=0.5)
+    try:
+        s = socket.create_connection(dst.address)
+        s.settimeout(5)
+        t0 = time.monotonic()
+        assert s.recv(1) == b""  # closed by the destination: nothing arrived within handshake_timeout_s
+        assert 0.4 < time.monotonic() - t0 < 3.0
+        s.close()
+    finally:
+        dst.close()
+    server = socket.create_server(("127.0.0.1", 0))  # accepts (the kernel does) and never answers
+    src = _src(handshake_timeout_s=0.5)
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(TransferFailed) as err:
+            src.connect([server.getsockname()])
+        assert err.value.stage == "handshake" and "no welcome" in err.value.cause and "timed out" in err.value.cause
+        assert time.monotonic() - t0 < 3.0
+    finally:
+        src.close()
+        server.close()
+
+
+def test_ready_timeout_on_both_sides():
+    """A request one side announces and the other never does fails after ``ready_timeout_s``."""
+    dst = _dst(64, ready_timeout_s=0.5)
+    src = _src(ready_timeout_s=0.5)
+    try:
+        src.connect([dst.address])
+        t0 = time.monotonic()
+        hd = dst.expect("only-dst", np.arange(4), 16)
+        hs = src.send("only-src", np.arange(1), 16)
+        _fails(hd, "source ranks 0", "waiting for writers", "not announced within 0.5 s")
+        _fails(hs, "destination", "waiting for grant", "no grant within 0.5 s")
+        assert time.monotonic() - t0 < 4.0
+        assert dst.slots_free() == 4 and _src_free(src) == (4, 0)
+    finally:
+        src.close()
+        dst.close()
+
+
+def test_a_frozen_source_fails_at_the_write_stage_and_its_slots_wait_for_it():
+    """SIGSTOP the source mid-transfer: its process is alive (TCP keeps answering),
+    so only ``stall_timeout_s`` can tell. The destination fails the request; the
+    slots granted to the frozen writer stay out of use (it could still write
+    into them) until it resumes, hears the abort and confirms."""
+    dst = _dst(stall_timeout_s=1.0)
+    q = CTX.Queue()
+    p = CTX.Process(target=fr.send_one, args=(dst.address, 0, 1, BIG, 4, q))
+    try:
+        pages = np.arange(pages_needed(BIG, 4))
+        h = dst.expect("r4", pages, BIG)
+        p.start()
+        assert q.get(timeout=60)[0] == "sending"
+        _until(lambda: h.bytes > 0, 30)
+        t_stop = time.monotonic()
+        os.kill(p.pid, signal.SIGSTOP)
+        e = _fails(h, "source ranks 0", "write", "not landed 1 s after its grant", within=10)
+        detect = time.monotonic() - t_stop
+        print(f"\nsource frozen (SIGSTOP): detected in {detect * 1e3:.0f} ms: {e}")
+        assert detect < 1.0 + 2.0
+        time.sleep(0.5)
+        assert dst.slots_free() < 4  # quarantined while the writer could still write
+        os.kill(p.pid, signal.SIGCONT)
+        _until(lambda: dst.slots_free() == 4, 10)
+        kind, rank, error = q.get(timeout=30)
+        assert kind == "failed" and "destination aborted" in error and "not landed" in error, error
+        assert dst._call(lambda: len(dst.requests)) == 0
+    finally:
+        if p.pid:
+            os.kill(p.pid, signal.SIGCONT)
+        p.join(10)
+        dst.close()
+
+
+# -- aborts ----------------------------------------------------------------------------------------
+
+@pytest.fixture
+def linked():
+    dst = _dst()
+    src = _src()
+    src.connect([dst.address])
+    yield dst, src
+    src.close()
+    dst.close()
+
+
+def _big_pair(dst, src, req):
+    from kvstage.bench.reference import fill_shard
+
+    sp = np.arange(pages_needed(BIG, 16))
+    fill_shard(src.cache, 1, sp, BIG)
+    return dst.expect(req, np.arange(pages_needed(BIG, 4)), BIG), src.send(req, sp, BIG)
+
+
+@pytest.mark.parametrize("side", ["src", "dst"])
+def test_abort_mid_transfer_fails_both_sides_and_frees_every_slot(linked, side):
+    dst, src = linked
+    hd, hs = _big_pair(dst, src, "r")
+    _until(lambda: hd.bytes > 0)
+    assert hd.state is State.TRANSFERRING and hs.state is State.TRANSFERRING
+    (hs if side == "src" else hd).abort("operator said so")
+    if side == "src":
+        _fails(hs, "local", "abort", "operator said so")
+        _fails(hd, "source rank 0", "abort", "source aborted: operator said so")
+    else:
+        _fails(hd, "local", "abort", "operator said so")
+        _fails(hs, "destination rank 0", "abort", "destination aborted: operator said so")
+    _until(lambda: dst.slots_free() == 4 and _src_free(src) == (4, 0))
+    assert dst._call(lambda: len(dst.requests)) == 0
+    # both keep serving
+    hd2, hs2 = _big_pair(dst, src, "next")
+    hd2.wait(60), hs2.wait(60)
+    assert fr.check(dst.cache, 1, np.arange(pages_needed(BIG, 4)), BIG) == []
+
+
+def test_abort_before_the_other_side_knows_the_request(linked):
+    """Aborted while pending, before the peer was told of the request: the peer
+    fails it the moment it is told, instead of waiting for a timeout."""
+    dst, src = linked
+    hs = src.send("a1", np.arange(2), 20)  # announced; the destination does not expect it yet
+    _until(lambda: dst._call(lambda: "a1" in dst._early))
+    hs.abort("changed my mind")
+    _fails(hs, "local", "abort", "changed my mind")
+    _until(lambda: dst._call(lambda: "a1" in dst._aborted))
+    _fails(dst.expect("a1", np.arange(5), 20), "source rank 0", "abort", "source aborted: changed my mind", within=1)
+
+    hd = dst.expect("a2", np.arange(5), 20)  # expected; the source has not announced it yet
+    hd.abort("not needed")
+    _fails(hd, "local", "abort", "not needed")
+    _until(lambda: src._call(lambda: "a2" in src._aborted))
+    _fails(src.send("a2", np.arange(2), 20), "destination rank 0", "abort", "destination aborted: not needed", within=1)
+    assert dst.slots_free() == 4 and _src_free(src) == (4, 0)
+
+
+def test_abort_while_the_destination_waits_for_a_second_writer():
+    """Prefill TP 2: rank 0 announced, rank 1 not yet: both sides pending; either aborts."""
+    dst = _dst(64)
+    s0, s1 = _src(2, 0), _src(2, 1)
+    try:
+        s0.connect([dst.address])
+        s1.connect([dst.address])
+        hd = dst.expect("p1", np.arange(5), 20)
+        h0 = s0.send("p1", np.arange(2), 20)
+        time.sleep(0.2)
+        assert hd.state is State.PENDING and h0.state is State.PENDING
+        h0.abort("rank 0 gives up")
+        _fails(hd, "source rank 0", "abort", "rank 0 gives up")
+        _until(lambda: s1._call(lambda: "p1" in s1._aborted))
+        _fails(s1.send("p1", np.arange(2), 20), "destination rank 0", "abort", "rank 0 gives up", within=1)
+
+        hd = dst.expect("p2", np.arange(5), 20)
+        h0 = s0.send("p2", np.arange(2), 20)
+        time.sleep(0.2)
+        hd.abort("decode gives up")
+        _fails(h0, "destination rank 0", "abort", "destination aborted: decode gives up")
+        assert dst.slots_free() == 4 and _src_free(s0) == (4, 0) and _src_free(s1) == (4, 0)
+    finally:
+        s0.close()
+        s1.close()
+        dst.close()
