@@ -79,6 +79,14 @@ class Spans:
         if self.lengths.min() <= 0 or self.offsets.min() < 0 or np.any(self.offsets + self.lengths > sizes[self.index]):
             raise ValueError(f"{what}: a span falls outside its registered region or is empty")
 
+    @staticmethod
+    def check_pair(local: "Spans", remote: "Spans") -> None:
+        """Raise ValueError unless a write's two sides are valid spans pairing up byte for byte."""
+        if len(local) != len(remote) or np.any(local.lengths != remote.lengths):
+            raise ValueError("local and remote spans differ in count or lengths")
+        local.check("local spans")
+        remote.check("remote spans")
+
     def addresses(self) -> np.ndarray:
         base = np.array([r.addr for r in self.regions], dtype=np.uint64)
         return base[self.index] + self.offsets.astype(np.uint64)

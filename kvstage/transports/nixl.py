@@ -106,11 +106,11 @@ class NixlTransport(Transport):
         return self.agent_name
 
     def write(self, peer, local, remote, notification, ticket=b""):
-        if len(local) != len(remote) or np.any(local.lengths != remote.lengths):
-            raise TransportError("write: local and remote spans differ in count or lengths")
         try:
-            local.check("local spans")
-            remote.check("remote spans")
+            Spans.check_pair(local, remote)
+        except ValueError as e:
+            raise TransportError(f"NIXL write to {peer}: {e}") from e
+        try:
             lds = self._agent.get_xfer_descs(_descs(local), _mem_type(local.device[0]))
             rds = self._agent.get_xfer_descs(_descs(remote), _mem_type(remote.device[0]))
             handle = self._agent.initialize_xfer("WRITE", lds, rds, peer, notification)

@@ -294,11 +294,8 @@ class UcxTransport(Transport):
         return _TICKET.pack(base, n)
 
     def write(self, peer, local, remote, notification, ticket=b""):
-        if len(local) != len(remote) or np.any(local.lengths != remote.lengths):
-            raise TransportError("write: local and remote spans differ in count or lengths")
         try:
-            local.check("local spans")
-            remote.check("remote spans")
+            Spans.check_pair(local, remote)
         except ValueError as e:
             raise TransportError(f"ucx write to {peer}: {e}") from e
         if len(ticket) != _TICKET.size:
