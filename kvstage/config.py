@@ -28,6 +28,7 @@ def _env(name: str, default, kind):
 
 
 ARENA_LOCATIONS = ("auto", "device", "host")
+PING_INTERVAL_S = 1.0  # every endpoint pings each peer this often; silence past peer_timeout_s fails its requests
 #: transports ``Settings.transport`` may name; the one-sided ones support the direct path
 TRANSPORTS = ("nixl", "ucx")
 ONE_SIDED = ("nixl",)
@@ -43,6 +44,7 @@ class Settings:
     handshake_timeout_s: float = field(default_factory=lambda: _env("KVSTAGE_HANDSHAKE_TIMEOUT_S", 5.0, float))
     ready_timeout_s: float = field(default_factory=lambda: _env("KVSTAGE_READY_TIMEOUT_S", 120.0, float))
     stall_timeout_s: float = field(default_factory=lambda: _env("KVSTAGE_STALL_TIMEOUT_S", 5.0, float))
+    peer_timeout_s: float = field(default_factory=lambda: _env("KVSTAGE_PEER_TIMEOUT_S", 5.0, float))
     transport: str = field(default_factory=lambda: _env("KVSTAGE_TRANSPORT", "nixl", str))
     #: None: on for one-sided transports (nixl), off for two-sided ones (ucx)
     direct: bool | None = field(default_factory=lambda: _env("KVSTAGE_DIRECT", None, bool))
@@ -65,6 +67,9 @@ class Settings:
                 f"destination's KV pages one-sidedly, which {self.transport} (two-sided) cannot do; "
                 "set KVSTAGE_DIRECT=0 (equal TP then goes staged) or KVSTAGE_TRANSPORT=nixl"
             )
+        if self.peer_timeout_s < 2 * PING_INTERVAL_S:
+            raise ConfigError(f"peer_timeout_s={self.peer_timeout_s!r}: must be >= {2 * PING_INTERVAL_S:g} s "
+                              f"(peers ping every {PING_INTERVAL_S:g} s)")
         if self.arena not in ARENA_LOCATIONS:
             raise ConfigError(f"arena={self.arena!r}: must be one of {', '.join(ARENA_LOCATIONS)}")
         if self.slot_mb > self.arena_mb:

@@ -112,7 +112,9 @@ class FakeSource:
 
 @pytest.fixture
 def pair():
-    dst = Destination(RankCache.allocate(fr.dst_spec(), 0, 1024), Settings(**fr.SETTINGS, auth_token=TOKEN))
+    # peer_timeout_s: the fake source answers grants but does not ping like a real one
+    dst = Destination(RankCache.allocate(fr.dst_spec(), 0, 1024),
+                      Settings(**fr.SETTINGS, auth_token=TOKEN, peer_timeout_s=600))
     src = FakeSource(dst.address)
     yield dst, src
     src.close()

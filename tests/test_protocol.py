@@ -180,13 +180,21 @@ def test_hostile_grants_are_refused_and_the_source_keeps_serving():
 
     t = threading.Thread(target=serve)
     t.start()
-    src = Source(RankCache.allocate(SRC, 0, 32, fill=7), Settings(arena_mb=0.25, slot_mb=0.0625))
+    # peer_timeout_s: the fake destination below does not ping like a real one
+    src = Source(RankCache.allocate(SRC, 0, 32, fill=7), Settings(arena_mb=0.25, slot_mb=0.0625, peer_timeout_s=600))
+
+    def recv(c):
+        """The next message that is not the source's once-a-second ping."""
+        while (m := c.recv())["type"] == "ping":
+            pass
+        return m
+
     try:
         src.connect([server.getsockname()])
         t.join(5)
         c = box["conn"]
         h = src.send("r", np.arange(3), 10)
-        assert c.recv() == {"type": "ready", "req": "r", "tokens": 10}
+        assert recv(c) == {"type": "ready", "req": "r", "tokens": 10}
         piece_bytes = 2 * 2 * 2 * 16 * 2 * 10  # buffers x heads x head_dim x 2 B x tokens
         good = {"type": "grant", "req": "r", "chunk": 0, "chunks": 1, "start": 0, "count": 10, "offset": 0}
         for bad, needle in [
@@ -200,13 +208,13 @@ def test_hostile_grants_are_refused_and_the_source_keeps_serving():
             (good | {"ticket": "not base64!"}, "ticket is not base64"),
         ]:
             c.send(bad)
-            reply = c.recv()
+            reply = recv(c)
             assert reply["type"] == "error" and needle in reply["reason"], (bad, reply)
         assert not h.done()  # refused grants change nothing
         first = good | {"chunks": 2, "count": 5, "offset": 0}
         c.send(first)
         c.send(first)  # the same chunk twice while the request is in flight
-        reply = c.recv()
+        reply = recv(c)
         assert reply["type"] == "error" and "granted twice" in reply["reason"], reply
         c.send(first | {"chunk": 1, "start": 5, "offset": piece_bytes // 2})
         deadline = time.monotonic() + 10
@@ -217,7 +225,7 @@ def test_hostile_grants_are_refused_and_the_source_keeps_serving():
         h.wait(10)
         assert bool((arena[:piece_bytes] == 7).all()) and not arena[piece_bytes:].any()  # exactly the granted bytes
         c.send(good)  # a grant again, after the request finished
-        assert "not in flight" in c.recv()["reason"]
+        assert "not in flight" in recv(c)["reason"]
     finally:
         src.close()
         server.close()

@@ -134,6 +134,50 @@ def test_a_frozen_source_fails_at_the_write_stage_and_its_slots_wait_for_it():
         dst.close()
 
 
+def test_a_frozen_destination_fails_the_source_by_its_silence():
+    """SIGSTOP the destination mid-transfer: its kernel keeps answering TCP and the
+    source's one-sided writes still complete, so only the missing pings (one a
+    second from every live loop) tell. The source fails the request after
+    ``peer_timeout_s`` of silence, naming the peer; a write still in flight keeps
+    its slot until it completes (the destination resumes), then the arena is free."""
+    q, commands = CTX.Queue(), CTX.Queue()
+    p = CTX.Process(target=fr.receive_one, args=(BIG, 5, q, commands))
+    p.start()
+    src = None
+    try:
+        kind, address = q.get(timeout=60)
+        src = _src(peer_timeout_s=2.0)
+        src.connect([tuple(address)])
+        h = src.send("r5", np.arange(pages_needed(BIG, 16)), BIG)
+        _until(lambda: h.bytes > 0, 30)
+        t_stop = time.monotonic()
+        os.kill(p.pid, signal.SIGSTOP)
+        with pytest.raises(TransferFailed) as err:
+            h.wait(15)
+        detect = time.monotonic() - t_stop
+        e = err.value
+        print(f"\ndestination frozen (SIGSTOP): detected in {detect * 1e3:.0f} ms: {e}")
+        assert e.peer == "destination rank 0" and "frozen or hung" in e.cause, str(e)
+        assert 1.0 < detect < 2.0 + 3.0  # at least one missed ping, at most the timeout plus slack
+        os.kill(p.pid, signal.SIGCONT)
+        _until(lambda: _src_free(src) == (4, 0), 15)  # every slot free, the request forgotten
+    finally:
+        if p.pid:
+            os.kill(p.pid, signal.SIGCONT)
+        if src is not None:
+            src.close()
+        p.terminate()
+        p.join(10)
+
+
+def test_peer_timeout_must_leave_room_for_two_pings():
+    from kvstage.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"peer_timeout_s=1\.5: must be >= 2 s \(peers ping every 1 s\)"):
+        Settings(peer_timeout_s=1.5)
+    assert Settings(peer_timeout_s=2).peer_timeout_s == 2
+
+
 # -- aborts ----------------------------------------------------------------------------------------
 
 @pytest.fixture

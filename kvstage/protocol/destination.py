@@ -514,10 +514,22 @@ class Destination(Endpoint):
             for c in [c for c, ch in inc.quarantine.items() if writer.rank in ch.pending]:
                 self._unquarantine(inc, c, writer.rank)
 
+    def _peers(self) -> list:
+        return [w.conn for w in self.writers.values()]
+
     def _check_stalls(self, now: float) -> None:
         """A request waiting for its announcement past ``ready_timeout_s``, or a
-        granted chunk not landed after ``stall_timeout_s``, fails. Waiting for a
-        free slot is back-pressure, never a failure."""
+        granted chunk not landed after ``stall_timeout_s``, fails; so does every
+        request while a writer has been silent (no ping) for ``peer_timeout_s``.
+        Waiting for a free slot is back-pressure, never a failure."""
+        for rank, w in list(self.writers.items()):
+            quiet = self._silent(w.conn, now)
+            if quiet is None:
+                continue
+            for req, inc in list(self.requests.items()):
+                if not inc.handle.done():
+                    self._fail(req, f"source rank {rank}", inc.stage,
+                               f"no control message for {quiet:.1f} s: the source is frozen or hung, or the link is down", tell=True)
         for req, inc in list(self.requests.items()):
             if inc.handle.done():
                 continue

@@ -20,7 +20,7 @@ from typing import Callable
 import numpy as np
 import torch
 
-from kvstage.config import Settings
+from kvstage.config import PING_INTERVAL_S, Settings
 from kvstage.errors import ConfigError, KVStageError, ProtocolError
 from kvstage.layout import KVGeometry, PageLayout, pages_needed
 from kvstage.probe.connect import connect_line
@@ -141,6 +141,8 @@ class Endpoint:
         self._events: queue.Queue = queue.Queue()
         self._fences: queue.Queue | None = None  # copies on the device, watched by a waiter thread
         self._busy_wait = _BUSY_WAIT["cuda" if cache.device.type == "cuda" else "cpu"]
+        self._heard: dict = {}  # control connection -> when its peer last sent anything
+        self._pinged = 0.0
         self._closing = False
         self._thread = threading.Thread(target=self._run, name=f"kvstage-{self.role}{self.rank}", daemon=True)
 
@@ -214,16 +216,41 @@ class Endpoint:
                 if kind == "call":
                     args[0]()
                 elif kind == "msg":
-                    self._on_message(*args)
+                    self._heard[args[0]] = time.monotonic()
+                    if args[1].get("type") != "ping":
+                        self._on_message(*args)
                 elif kind == "closed":
+                    self._heard.pop(args[0], None)
                     self._on_closed(*args)
                 self._progress()
-                self._check_stalls(time.monotonic())
+                now = time.monotonic()
+                if now - self._pinged >= PING_INTERVAL_S:
+                    self._pinged = now
+                    self._ping()
+                self._check_stalls(now)
             except Exception:  # a bug must not kill the loop silently
                 log.exception("%s %d: loop error", self.role, self.rank)
         self._shutdown()
 
+    def _ping(self) -> None:
+        for conn in self._peers():
+            try:
+                conn.send({"type": "ping"})
+            except OSError:
+                pass  # a broken connection is reported by its reader
+
+    def _silent(self, conn: Connection, now: float) -> float | None:
+        """Seconds since ``conn``'s peer last sent anything, if past ``peer_timeout_s``.
+        A live peer pings every second from its loop; a frozen or hung one (its
+        kernel still answering TCP) goes quiet."""
+        quiet = now - self._heard.setdefault(conn, now)
+        return quiet if quiet > self.settings.peer_timeout_s else None
+
     # -- for subclasses ------------------------------------------------------
+    def _peers(self) -> list[Connection]:
+        """The control connections to peer endpoints (pinged, watched for silence)."""
+        return []
+
     def _remember_abort(self, req: str, peer: str, cause: str) -> None:
         """A peer aborted ``req`` before this side was told of it: fail it the
         moment it is added instead of waiting for a grant or a writer that will

@@ -461,11 +461,23 @@ class Source(Endpoint):
         for req in hit:
             self._fail(req, f"destination rank {d}", self.requests[req].stage, f"connection lost ({reason})", tell=True)
 
+    def _peers(self) -> list:
+        return [t.conn for t in self.targets.values()]
+
     def _check_stalls(self, now: float) -> None:
         """An announced request never granted within ``ready_timeout_s``, or a
         write not complete after ``stall_timeout_s``, fails. Waiting for grants
         is the destination's back-pressure; a dead destination closes the
-        control connection (or misses its keepalives) instead."""
+        control connection (or misses its keepalives), a frozen one stops
+        pinging: its requests fail after ``peer_timeout_s`` of silence."""
+        for d, t in list(self.targets.items()):
+            quiet = self._silent(t.conn, now)
+            if quiet is None:
+                continue
+            for req, out in list(self.requests.items()):
+                if d in out.written and not out.handle.done():
+                    self._fail(req, f"destination rank {d}", out.stage,
+                               f"no control message for {quiet:.1f} s: the destination is frozen or hung, or the link is down", tell=True)
         for req, out in list(self.requests.items()):
             if not out.handle.done() and out.handle.state is State.PENDING and now - out.touched > self.settings.ready_timeout_s:
                 self._fail(req, "destination", "waiting for grant", f"no grant within {self.settings.ready_timeout_s:g} s", tell=True)

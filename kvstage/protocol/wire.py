@@ -19,7 +19,7 @@ from typing import NamedTuple
 
 from kvstage.errors import ProtocolError
 
-PROTOCOL_VERSION = 2  # 2: landing notices say where the write went and how long it was
+PROTOCOL_VERSION = 3  # 2: landing notices say where the write went and how long it was; 3: pings
 MAX_FRAME = 16 << 20
 MAX_ID = 256
 _LEN = struct.Struct("!I")
