@@ -108,14 +108,21 @@ def collect_local(tensor=None, agent_plugins: list[str] | None = None, with_gpus
         "env": environment(),
     }
     if tensor is not None:
-        facts["memory"] = fact(
-            {"device": "cuda" if tensor.is_cuda else "cpu", "nbytes": int(tensor.nbytes), "gpu": _resolve_gpu(tensor, facts["gpus"]["value"])},
+        facts.update(memory_facts(tensor, facts["gpus"]["value"]))
+    return facts
+
+
+def memory_facts(tensor, nvml_list) -> dict:
+    """Facts about a registered tensor's memory (``nvml_list``: the ``gpus`` fact's value)."""
+    return {
+        "memory": fact(
+            {"device": "cuda" if tensor.is_cuda else "cpu", "nbytes": int(tensor.nbytes), "gpu": _resolve_gpu(tensor, nvml_list)},
             "queried",
             "the registered tensor",
-        )
-        facts["memory_ipc"] = gpu.memory_ipc(tensor)
-        facts["peer_access"] = gpu.peer_access(tensor)
-    return facts
+        ),
+        "memory_ipc": gpu.memory_ipc(tensor),
+        "peer_access": gpu.peer_access(tensor),
+    }
 
 
 def _resolve_gpu(tensor, nvml_list) -> dict | None:

@@ -24,8 +24,7 @@ from kvstage.config import PING_INTERVAL_S, Settings
 from kvstage.errors import ConfigError, KVStageError, ProtocolError
 from kvstage.layout import KVGeometry, PageLayout, pages_needed
 from kvstage.probe.connect import connect_line
-from kvstage.probe.facts import collect_local
-from kvstage.probe.libs import ucx_modules
+from kvstage.probe.facts import collect_local, memory_facts, value
 from kvstage.protocol.wire import Connection, field
 from kvstage.staging.arena import StagingArena, choose_arena
 from kvstage.staging.cache import RankCache
@@ -123,7 +122,12 @@ class Endpoint:
                 f"path; pass Settings(transport={transport.name!r}) (direct then defaults to off) or direct=False"
             )
         self.transport = transport
-        where, why = choose_arena(self.settings.arena, cache.device, ucx_modules()["value"], os.environ)
+        # facts first: the arena's place follows the UCX this transport really runs
+        self.facts = collect_local(agent_plugins=_plugins(self.transport))
+        own = getattr(self.transport, "facts", None)
+        if callable(own):  # the transport's own introspection (UCXX's UCX, not NIXL's bundled one)
+            self.facts.update(own())
+        where, why = choose_arena(self.settings.arena, cache.device, value(self.facts, "ucx_modules"), os.environ)
         on_gpu = where == "device"
         self.arena = StagingArena(self.settings.slot_bytes, self.settings.slots,
                                   cache.device if on_gpu else torch.device("cpu"), pinned=cache.device.type == "cuda")
@@ -132,10 +136,7 @@ class Endpoint:
             log.info("%s %d: staging arena of %d MiB in %s (%s)", self.role, self.rank,
                      self.arena.buffer.numel() >> 20, f"{cache.device} memory" if on_gpu else "pinned host memory", why)
         self.arena_region: Region = self.transport.register(self.arena.buffer)
-        self.facts = collect_local(self.arena.buffer, agent_plugins=_plugins(self.transport))
-        own = getattr(self.transport, "facts", None)
-        if callable(own):  # the transport's own introspection (UCXX's UCX, not NIXL's bundled one)
-            self.facts.update(own())
+        self.facts.update(memory_facts(self.arena.buffer, value(self.facts, "gpus")))
         self._kv_regions: list[Region] | None = None
         self._aborted: dict[str, tuple[str, str]] = {}  # req -> (peer, cause): aborted by a peer before this side knew it
         self._events: queue.Queue = queue.Queue()
