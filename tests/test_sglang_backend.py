@@ -22,6 +22,7 @@ Needs sglang (0.5.23); the main venv skips this file. CI installs it into its ow
 import importlib.util
 import json
 import os
+import random
 import re
 import socket
 import subprocess
@@ -59,10 +60,29 @@ SCENARIOS = {  # name: (prefill TP, decode TP, MLA, requests, state buffers)
 }
 
 
+_PICKED: set = set()
+
+
 def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A free port outside the kernel's ephemeral range, for a server a rank binds later.
+
+    A port from bind(0) is ephemeral: between its release here and the rank's
+    bind, kvstage's listeners (port 0) or any outgoing connection of the many
+    rank processes could take it (seen: EADDRINUSE on the gloo store)."""
+    lo, hi = map(int, open("/proc/sys/net/ipv4/ip_local_port_range").read().split())
+    low, high = (10000, lo) if lo > 11000 else (hi + 1, 65536)
+    rng = random.Random()
+    while True:
+        port = rng.randrange(low, high)
+        if port in _PICKED:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _PICKED.add(port)
+        return port
 
 
 @pytest.fixture(scope="module")
