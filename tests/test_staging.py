@@ -111,6 +111,33 @@ def test_scatter_chunk_places_every_writer():
         assert torch.equal(back[: parts[k].numel()], parts[k])
 
 
+@pytest.mark.parametrize("side,rng", list(itertools.product(SIDES, RANGES)))
+@pytest.mark.parametrize("pieces", [
+    [(0, 1), (1, 1), (2, 1), (3, 1)],  # four writers of one head each: the whole token
+    [(0, 2), (2, 2)],
+    [(1, 1), (2, 1), (3, 1)],  # adjacent but not the whole token
+    [(2, 2), (0, 2)],  # out of head order: not a tiling
+])
+def test_scatter_chunk_of_adjacent_writers_equals_one_scatter_per_writer(side, rng, pieces):
+    """On the host, writers laid end to end over adjacent heads are placed by one
+    assignment per buffer; that must equal scattering each writer on its own."""
+    start, count = rng
+    d = SideSpec(GEO, 1, PageLayout(*side))
+    ids = np.random.default_rng(6).permutation(80)[: pages_needed(start + count, side[0])]
+    gen = torch.Generator().manual_seed(7)
+    parts, at = [], 0
+    for lo, n in pieces:
+        parts.append((lo, n, at))
+        at += region_bytes(RankCache.allocate(d, 0, 1), count, n)
+    slot = torch.randint(0, 256, (at + 32,), dtype=torch.uint8, generator=gen)
+    one, each = RankCache.allocate(d, 0, 80, fill=0), RankCache.allocate(d, 0, 80, fill=0)
+    scatter_chunk(one, TokenIndex(one, ids, start, count), parts, slot)
+    for lo, n, base in parts:
+        scatter(each, TokenIndex(each, ids, start, count), lo, n, slot[base : base + region_bytes(each, count, n)])
+    assert all(torch.equal(x.view(torch.uint8), y.view(torch.uint8)) for x, y in zip(one.buffers, each.buffers))
+    assert any(x.view(torch.uint8).any() for x in one.buffers)
+
+
 def test_slot_allocator_is_bounded_and_refuses_double_release():
     a = SlotAllocator(2)
     s1, s2 = a.acquire(), a.acquire()

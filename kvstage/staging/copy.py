@@ -149,8 +149,42 @@ def scatter_chunk(cache: RankCache, idx: TokenIndex, pieces, region: torch.Tenso
     if tmp is not None:
         tmp.copy_(region)
         region = tmp
+    tiled = _tiling(cache, idx.count, pieces) if cache.device.type == "cpu" else None
+    if tiled is not None:
+        return _scatter_tiled(cache, idx, *tiled, region)
     for lo, n, base in pieces:
         scatter(cache, idx, lo, n, region[base : base + region_bytes(cache, idx.count, n)])
+
+
+def _tiling(cache: RankCache, count: int, pieces) -> tuple[int, int, int, int] | None:
+    """``(head_lo, writers, heads each, base)`` when the pieces, in region order, are
+    equal-width runs of adjacent heads laid end to end: the region is then one
+    ``[writers, buffers, count, heads, words]`` array that a single indexed
+    assignment per buffer can place (each destination token written whole)."""
+    if len(pieces) < 2 or not (cache.spec.geometry.mla or cache.spec.page.order == "nhd"):
+        return None
+    lo, n, base = pieces[0]
+    size = region_bytes(cache, count, n)
+    for k, (lo_k, n_k, base_k) in enumerate(pieces):
+        if n_k != n or lo_k != lo + k * n or base_k != base + k * size:
+            return None
+    return lo, len(pieces), n, base
+
+
+def _scatter_tiled(cache: RankCache, idx: TokenIndex, lo: int, k: int, n: int, base: int, region: torch.Tensor) -> None:
+    geo = cache.spec.geometry
+    words, dt = _word(cache)
+    hw = geo.head_bytes() // words
+    size = region_bytes(cache, idx.count, n)
+    src = region[base : base + k * size].view(dt).numpy().reshape(k, geo.buffers, idx.count, n, hw)
+    whole = idx.full_pages if k * n == _heads(cache) else 0
+    t0 = whole * cache.spec.page.page_size
+    for i, buf in enumerate(cache.buffers):
+        rows = src[:, i].transpose(1, 0, 2, 3)  # [count, writers, heads, words]: token-major, as the pages are
+        if whole:  # the reshape interleaves the writers into a temporary; the rows then copy as blocks
+            _page_rows(buf, cache).numpy()[idx.pages_np] = rows[:t0].reshape(whole, -1)
+        if t0 < idx.count:
+            _flat(buf, cache).numpy()[idx.flat_np[t0:], lo : lo + k * n] = rows[t0:].reshape(-1, k * n, hw)
 
 
 def gather(cache: RankCache, idx: TokenIndex, head_lo: int, heads: int, region: torch.Tensor) -> None:
