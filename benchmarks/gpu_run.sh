@@ -3,7 +3,8 @@
 # kernels beside a d2d copy, staged vs bulk vs per-slice on one GPU, the same
 # across two GPUs when there are two, the byte-exact GPU suite.
 #   run with .whl/ carried (NIXL wheels, ../shared/notes/gpu-machine.md); outputs in $OUT
-#   PARTS="kernels x2 one pytest" (the default: all) picks parts.
+#   PARTS="kernels x2 long one mps trace spy pytest" (the default: all) picks parts;
+#   spy needs .whl-spy/ (the py-spy wheel) carried too.
 set -uo pipefail
 FINAL=${OUT:-/tmp/kvstage-out}
 OUT=$(mktemp -d)  # everything lands here and travels back as one archive (the device tool returns few files)
@@ -17,7 +18,7 @@ bench() { local name=$1; shift; step "bench $name: $*"
   timeout 120 python3 -m kvstage.cli bench --device cuda --no-progress --json "$OUT/$name.json" "$@" 2>&1 | tee "$OUT/$name.log"; }
 
 BIG="--arena-mb 2048 --slot-mb 256"
-PARTS=${PARTS:-kernels x2 one pytest}
+PARTS=${PARTS:-kernels x2 long one mps trace spy pytest}
 want() { [[ " $PARTS " == *" $1 "* ]]; }
 want kernels && step kernels && timeout 150 python3 benchmarks/gpu_kernels.py --json "$OUT/kernels.json" 2>&1 | tee "$OUT/kernels.log"
 if want x2 && [ "$GPUS" -ge 2 ]; then  # sources on GPU 0, destinations on GPU 1: NVLink (the multi-GPU issue)
@@ -29,6 +30,14 @@ if want x2 && [ "$GPUS" -ge 2 ]; then  # sources on GPU 0, destinations on GPU 1
   bench x2-4to1-32k --tokens 32768 $X --iters 3 $BIG
   bench x2-1to4-32k --tokens 32768 --src-tp 1 --dst-tp 4 $X --iters 3 $BIG
   bench x2-4to1-128 --tokens 128 $X --iters 30 --warmup 3
+fi
+if want long && [ "$GPUS" -ge 2 ]; then  # long prompts: the per-request start-up and drain weigh less
+  X="--src-gpu 0 --dst-gpu 1 --mode staged,bulk"
+  bench x2-1to2-128k --tokens 131072 --src-tp 1 --dst-tp 2 $X --iters 2 $BIG
+  bench x2-2to1-128k --tokens 131072 --src-tp 2 --dst-tp 1 $X --iters 2 $BIG
+  bench x2-1to2-64k --tokens 65536 --src-tp 1 --dst-tp 2 $X --iters 3 $BIG
+fi
+if want x2 && [ "$GPUS" -ge 2 ]; then
   step probe
   timeout 120 python3 -m kvstage.cli probe --device cuda --facts --json "$OUT/probe-x2.json" 2>&1 | tee "$OUT/probe-x2.log"
 fi
@@ -41,6 +50,41 @@ bench 4to1-128 --tokens 128 --mode staged,bulk --iters 30 --warmup 3
 bench 4to1-2k-all --tokens 2048 --mode all --iters 2
 KVSTAGE_ARENA=host bench 4to1-8k-hostarena --tokens 8192 --mode staged,bulk --iters 3
 }
+# where a small request's time goes: every endpoint event, host-clock stamped (benchmarks/timeline.py reads them)
+trace() { local name=$1; shift; step "trace $name: $*"
+  KVSTAGE_LOG_LEVEL=DEBUG timeout 120 python3 -m kvstage.cli bench --device cuda --no-progress --json "$OUT/$name.json" \
+    --mode staged,bulk "$@" 2> "$OUT/$name.err" | tee "$OUT/$name.log"; }
+want trace && {
+trace trace-4to1-128 --tokens 128 --iters 10 --warmup 2
+trace trace-4to1-8k-big --tokens 8192 --iters 2 $BIG
+[ "$GPUS" -ge 2 ] && trace trace-x2-1to2-32k --tokens 32768 --src-tp 1 --dst-tp 2 --src-gpu 0 --dst-gpu 1 --iters 2 $BIG
+}
+# where the endpoints' host time goes: py-spy samples every rank (no pauses) over a longer run
+want spy && python3 -m pip install -q --no-index --no-deps --target /tmp/spy .whl-spy/*.whl && {
+spy() { local name=$1; shift; step "spy $name: $*"
+  timeout 150 /tmp/spy/bin/py-spy record --nonblocking --subprocesses -r 400 -f raw -o "$OUT/$name.txt" -- \
+    python3 -m kvstage.cli bench --device cuda --no-progress --mode staged "$@" 2>&1 | grep -E "^│|py-spy>" | tee "$OUT/$name.log"; }
+spy spy-4to1-8k-big --tokens 8192 --iters 20 $BIG
+[ "$GPUS" -ge 2 ] && spy spy-x2-1to2-32k --tokens 32768 --src-tp 1 --dst-tp 2 --src-gpu 0 --dst-gpu 1 --iters 8 $BIG
+}
 # -k "not ucx": the ucx cases need UCXX's wheels, which travel in a run of their own (gpu_ucx.sh)
-want pytest && step pytest && timeout 240 python3 -m pytest -m gpu -k "not ucx" -q -p no:cacheprovider tests/test_transfer.py 2>&1 | tee "$OUT/pytest-gpu.log"
+want pytest && step pytest && timeout 300 python3 -m pytest -m gpu -k "not ucx" -q -p no:cacheprovider \
+  tests/test_cuda_copy.py tests/test_transfer.py 2>&1 | tee "$OUT/pytest-gpu.log"
+# one GPU under CUDA MPS (a private daemon, its pipe in a temp dir; quit at the end): the five
+# ranks' kernels and copies run side by side instead of in time slices of one context each
+if want mps; then
+  export CUDA_MPS_PIPE_DIRECTORY=$(mktemp -d) CUDA_MPS_LOG_DIRECTORY=$(mktemp -d)
+  if nvidia-cuda-mps-control -d; then
+    step "mps daemon up"
+    bench mps-4to1-8k-big --tokens 8192 --mode staged,bulk --iters 5 $BIG
+    bench mps-4to1-8k --tokens 8192 --mode staged,bulk --iters 5
+    bench mps-1to4-8k-big --tokens 8192 --src-tp 1 --dst-tp 4 --mode staged,bulk --iters 5 $BIG
+    bench mps-4to1-128 --tokens 128 --mode staged,bulk --iters 30 --warmup 3
+    echo quit | nvidia-cuda-mps-control
+    cp -r "$CUDA_MPS_LOG_DIRECTORY" "$OUT/mps-log"
+  else
+    step "mps: the daemon did not start"
+  fi
+  unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY
+fi
 step end

@@ -92,6 +92,13 @@ def test_kernel_word_addressing_matches_the_reference_copy(side, rng, mla, word)
         assert all(torch.equal(x.view(torch.uint8), y.view(torch.uint8)) for x, y in zip(a.buffers, b.buffers))
 
 
+def test_token_index_refuses_page_ids_outside_the_cache():
+    c = RankCache.allocate(SideSpec(GEO, 1, PageLayout(4)), 0, 10)
+    with pytest.raises(IndexError, match=r"page ids must lie in \[0, 10\); got 3\.\.10"):
+        TokenIndex(c, np.array([3, 10, 4]), 0, 9)
+    TokenIndex(c, np.array([3, 10, 4]), 0, 4)  # only the chunk's own pages are looked at
+
+
 def test_word_geometry_refuses_heads_that_are_not_whole_words():
     spec = SideSpec(KVGeometry(2, 4, 4, "float16"), 1, PageLayout(4))  # 8-byte heads
     assert WordGeometry.of(spec, 16) is None

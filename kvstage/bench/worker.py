@@ -75,7 +75,7 @@ def _setup(label: str) -> None:
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent handles Ctrl-C and ends us
     torch.set_num_threads(max(1, min(4, (os.cpu_count() or 2) // 2)))
-    logging.basicConfig(level=os.environ.get("KVSTAGE_LOG_LEVEL", "WARNING"), format=f"%(levelname)s {label} %(message)s")
+    logging.basicConfig(level=os.environ.get("KVSTAGE_LOG_LEVEL", "WARNING"), format=f"%(created).6f %(levelname)s {label} %(message)s")
 
 
 def _sync(dev) -> None:

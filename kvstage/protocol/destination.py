@@ -24,7 +24,7 @@ from kvstage.errors import IncompatibleGeometry, KVStageError, ProtocolError
 from kvstage.protocol.endpoint import Endpoint, check_pages, check_transport, md_from_wire, md_to_wire, spec_from_wire, spec_to_wire
 from kvstage.protocol.request import State, TransferHandle
 from kvstage.protocol.wire import PROTOCOL_VERSION, Connection, decode_notice, field
-from kvstage.staging.copy import TokenIndex, scatter_chunk
+from kvstage.staging.copy import TokenIndex, prepare_scatter, upload_pages
 from kvstage.staging.fence import CopyFence
 from kvstage.tp import Piece, TransferPlan, plan
 from kvstage.transports.base import Region, Spans
@@ -51,6 +51,7 @@ class Chunk:
     slot: int | None
     pending: set = dc_field(default_factory=set)  # writer ranks not landed yet
     granted: float = dc_field(default_factory=time.monotonic)
+    scatter: object = None  # the prepared scatter (``prepare_scatter``), run once every writer landed
 
 
 @dataclass
@@ -67,6 +68,7 @@ class Incoming:
     scattered: int = 0
     stage: str = "waiting for writers"
     touched: float = dc_field(default_factory=time.monotonic)
+    device_pages: object = None  # the page ids on the GPU (``upload_pages``), uploaded before any chunk lands
 
 
 class Destination(Endpoint):
@@ -122,7 +124,7 @@ class Destination(Endpoint):
             for p in self.plan.writers_of(self.rank) if self.plan else []:
                 self._send(p.src_rank, {"type": "abort", "req": handle.req, "reason": handle.error.cause})
             return
-        inc = Incoming(handle, pages)
+        inc = Incoming(handle, pages, device_pages=upload_pages(self.cache, pages))
         self.requests[handle.req] = inc
         for w, tokens in self._early.pop(handle.req, {}).items():
             self._on_ready_tokens(inc, w, tokens)
@@ -256,6 +258,7 @@ class Destination(Endpoint):
             return
         inc.ready[rank] = tokens
         inc.touched = time.monotonic()
+        log.debug("dst %d: %s ready from source rank %d", self.rank, inc.handle.req, rank)
 
     def _maybe_start(self, inc: Incoming) -> None:
         if inc.handle.state is not State.PENDING or self.plan is None:
@@ -324,7 +327,10 @@ class Destination(Endpoint):
         except KVStageError as e:
             self.arena.allocator.release(slot)
             return self._fail(inc.handle.req, "local", "grant", f"posting receives: {e}", tell=True)
-        inc.open[c] = Chunk(c, start, count, slot, set(offsets))
+        idx = TokenIndex(self.cache, inc.pages, start, count, inc.device_pages)
+        pieces = [(p.dst_offset, p.heads.count, offsets[p.src_rank]) for p in self.plan.writers_of(self.rank)]
+        region = self.arena.view(self.arena.offset(slot), self.arena.slot_bytes)
+        inc.open[c] = Chunk(c, start, count, slot, set(offsets), scatter=prepare_scatter(self.cache, idx, pieces, region))
         inc.next_chunk += 1
         inc.touched = time.monotonic()
         for rank, off in offsets.items():
@@ -333,6 +339,7 @@ class Destination(Endpoint):
             if tickets[rank]:
                 grant["ticket"] = md_to_wire(tickets[rank])
             self.writers[rank].conn.send(grant)
+        log.debug("dst %d: %s chunk %d granted (slot %d)", self.rank, inc.handle.req, c, slot)
 
     def _progress(self) -> None:
         self._poll_scatters()
@@ -398,6 +405,7 @@ class Destination(Endpoint):
                                 f"granted {want} bytes at {want_offset}; the request failed")
         chunk.pending.discard(rank)
         inc.touched = time.monotonic()
+        log.debug("dst %d: %s chunk %d landed from source rank %d", self.rank, req, c, rank)
         if chunk.pending:
             return
         del inc.open[c]
@@ -405,12 +413,9 @@ class Destination(Endpoint):
             return self._landed(inc, chunk)
         inc.stage = "scatter"
         t0 = time.perf_counter()
-        idx = TokenIndex(self.cache, inc.pages, chunk.start, chunk.count)
-        offsets = self.plan.writer_offsets(self.rank, chunk.count)
-        pieces = [(p.dst_offset, p.heads.count, offsets[p.src_rank]) for p in self.plan.writers_of(self.rank)]
-        slot = self.arena.view(self.arena.offset(chunk.slot), self.arena.slot_bytes)
         fence = CopyFence(self.cache.device)
-        scatter_chunk(self.cache, idx, pieces, slot)
+        chunk.scatter()
+        log.debug("dst %d: %s chunk %d scatter launched", self.rank, req, c)
         self._scattering.append((fence.close(), inc, chunk, t0))
         self._watch(fence)
         self._poll_scatters()
@@ -427,6 +432,7 @@ class Destination(Endpoint):
             if gpu is not None:
                 inc.handle.stages["scatter_gpu"] = inc.handle.stages.get("scatter_gpu", 0.0) + gpu
             self.arena.allocator.release(chunk.slot)
+            log.debug("dst %d: %s chunk %d scattered", self.rank, inc.handle.req, chunk.index)
             if not inc.handle.done():
                 inc.stage = "grant"
                 self._landed(inc, chunk)

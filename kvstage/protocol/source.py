@@ -22,7 +22,7 @@ from kvstage.layout import pages_needed
 from kvstage.protocol.endpoint import Endpoint, check_pages, check_transport, md_from_wire, md_to_wire, spec_from_wire, spec_to_wire
 from kvstage.protocol.request import State, TransferHandle
 from kvstage.protocol.wire import PROTOCOL_VERSION, Connection, encode_notice, field
-from kvstage.staging.copy import TokenIndex, gather
+from kvstage.staging.copy import TokenIndex, gather, upload_pages
 from kvstage.staging.fence import CopyFence
 from kvstage.tp import Piece, TransferPlan, plan
 from kvstage.transports.base import Region, Spans, WriteState
@@ -63,6 +63,7 @@ class Outgoing:
     inflight: int = 0
     stage: str = "waiting for grant"
     touched: float = dc_field(default_factory=time.monotonic)
+    device_pages: object = None  # the page ids on the GPU (``upload_pages``), uploaded while grants travel
 
 
 @dataclass
@@ -214,6 +215,8 @@ class Source(Endpoint):
             out.written[d] = 0
             out.granted[d] = set()
             self.targets[d].conn.send({"type": "ready", "req": handle.req, "tokens": handle.tokens})
+        if not all(self.targets[d].kv for d in want):
+            out.device_pages = upload_pages(self.cache, pages)
 
     def _busy(self) -> bool:
         return bool(self._inflight or self._jobs or self._gathering)
@@ -289,6 +292,7 @@ class Source(Endpoint):
         if out.handle.state is State.PENDING:
             out.handle._move(State.TRANSFERRING)
         self._jobs.append(job)
+        log.debug("src %d: %s chunk %d granted by destination rank %d", self.rank, req, c, d)
 
     def _progress(self) -> None:
         self._poll_writes()
@@ -321,8 +325,10 @@ class Source(Endpoint):
         try:
             region = self.arena.view(self.arena.offset(slot), nbytes)
             fence = CopyFence(self.cache.device)
-            gather(self.cache, TokenIndex(self.cache, out.pages, job.start, job.count), piece.src_offset, piece.heads.count, region)
+            idx = TokenIndex(self.cache, out.pages, job.start, job.count, out.device_pages)
+            gather(self.cache, idx, piece.src_offset, piece.heads.count, region)
             fence.close()
+            log.debug("src %d: %s chunk %d gather launched", self.rank, job.req, job.chunk)
         except Exception as e:
             self.arena.allocator.release(slot)
             return self._fail(job.req, "local", "gather", f"{type(e).__name__}: {e}", tell=True)
@@ -383,6 +389,7 @@ class Source(Endpoint):
             if slot is not None:
                 self.arena.allocator.release(slot)
             return self._fail(job.req, target.conn.peer, "write", str(e), tell=True)
+        log.debug("src %d: %s chunk %d write posted to destination rank %d", self.rank, job.req, job.chunk, job.dst)
         out.inflight += 1
         out.stage = "write"
         out.handle.bytes += nbytes
@@ -408,6 +415,7 @@ class Source(Endpoint):
             out.inflight -= 1
             out.touched = time.monotonic()
             out.handle.stages["write"] += time.perf_counter() - w.posted
+            log.debug("src %d: %s chunk %d write complete", self.rank, w.job.req, w.job.chunk)
             if isinstance(state, Exception):
                 self._fail(w.job.req, f"destination rank {w.job.dst}", "write", str(state), tell=True)
             elif not out.handle.done():

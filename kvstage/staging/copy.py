@@ -20,16 +20,37 @@ from kvstage.staging.cache import RankCache
 from kvstage.staging.words import chunk_pages
 
 
-class TokenIndex:
-    """Where tokens ``start .. start+count`` of a request sit in one rank's cache."""
+def upload_pages(cache: RankCache, page_ids: np.ndarray) -> torch.Tensor | None:
+    """A request's page ids on the cache's device, for the CUDA kernel, or None
+    where the kernel does not run. Done once per request, when it is posted, so
+    no chunk's copy waits for an upload or a bounds check (pass the result to
+    ``TokenIndex``)."""
+    copier = _copier(cache)
+    if copier is None:
+        return None
+    _check_bounds(cache, page_ids)
+    return copier.upload_pages(page_ids)
 
-    def __init__(self, cache: RankCache, page_ids: np.ndarray, start: int, count: int):
-        page = cache.spec.page
+
+def _check_bounds(cache: RankCache, pages: np.ndarray) -> None:
+    if len(pages) and (pages.min() < 0 or pages.max() >= cache.pages):
+        raise IndexError(f"page ids must lie in [0, {cache.pages}); got {pages.min()}..{pages.max()}")
+
+
+class TokenIndex:
+    """Where tokens ``start .. start+count`` of a request sit in one rank's cache.
+    ``device_pages``: the request's page ids from ``upload_pages``, if any."""
+
+    def __init__(self, cache: RankCache, page_ids: np.ndarray, start: int, count: int,
+                 device_pages: torch.Tensor | None = None):
+        P = cache.spec.page.page_size
         # the chunk's pages and the first token's offset: all the CUDA kernel needs
-        self.chunk_pages, self.first = chunk_pages(page_ids, page.page_size, start, count)
-        if len(self.chunk_pages) and (self.chunk_pages.min() < 0 or self.chunk_pages.max() >= cache.pages):
-            raise IndexError(f"page ids must lie in [0, {cache.pages}); got "
-                             f"{self.chunk_pages.min()}..{self.chunk_pages.max()}")
+        self.device_pages, self.first_page, self.first = device_pages, start // P, start % P
+        if device_pages is None:
+            self.chunk_pages, _ = chunk_pages(page_ids, P, start, count)
+            _check_bounds(cache, self.chunk_pages)
+        elif len(device_pages) != len(page_ids):  # checked against the cache when uploaded
+            raise ValueError(f"device_pages holds {len(device_pages)} page ids, page_ids {len(page_ids)}")
         self.page_ids, self.start, self.count = page_ids, start, count
         self._cache = cache
         if cache.device.type == "cuda" and _copier(cache) is not None:
@@ -126,13 +147,30 @@ def _copier(cache: RankCache):
     return c
 
 
-def _fused(cache: RankCache, idx: TokenIndex, pieces, region: torch.Tensor, to_region: bool) -> bool:
-    """Run the whole chunk as one kernel launch if possible; False to fall back."""
+def _prepared(cache: RankCache, idx: TokenIndex, pieces, region: torch.Tensor, to_region: bool):
+    """The whole chunk as one prepared kernel launch, or None to use the torch paths."""
     copier = _copier(cache)
     if copier is None or not copier.supports(region, pieces, idx.count):
-        return False
-    copier.run(idx.chunk_pages, idx.first, idx.count, pieces, region, to_region)
-    return True
+        return None
+    if idx.device_pages is None:
+        return copier.prepare(idx.chunk_pages, idx.first, idx.count, pieces, region, to_region)
+    return copier.prepare(idx.device_pages, idx.first, idx.count, pieces, region, to_region, idx.first_page)
+
+
+def _fused(cache: RankCache, idx: TokenIndex, pieces, region: torch.Tensor, to_region: bool) -> bool:
+    """Run the whole chunk as one kernel launch if possible; False to fall back."""
+    launch = _prepared(cache, idx, pieces, region, to_region)
+    if launch is not None:
+        launch()
+    return launch is not None
+
+
+def prepare_scatter(cache: RankCache, idx: TokenIndex, pieces, region: torch.Tensor):
+    """``scatter_chunk`` made ready ahead of time (when the chunk is granted): a
+    callable that runs it. On CUDA all set-up happens here and the call is one
+    kernel launch; elsewhere the call does the whole scatter."""
+    launch = _prepared(cache, idx, pieces, region, to_region=False)
+    return launch if launch is not None else (lambda: scatter_chunk(cache, idx, pieces, region))
 
 
 def _bounce(cache: RankCache, region: torch.Tensor) -> torch.Tensor | None:

@@ -2,13 +2,16 @@
 plane) buffer and every writer's piece, with 16-byte vector loads and stores.
 
 Each thread finds its word's token, head and page from its index and the
-chunk's page ids (``words.word_index`` is the same arithmetic in numpy), so
-per-call set-up is one small upload (piece descriptors and page ids, from a
-ring of pinned buffers) and one launch on the caller's torch stream, with no
-host synchronization. Compiled at first use with CuPy's NVRTC (RawKernel):
-the copy is a pure byte move, so explicit ``uint4`` loads and stores are the
-whole kernel. The region may be device memory or pinned host memory (mapped
-into the GPU's address space: the pinned-host arena).
+chunk's page ids (``words.word_index`` is the same arithmetic in numpy). A
+request's page ids are uploaded once, when the request is posted
+(``upload_pages``), and a piece table once per distinct piece list, so a
+chunk's copy is one launch on the caller's torch stream with no upload and no
+host synchronization; ``prepare`` builds that launch ahead of time (the
+destination does it at grant time, before the chunk's bytes land).
+Compiled at first use with CuPy's NVRTC (RawKernel): the copy is a pure byte
+move, so explicit ``uint4`` loads and stores are the whole kernel. The region
+may be device memory or pinned host memory (mapped into the GPU's address
+space: the pinned-host arena).
 """
 
 from __future__ import annotations
@@ -23,18 +26,19 @@ _THREADS = 256
 
 _SOURCE = r"""
 // grid: x = words of the largest piece / (THREADS * UNROLL), y = buffer, z = piece.
-// meta (device, int64): npieces x (head_lo, heads, region byte offset), then the chunk's page ids.
+// meta (device, int64): npieces x (head_lo, heads, region byte offset); pages: the chunk's page ids.
 // Index arithmetic is 32-bit (the host checks a piece's words fit); only the final
 // word offset inside a buffer is 64-bit.
 extern "C" __global__ void kvstage_copy_words(
     const unsigned long long table_addr, const unsigned long long region_addr,
-    const unsigned long long meta_addr, const int npieces, const unsigned int count, const unsigned int first,
+    const unsigned long long meta_addr, const unsigned long long pages_addr,
+    const unsigned int count, const unsigned int first,
     const unsigned int page_size, const unsigned int nheads, const unsigned int head_words, const int hnd,
     const int to_region)
 {
     const unsigned long long* table = (const unsigned long long*)table_addr;
     const long long* meta = (const long long*)meta_addr;
-    const long long* pages = meta + 3 * npieces;
+    const long long* pages = (const long long*)pages_addr;
     const int p = blockIdx.z, b = blockIdx.y;
     const unsigned int head_lo = (unsigned int)meta[3 * p], heads = (unsigned int)meta[3 * p + 1];
     const long long base = meta[3 * p + 2];
@@ -73,6 +77,16 @@ extern "C" __global__ void kvstage_copy_words(
 
 _kernel = None
 _RING = 4  # pinned upload buffers in flight per copier
+_PIECE_TABLES = 64  # distinct piece lists kept on the device per copier
+
+
+def _raw_stream(device: torch.device) -> int:
+    """The handle of the caller's current torch stream on ``device``: torch's raw
+    getter where it has one (a pointer, no Stream object built per launch)."""
+    getter = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+    if getter is not None:
+        return getter(device.index if device.index is not None else torch.cuda.current_device())
+    return torch.cuda.current_stream(device).cuda_stream
 
 
 def available() -> bool:
@@ -104,6 +118,7 @@ class WordCopier:
         self.aligned = all(b.data_ptr() % 16 == 0 for b in buffers)
         self._ring = [_Upload() for _ in range(_RING)]
         self._next = 0
+        self._pieces: dict = {}
         self._stream_key, self._stream = None, None
         g = self.geometry
         self._table = np.uint64(self.table.data_ptr())
@@ -121,49 +136,83 @@ class WordCopier:
                 and all(base % 16 == 0 for _, _, base in pieces)
                 and count * max(n for _, n, _ in pieces) * g.head_words < 2**31)
 
-    def run(self, pages: np.ndarray, first: int, count: int, pieces, region: torch.Tensor, to_region: bool) -> None:
-        """Copy tokens ``first .. first+count`` of ``pages`` for every ``(head_lo, heads, base)`` piece."""
-        import cupy
+    def upload_pages(self, page_ids: np.ndarray) -> torch.Tensor:
+        """A request's page ids on the device, copied on the caller's stream (so
+        before any copy launched after it there)."""
+        return self._upload(np.asarray(page_ids, dtype=np.int64))
 
-        meta = np.concatenate([np.asarray(pieces, dtype=np.int64).reshape(-1), pages.astype(np.int64, copy=False)])
-        stream = torch.cuda.current_stream(self.device)
-        up = self._ring[self._next]
-        self._next = (self._next + 1) % _RING
-        dev = up.load(meta, self.device)
+    def prepare(self, pages, first: int, count: int, pieces, region: torch.Tensor, to_region: bool,
+                page_offset: int = 0) -> "PreparedCopy":
+        """The launch copying tokens ``first .. first+count`` of the chunk's pages for every
+        ``(head_lo, heads, base)`` piece; nothing runs until it is called. ``pages``: the
+        chunk's page ids on the host (uploaded now), or a request's from ``upload_pages``
+        with the chunk's first page at ``page_offset``."""
+        if not isinstance(pages, torch.Tensor):
+            pages = self._upload(np.asarray(pages, dtype=np.int64))
+        key = tuple(map(tuple, pieces))
+        meta = self._pieces.get(key)
+        if meta is None:
+            meta = self._upload(np.asarray(key, dtype=np.int64).reshape(-1))
+            if len(self._pieces) >= _PIECE_TABLES:
+                self._pieces.pop(next(iter(self._pieces)))
+            self._pieces[key] = meta
         most = max(n for _, n, _ in pieces) * count * self.geometry.head_words
         grid = (-(-most // (_THREADS * _UNROLL)), self.nbuf, len(pieces))
-        if self._stream_key != stream.cuda_stream:
-            self._stream_key, self._stream = stream.cuda_stream, cupy.cuda.ExternalStream(stream.cuda_stream)
+        args = (self._table, np.uint64(region.data_ptr()), np.uint64(meta.data_ptr()),
+                np.uint64(pages.data_ptr() + 8 * page_offset),
+                np.uint32(count), np.uint32(first), *self._fixed, np.int32(int(to_region)))
+        return PreparedCopy(self, grid, args, (pages, meta, region))
+
+    def run(self, pages, first: int, count: int, pieces, region: torch.Tensor, to_region: bool) -> None:
+        self.prepare(pages, first, count, pieces, region, to_region)()
+
+    def _launch(self, grid, args) -> None:
+        import cupy
+
+        raw = _raw_stream(self.device)
+        if self._stream_key != raw:
+            self._stream_key, self._stream = raw, cupy.cuda.ExternalStream(raw)
         with self._cupy_device, self._stream:
-            _get_kernel()(
-                grid, (_THREADS,),
-                (self._table, np.uint64(region.data_ptr()), np.uint64(dev.data_ptr()),
-                 np.int32(len(pieces)), np.uint32(count), np.uint32(first), *self._fixed, np.int32(int(to_region))),
-            )
-        up.used.record(stream)
+            _get_kernel()(grid, (_THREADS,), args)
+
+    def _upload(self, values: np.ndarray) -> torch.Tensor:
+        """``values`` on the device, through the next pinned buffer of the ring."""
+        up = self._ring[self._next]
+        self._next = (self._next + 1) % _RING
+        stream = torch.cuda.current_stream(self.device)
+        dev = torch.empty(len(values), dtype=torch.int64, device=self.device)
+        up.load(values, dev, stream)
+        return dev
+
+
+class PreparedCopy:
+    """One chunk's copy, ready to launch: calling it launches the kernel on the
+    current stream. Holds the tensors its arguments point into."""
+
+    def __init__(self, copier: WordCopier, grid, args, keep):
+        self._copier, self._grid, self._args, self._keep = copier, grid, args, keep
+
+    def __call__(self) -> None:
+        self._copier._launch(self._grid, self._args)
 
 
 class _Upload:
-    """One slot of the upload ring: a pinned host buffer, its device twin, and an
-    event after the kernel that read it. A slot is refilled only once that kernel
-    is done (with four slots, in practice never a wait); nothing is allocated per call."""
+    """One slot of the upload ring: a pinned host buffer and an event after the
+    copy that read it. A slot is refilled only once that copy is done (with four
+    slots, in practice never a wait); pinned memory is allocated only to grow."""
 
     def __init__(self):
         self.host: torch.Tensor | None = None
-        self.dev: torch.Tensor | None = None
         self.used = torch.cuda.Event()
         self._recorded = False
 
-    def load(self, meta: np.ndarray, device: torch.device) -> torch.Tensor:
-        n = len(meta)
+    def load(self, values: np.ndarray, dev: torch.Tensor, stream) -> None:
+        n = len(values)
         if self._recorded:
             self.used.synchronize()
-        self._recorded = True  # the caller records ``used`` after its launch
         if self.host is None or self.host.numel() < n:
-            size = max(n, 4096)
-            self.host = torch.empty(size, dtype=torch.int64).pin_memory()
-            self.dev = torch.empty(size, dtype=torch.int64, device=device)
-        self.host.numpy()[:n] = meta
-        dev = self.dev[:n]
+            self.host = torch.empty(max(n, 4096), dtype=torch.int64).pin_memory()
+        self.host.numpy()[:n] = values
         dev.copy_(self.host[:n], non_blocking=True)
-        return dev
+        self.used.record(stream)
+        self._recorded = True

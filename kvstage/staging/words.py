@@ -4,9 +4,9 @@ A region holds, for ``count`` tokens and ``heads`` heads, the bytes of every
 (layer, plane) buffer: ``[buffers, count, heads, head_bytes]``. Every buffer
 of a rank has the same shape, so one index map serves all of them. The CUDA
 kernel (``cuda_copy``) computes the map word by word from the chunk's page ids
-alone, so the host uploads a few hundred bytes per chunk instead of a copy
-list; ``word_index`` computes the same map with numpy, the same arithmetic, so
-the addressing is tested on machines without a GPU.
+alone, so the host uploads a request's page ids once instead of a copy list
+per chunk; ``word_index`` computes the same map with numpy, the same
+arithmetic, so the addressing is tested on machines without a GPU.
 """
 
 from __future__ import annotations

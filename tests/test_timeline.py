@@ -1,0 +1,51 @@
+"""The endpoints' per-event debug lines and ``benchmarks/timeline.py``, which reads them.
+
+A real ``kvstage bench`` run (rank processes over NIXL) with
+``KVSTAGE_LOG_LEVEL=DEBUG``: every rank must log each stage of a staged
+request once per chunk, and the timeline must lay them out in time order.
+"""
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+TIMELINE = Path(__file__).resolve().parents[1] / "benchmarks" / "timeline.py"
+
+
+def test_debug_events_trace_every_hop_of_a_request(tmp_path):
+    env = dict(os.environ, KVSTAGE_LOG_LEVEL="DEBUG")
+    # 2 -> 1, 1,100 tokens of 2 KiB in 1 MiB slots (512 tokens each): 3 chunks
+    proc = subprocess.run(
+        [sys.executable, "-m", "kvstage.cli", "bench", "--layers", "2", "--head-dim", "32", "--kv-heads", "8",
+         "--src-tp", "2", "--dst-tp", "1", "--tokens", "1100", "--mode", "staged", "--iters", "1", "--warmup", "0",
+         "--arena-mb", "4", "--slot-mb", "1", "--no-progress"],
+        capture_output=True, text=True, timeout=240, env=env)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    err = tmp_path / "bench.err"
+    err.write_text(proc.stderr)
+    out = subprocess.run([sys.executable, str(TIMELINE), str(err)], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    m = re.match(r"request (\S+): (\d+) events over ([\d.]+) ms", lines[0])
+    assert m, lines[0]
+    events = [re.match(r"\s*([\d.]+) ms  (\S+)\s+(.*)", ln).groups() for ln in lines[1:]]
+    assert len(events) == int(m.group(2))
+    times = [float(t) for t, _, _ in events]
+    assert times == sorted(times) and times[0] == 0.0
+    said = [(who, what) for _, who, what in events]
+    chunks = {int(c) for c in re.findall(r"chunk (\d+) granted \(slot", "\n".join(w for _, w in said))}
+    assert len(chunks) >= 2, said  # several chunks, so the per-chunk lines repeat
+    for c in chunks:
+        for src in ("src0", "src1"):
+            for what in (f"chunk {c} granted by destination rank 0", f"chunk {c} gather launched",
+                         f"chunk {c} write posted to destination rank 0", f"chunk {c} write complete"):
+                assert said.count((src, what)) == 1, (src, what, said)
+            assert said.count(("dst0", f"chunk {c} landed from source rank {src[-1]}")) == 1
+        for what in (f"chunk {c} scatter launched", f"chunk {c} scattered"):
+            assert said.count(("dst0", what)) == 1, (what, said)
+    for who in ("src0", "src1"):
+        assert ("dst0", f"ready from source rank {who[-1]}") in said
+    done = said.index(("dst0", "transferring -> done"))
+    assert all(said.index(("dst0", f"chunk {c} scattered")) < done for c in chunks)
