@@ -164,6 +164,7 @@ class WordCopier:
         return PreparedCopy(self, grid, args, (pages, meta, region))
 
     def run(self, pages, first: int, count: int, pieces, region: torch.Tensor, to_region: bool) -> None:
+        """``prepare`` and launch at once (the chunk's page ids on the host)."""
         self.prepare(pages, first, count, pieces, region, to_region)()
 
     def _launch(self, grid, args) -> None:
