@@ -163,10 +163,6 @@ class WordCopier:
                 np.uint32(count), np.uint32(first), *self._fixed, np.int32(int(to_region)))
         return PreparedCopy(self, grid, args, (pages, meta, region))
 
-    def run(self, pages, first: int, count: int, pieces, region: torch.Tensor, to_region: bool) -> None:
-        """``prepare`` and launch at once (the chunk's page ids on the host)."""
-        self.prepare(pages, first, count, pieces, region, to_region)()
-
     def _launch(self, grid, args) -> None:
         import cupy
 
