@@ -16,6 +16,7 @@ from kvstage.staging import cuda_copy
 from kvstage.staging.cache import RankCache
 from kvstage.staging.copy import TokenIndex, gather, prepare_scatter, region_bytes, scatter_chunk, upload_pages
 from kvstage.tp import SideSpec
+from test_staging import _random_cache as random_cache  # the same random bytes, made on the host
 
 GEO = KVGeometry(3, 4, 64, "bfloat16")  # 128-byte heads: 8 words of 16 bytes
 SIDES = [(16, "nhd"), (4, "hnd"), (1, "nhd")]
@@ -23,11 +24,8 @@ RANGES = [(0, 37), (16, 32), (5, 300)]
 
 
 def _random_cache(spec, pages, seed, device):
-    c = RankCache.allocate(spec, 0, pages, fill=None)
-    g = torch.Generator().manual_seed(seed)
-    for b in c.buffers:
-        b.view(torch.uint8).copy_(torch.randint(0, 256, b.view(torch.uint8).shape, dtype=torch.uint8, generator=g))
-    return RankCache(spec, 0, [b.to(device) for b in c.buffers])
+    host = random_cache(spec, pages, seed)
+    return RankCache(spec, 0, [b.to(device) for b in host.buffers])
 
 
 @pytest.fixture
