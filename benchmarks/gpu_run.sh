@@ -3,8 +3,12 @@
 # kernels beside a d2d copy, staged vs bulk vs per-slice on one GPU, the same
 # across two GPUs when there are two, the byte-exact GPU suite.
 #   run with .whl/ carried (NIXL wheels, ../shared/notes/gpu-machine.md); outputs in $OUT
-#   PARTS="kernels x2 long one mps trace spy pytest" (the default: all) picks parts;
-#   spy needs .whl-spy/ (the py-spy wheel) carried too.
+#   PARTS="kernels x2 long one mps trace spy pytest ab" (the default: all but ab) picks parts;
+#   spy needs .whl-spy/ (the py-spy wheel) carried too. ab: the same one-GPU runs for this
+#   tree and for every other tree under ab/NAME/kvstage (untracked copies, e.g. from
+#   `git archive`), alternating (AB_ROUNDS rounds, 2), so a change is measured against its base in one run.
+#   AB_8K=0 keeps ab to its 128-token runs. slots: 4->1 8k with 512 MiB and 1 GiB slots
+#   (fewer, larger chunks). BENCH_TIMEOUT (120) and PYTEST_TIMEOUT (300) bound each step, in seconds.
 set -uo pipefail
 FINAL=${OUT:-/tmp/kvstage-out}
 OUT=$(mktemp -d)  # everything lands here and travels back as one archive (the device tool returns few files)
@@ -15,11 +19,20 @@ nvidia-smi -L > "$OUT/gpu.txt"
 GPUS=$(nvidia-smi -L | wc -l)
 step() { echo "=== $(date +%T) $*" | tee -a "$OUT/steps.log"; }
 bench() { local name=$1; shift; step "bench $name: $*"
-  timeout 120 python3 -m kvstage.cli bench --device cuda --no-progress --json "$OUT/$name.json" "$@" 2>&1 | tee "$OUT/$name.log"; }
+  timeout "${BENCH_TIMEOUT:-120}" python3 -m kvstage.cli bench --device cuda --no-progress --json "$OUT/$name.json" "$@" 2>&1 | tee "$OUT/$name.log"; }
 
 BIG="--arena-mb 2048 --slot-mb 256"
 PARTS=${PARTS:-kernels x2 long one mps trace spy pytest}
 want() { [[ " $PARTS " == *" $1 "* ]]; }
+if want ab; then  # python -m puts the working directory first on sys.path: each tree runs from its own
+  for round in $(seq "${AB_ROUNDS:-2}"); do
+    for tree in . ab/*/; do
+      name=$(basename "$(cd "$tree" && pwd)"); [ "$tree" = . ] && name=this
+      (cd "$tree" && bench "ab-$name-4to1-128-r$round" --tokens 128 --mode staged,bulk --iters 30 --warmup 3 \
+        && { [ "${AB_8K:-1}" = 0 ] || bench "ab-$name-4to1-8k-big-r$round" --tokens 8192 --mode staged,bulk --iters 5 $BIG; })
+    done
+  done
+fi
 want kernels && step kernels && timeout 150 python3 benchmarks/gpu_kernels.py --json "$OUT/kernels.json" 2>&1 | tee "$OUT/kernels.log"
 if want x2 && [ "$GPUS" -ge 2 ]; then  # sources on GPU 0, destinations on GPU 1: NVLink (the multi-GPU issue)
   X="--src-gpu 0 --dst-gpu 1 --mode staged,bulk"
@@ -50,6 +63,10 @@ bench 4to1-128 --tokens 128 --mode staged,bulk --iters 30 --warmup 3
 bench 4to1-2k-all --tokens 2048 --mode all --iters 2
 KVSTAGE_ARENA=host bench 4to1-8k-hostarena --tokens 8192 --mode staged,bulk --iters 3
 }
+want slots && {
+bench 4to1-8k-slot512 --tokens 8192 --mode staged,bulk --iters 5 --arena-mb 2048 --slot-mb 512
+bench 4to1-8k-slot1024 --tokens 8192 --mode staged,bulk --iters 5 --arena-mb 2048 --slot-mb 1024
+}
 # where a small request's time goes: every endpoint event, host-clock stamped (benchmarks/timeline.py reads them)
 trace() { local name=$1; shift; step "trace $name: $*"
   KVSTAGE_LOG_LEVEL=DEBUG timeout 120 python3 -m kvstage.cli bench --device cuda --no-progress --json "$OUT/$name.json" \
@@ -68,7 +85,7 @@ spy spy-4to1-8k-big --tokens 8192 --iters 20 $BIG
 [ "$GPUS" -ge 2 ] && spy spy-x2-1to2-32k --tokens 32768 --src-tp 1 --dst-tp 2 --src-gpu 0 --dst-gpu 1 --iters 8 $BIG
 }
 # -k "not ucx": the ucx cases need UCXX's wheels, which travel in a run of their own (gpu_ucx.sh)
-want pytest && step pytest && timeout 300 python3 -m pytest -m gpu -k "not ucx" -q -p no:cacheprovider \
+want pytest && step pytest && timeout "${PYTEST_TIMEOUT:-300}" python3 -m pytest -m gpu -k "not ucx" -q -p no:cacheprovider \
   tests/test_cuda_copy.py tests/test_transfer.py 2>&1 | tee "$OUT/pytest-gpu.log"
 # one GPU under CUDA MPS (a private daemon, its pipe in a temp dir; quit at the end): the five
 # ranks' kernels and copies run side by side instead of in time slices of one context each

@@ -49,6 +49,8 @@ class Settings:
     #: None: on for one-sided transports (nixl), off for two-sided ones (ucx)
     direct: bool | None = field(default_factory=lambda: _env("KVSTAGE_DIRECT", None, bool))
     arena: str = field(default_factory=lambda: _env("KVSTAGE_ARENA", "auto", str))
+    #: chunks a destination grants a request before every source announced it (0: grant only after)
+    early_chunks: int = field(default_factory=lambda: _env("KVSTAGE_EARLY_CHUNKS", 2, int))
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -70,6 +72,8 @@ class Settings:
         if self.peer_timeout_s < 2 * PING_INTERVAL_S:
             raise ConfigError(f"peer_timeout_s={self.peer_timeout_s!r}: must be >= {2 * PING_INTERVAL_S:g} s "
                               f"(peers ping every {PING_INTERVAL_S:g} s)")
+        if not isinstance(self.early_chunks, int) or isinstance(self.early_chunks, bool) or self.early_chunks < 0:
+            raise ConfigError(f"early_chunks={self.early_chunks!r}: must be an integer >= 0")
         if self.arena not in ARENA_LOCATIONS:
             raise ConfigError(f"arena={self.arena!r}: must be one of {', '.join(ARENA_LOCATIONS)}")
         if self.slot_mb > self.arena_mb:

@@ -12,7 +12,6 @@ for byte, and every slot is free at the end.
 
 from __future__ import annotations
 
-import socket
 import time
 
 import numpy as np
@@ -20,94 +19,19 @@ import pytest
 import torch
 
 import fault_ranks as fr
+from fake_peers import FakeSource
 from kvstage.config import Settings
 from kvstage.errors import TransferFailed
 from kvstage.layout import pages_needed
 from kvstage.protocol.destination import Destination
-from kvstage.protocol.endpoint import md_from_wire, md_to_wire, spec_from_wire, spec_to_wire
 from kvstage.protocol.request import State
-from kvstage.protocol.wire import PROTOCOL_VERSION, Connection, encode_notice
-from kvstage.bench.reference import fill_shard
+from kvstage.protocol.wire import encode_notice
 from kvstage.staging.cache import RankCache
-from kvstage.staging.copy import TokenIndex, gather
-from kvstage.tp import plan
-from kvstage.transports.base import Region, Spans, WriteState
+from kvstage.transports.base import Spans, WriteState
 from kvstage.transports.nixl import NixlTransport
 
 TOKEN = "notice-test"
 CHUNK = 32  # tokens per chunk: 16 KiB slots, 512 B a token (fault_ranks geometry, source TP 1)
-
-
-class FakeSource:
-    """Source rank 0 of TP 1 speaking the protocol by hand."""
-
-    def __init__(self, address):
-        self.spec = fr.src_spec(1)
-        self.cache = RankCache.allocate(self.spec, 0, 64)
-        self.agent = NixlTransport("hostile-src")
-        self.buf = torch.zeros(1 << 16, dtype=torch.uint8)
-        self.local = self.agent.register(self.buf)
-        self.conn = Connection(socket.create_connection(address, timeout=10), "destination")
-        self.conn.send({"type": "hello", "version": PROTOCOL_VERSION, "token": TOKEN, "spec": spec_to_wire(self.spec),
-                        "rank": 0, "agent": self.agent.id, "metadata": md_to_wire(self.agent.metadata()),
-                        "slot_bytes": 16384})
-        welcome = self.conn.recv()
-        assert welcome["type"] == "welcome", welcome
-        self.peer = self.agent.connect(md_from_wire(welcome["metadata"]))
-        self.arena = Region.from_wire(welcome["arena"])
-        p = plan(self.spec, spec_from_wire(welcome["spec"]))
-        (self.piece,) = p.targets_of(0)
-        self.token_bytes = p.piece_token_bytes(self.piece)
-        self.stash: list[dict] = []
-        self.pages: dict[str, np.ndarray] = {}
-        self.next_page = 0
-
-    def announce(self, req: str, tokens: int, seed: int) -> None:
-        n = pages_needed(tokens, 16)
-        self.pages[req] = np.arange(self.next_page, self.next_page + n)
-        self.next_page = (self.next_page + n) % (self.cache.pages - n)
-        fill_shard(self.cache, seed, self.pages[req], tokens)
-        self.conn.send({"type": "ready", "req": req, "tokens": tokens})
-
-    def message(self, match, timeout: float = 10) -> dict:
-        """The first control message ``match`` accepts; others are kept for later."""
-        for m in self.stash:
-            if match(m):
-                self.stash.remove(m)
-                return m
-        self.conn.sock.settimeout(timeout)
-        while True:
-            m = self.conn.recv()
-            if match(m):
-                return m
-            self.stash.append(m)
-
-    def grant(self, req: str, chunk: int) -> dict:
-        return self.message(lambda m: m["type"] == "grant" and m["req"] == req and m["chunk"] == chunk)
-
-    def error(self) -> str:
-        m = self.message(lambda m: m["type"] == "error" and m.get("about") == "landed")
-        return m["reason"]
-
-    def write(self, req: str, grant: dict, notice: bytes | None = None, *, offset: int | None = None,
-              nbytes: int | None = None, chunk: int | None = None) -> None:
-        """Gather the granted tokens and write them: at ``offset`` (default: the grant's),
-        ``nbytes`` of them (default: all), with ``notice`` (default: the honest one)."""
-        offset = grant["offset"] if offset is None else offset
-        nbytes = grant["count"] * self.token_bytes if nbytes is None else nbytes
-        idx = TokenIndex(self.cache, self.pages[req], grant["start"], grant["count"])
-        gather(self.cache, idx, self.piece.src_offset, self.piece.heads.count, self.buf[: grant["count"] * self.token_bytes])
-        if notice is None:
-            notice = encode_notice(req, grant["chunk"] if chunk is None else chunk, 0, offset, nbytes)
-        h = self.agent.write(self.peer, Spans.single(self.local, [0], [nbytes]), Spans.single(self.arena, [offset], [nbytes]), notice)
-        deadline = time.monotonic() + 10
-        while self.agent.poll(h) is not WriteState.DONE:
-            assert time.monotonic() < deadline, "write did not complete"
-        self.agent.release(h)
-
-    def close(self) -> None:
-        self.conn.close()
-        self.agent.close()
 
 
 @pytest.fixture
@@ -115,7 +39,7 @@ def pair():
     # peer_timeout_s: the fake source answers grants but does not ping like a real one
     dst = Destination(RankCache.allocate(fr.dst_spec(), 0, 1024),
                       Settings(**fr.SETTINGS, auth_token=TOKEN, peer_timeout_s=600))
-    src = FakeSource(dst.address)
+    src = FakeSource(dst.address, TOKEN)
     yield dst, src
     src.close()
     dst.close()

@@ -3,10 +3,12 @@
 import json
 import socket
 import struct
+import time
 
 import numpy as np
 import pytest
 
+from fake_peers import FakeDestination
 from kvstage.config import Settings
 from kvstage.errors import TransferFailed
 from kvstage.layout import KVGeometry, PageLayout
@@ -88,7 +90,12 @@ def test_source_without_token_is_refused(dst):
         src.close()
 
 
-def test_token_count_mismatch_fails_both_sides(dst):
+@pytest.mark.parametrize("early", [0, 2])
+def test_token_count_mismatch_fails_both_sides(early):
+    """Early grants carry the destination's token count: the source refuses
+    them at ``send``; without them the destination refuses the announcement."""
+    dst = Destination(RankCache.allocate(DST, 0, 32),
+                      Settings(arena_mb=0.25, slot_mb=0.0625, auth_token="s3cret", early_chunks=early))
     cache0 = RankCache.allocate(SRC, 0, 32)
     cache1 = RankCache.allocate(SRC, 1, 32)
     s0 = Source(cache0, Settings(arena_mb=0.25, slot_mb=0.0625, auth_token="s3cret"))
@@ -97,16 +104,23 @@ def test_token_count_mismatch_fails_both_sides(dst):
         s0.connect([dst.address])
         s1.connect([dst.address])
         h = dst.expect("r", np.arange(3), 10)
+        if early:  # let the early grant reach both sources first
+            time.sleep(0.2)
         a = s0.send("r", np.arange(4), 13)
         s1.send("r", np.arange(4), 13)
-        with pytest.raises(TransferFailed, match="announced 13 tokens, destination expects 10"):
+        with pytest.raises(TransferFailed, match="13 tokens, destination expects 10"):  # either side's words
             h.wait(10)
-        with pytest.raises(TransferFailed, match="destination aborted"):
+        with pytest.raises(TransferFailed, match="destination aborted" if not early else
+                           "destination expects 10 tokens, this source sends 13"):
             a.wait(10)
-        assert dst.slots_free() == 4
+        deadline = time.monotonic() + 5
+        while (left := [s._call(lambda s=s: (s.arena.allocator.free, len(s.requests), len(s._held))) for s in (s0, s1)] + [dst.slots_free()]) != [(4, 0, 0), (4, 0, 0), 4]:
+            assert time.monotonic() < deadline, f"left behind (free slots, requests, held grants): {left}"
+            time.sleep(0.01)  # the abort reaches the other source, which confirms it; then the slots come back
     finally:
         s0.close()
         s1.close()
+        dst.close()
 
 
 def test_source_killed_mid_request_fails_destination_and_frees_slots(dst):
@@ -151,82 +165,110 @@ def test_malformed_peer_facts_do_not_break_the_handshake(dst):
     assert reply is not None and reply["type"] == "welcome", reply
 
 
-def test_hostile_grants_are_refused_and_the_source_keeps_serving():
-    """A fake destination (real NIXL agent, raw control socket) sends bad grants to a real Source."""
-    import base64
-    import threading
-    import time
+@pytest.fixture
+def fake_dst():
+    f = FakeDestination(SRC)
+    yield f
+    f.close()
 
-    import torch
 
-    from kvstage.transports.nixl import NixlTransport
+PIECE_BYTES = 2 * 2 * 2 * 16 * 2 * 10  # a source rank's bytes of 10 tokens: buffers x heads x head_dim x 2 B x tokens
+GOOD = {"type": "grant", "req": "r", "tokens": 10, "chunk": 0, "chunks": 1, "start": 0, "count": 10, "offset": 0}
 
-    dst_spec = SideSpec(GEO, 1, PageLayout(1))  # different paging: the staged path
-    agent = NixlTransport("fake-dst")
-    arena = torch.zeros(1 << 16, dtype=torch.uint8)
-    region = agent.register(arena)
-    server = socket.create_server(("127.0.0.1", 0))
-    box = {}
 
-    def serve():
-        sock, _ = server.accept()
-        from kvstage.protocol.wire import Connection
+def test_hostile_grants_are_refused_and_the_source_keeps_serving(fake_dst):
+    """A fake destination sends bad grants to a real Source."""
+    f, good = fake_dst, GOOD
+    h = f.src.send("r", np.arange(3), 10)
+    assert f.recv() == {"type": "ready", "req": "r", "tokens": 10}
+    for bad, needle in [
+        (good | {"chunks": 0}, "chunks=0 is below 1"),
+        (good | {"chunk": 1}, "chunk=1 is above 0"),
+        (good | {"count": 11}, "count=11 is above 10"),
+        (good | {"chunks": 11}, "chunks=11 is above 10"),
+        ({k: v for k, v in good.items() if k != "tokens"}, "lacks field 'tokens'"),
+        (good | {"offset": (1 << 16) - PIECE_BYTES + 1}, "exceed the destination arena"),
+        (good | {"offset": -1}, "offset=-1 is below 0"),
+        (good | {"start": "0"}, "is not int"),
+        (good | {"ticket": "not base64!"}, "ticket is not base64"),
+        (good | {"req": "zzz", "count": 0}, "count=0 is below 1"),  # checked before it is held
+    ]:
+        f.conn.send(bad)
+        reply = f.recv()
+        assert reply["type"] == "error" and needle in reply["reason"], (bad, reply)
+    assert not h.done() and f.held() == 0  # refused grants change nothing
+    first = good | {"chunks": 2, "count": 5, "offset": 0}
+    f.conn.send(first)
+    f.conn.send(first)  # the same chunk twice while the request is in flight
+    reply = f.recv()
+    assert reply["type"] == "error" and "granted twice" in reply["reason"], reply
+    f.conn.send(first | {"chunk": 1, "start": 5, "offset": PIECE_BYTES // 2})
+    assert f.landed(2) == [0, 1]
+    h.wait(10)
+    assert bool((f.arena[:PIECE_BYTES] == 7).all()) and not f.arena[PIECE_BYTES:].any()  # exactly the granted bytes
+    f.conn.send(good)  # a grant again, after the request finished
+    assert "grant for request 'r', which already done here" in f.recv()["reason"]
+    assert f.held() == 0
 
-        c = Connection(sock, "fake")
-        box["hello"] = c.recv()
-        c.send({"type": "welcome", "version": PROTOCOL_VERSION, "spec": spec_to_wire(dst_spec), "rank": 0,
-                "metadata": base64.b64encode(agent.metadata()).decode(), "arena": region.to_wire(), "kv": [], "facts": {}})
-        box["conn"] = c
 
-    t = threading.Thread(target=serve)
-    t.start()
-    # peer_timeout_s: the fake destination below does not ping like a real one
-    src = Source(RankCache.allocate(SRC, 0, 32, fill=7), Settings(arena_mb=0.25, slot_mb=0.0625, peer_timeout_s=600))
-
-    def recv(c):
-        """The next message that is not the source's once-a-second ping."""
-        while (m := c.recv())["type"] == "ping":
-            pass
-        return m
-
-    try:
-        src.connect([server.getsockname()])
-        t.join(5)
-        c = box["conn"]
-        h = src.send("r", np.arange(3), 10)
-        assert recv(c) == {"type": "ready", "req": "r", "tokens": 10}
-        piece_bytes = 2 * 2 * 2 * 16 * 2 * 10  # buffers x heads x head_dim x 2 B x tokens
-        good = {"type": "grant", "req": "r", "chunk": 0, "chunks": 1, "start": 0, "count": 10, "offset": 0}
-        for bad, needle in [
-            (good | {"req": "zzz"}, "not in flight"),
-            (good | {"chunks": 0}, "chunks=0 is below 1"),
-            (good | {"chunk": 1}, "chunk=1 is above 0"),
-            (good | {"count": 11}, "count=11 is above 10"),
-            (good | {"offset": (1 << 16) - piece_bytes + 1}, "exceed the destination arena"),
-            (good | {"offset": -1}, "offset=-1 is below 0"),
-            (good | {"start": "0"}, "is not int"),
-            (good | {"ticket": "not base64!"}, "ticket is not base64"),
-        ]:
-            c.send(bad)
-            reply = recv(c)
-            assert reply["type"] == "error" and needle in reply["reason"], (bad, reply)
-        assert not h.done()  # refused grants change nothing
-        first = good | {"chunks": 2, "count": 5, "offset": 0}
-        c.send(first)
-        c.send(first)  # the same chunk twice while the request is in flight
-        reply = recv(c)
-        assert reply["type"] == "error" and "granted twice" in reply["reason"], reply
-        c.send(first | {"chunk": 1, "start": 5, "offset": piece_bytes // 2})
-        deadline = time.monotonic() + 10
-        got = []
-        while len(got) < 2 and time.monotonic() < deadline:
-            got += agent.notifications()
-        assert sorted(json.loads(m)["chunk"] for _, m in got) == [0, 1]
+def test_a_grant_naming_other_tokens_fails_the_request(fake_dst):
+    f = fake_dst
+    h = f.src.send("r", np.arange(3), 10)
+    f.recv()  # ready
+    f.conn.send(GOOD | {"tokens": 12, "chunks": 2, "count": 6})
+    with pytest.raises(TransferFailed, match="destination expects 12 tokens, this source sends 10"):
         h.wait(10)
-        assert bool((arena[:piece_bytes] == 7).all()) and not arena[piece_bytes:].any()  # exactly the granted bytes
-        c.send(good)  # a grant again, after the request finished
-        assert "not in flight" in recv(c)["reason"]
+    m = f.recv()
+    assert m["type"] == "abort" and "expects 12 tokens" in m["reason"], m
+    assert f.recv() == {"type": "abort_ack", "req": "r"}  # nothing of it in flight
+
+
+def test_early_grants_are_held_until_the_request_is_sent(fake_dst):
+    """Grants that come before ``send`` are checked, kept, and written the moment
+    the request is sent, with no further message from the destination."""
+    f = fake_dst
+    first = GOOD | {"req": "e", "chunks": 2, "count": 5}
+    f.conn.send(first)
+    f.conn.send(first)
+    assert "chunk 0 of 'e' granted twice" in f.recv()["reason"]
+    f.conn.send(first | {"chunk": 1, "chunks": 3})
+    assert "grant says 3 chunks of 10 tokens for 'e'; an earlier grant said 2 of 10" in f.recv()["reason"]
+    f.conn.send(first | {"chunk": 1, "start": 5, "offset": PIECE_BYTES // 2})
+    assert f.held(2) == 2
+    h = f.src.send("e", np.arange(3), 10)
+    assert f.recv() == {"type": "ready", "req": "e", "tokens": 10}
+    assert f.landed(2) == [0, 1]
+    h.wait(10)
+    assert bool((f.arena[:PIECE_BYTES] == 7).all()) and not f.arena[PIECE_BYTES:].any()
+    assert f.held() == 0 and h.path == "staged"
+
+
+def test_held_grants_end_with_an_abort_or_a_disconnect_and_are_bounded(monkeypatch):
+    """An abort voids a held grant and is acknowledged at once (nothing of the
+    request can land); a destination that goes away takes its grants along;
+    at most ``MAX_HELD`` are kept. (They never expire on their own: the
+    destination's ``ready_timeout_s`` ends the request with an abort.)"""
+    import kvstage.protocol.source as source
+
+    f = FakeDestination(SRC)
+    try:
+        f.conn.send(GOOD | {"req": "x"})
+        f.conn.send({"type": "abort", "req": "x", "reason": "decode gave up"})
+        assert f.recv() == {"type": "abort_ack", "req": "x"}
+        assert f.held() == 0
+        with pytest.raises(TransferFailed, match="destination aborted: decode gave up"):
+            f.src.send("x", np.arange(3), 10).wait(1)
+        assert f.recv() == {"type": "abort", "req": "x", "reason": "destination aborted: decode gave up"}
+        assert f.recv() == {"type": "abort_ack", "req": "x"}
+
+        monkeypatch.setattr(source, "MAX_HELD", 2)
+        for i in range(2):
+            f.conn.send(GOOD | {"req": f"h{i}"})
+        f.held(2)
+        f.conn.send(GOOD | {"req": "h2"})
+        assert "more than 2 grants held" in f.recv()["reason"]
+        assert f.held() == 2
+        f.conn.close()  # the destination goes away
+        assert f.held(0) == 0
     finally:
-        src.close()
-        server.close()
-        agent.close()
+        f.close()

@@ -40,7 +40,7 @@ def test_debug_events_trace_every_hop_of_a_request(tmp_path):
     for c in chunks:
         for src in ("src0", "src1"):
             for what in (f"chunk {c} granted by destination rank 0", f"chunk {c} gather launched",
-                         f"chunk {c} write posted to destination rank 0", f"chunk {c} write complete"):
+                         f"chunk {c} gathered", f"chunk {c} write posted to destination rank 0", f"chunk {c} write complete"):
                 assert said.count((src, what)) == 1, (src, what, said)
             assert said.count(("dst0", f"chunk {c} landed from source rank {src[-1]}")) == 1
         for what in (f"chunk {c} scatter launched", f"chunk {c} scattered"):

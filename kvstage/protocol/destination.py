@@ -1,11 +1,13 @@
 """The destination (decode) side: grants slots, scatters landed chunks.
 
-Per request: wait until every writer the plan names has announced the request
-(``ready``), then grant one arena slot per chunk to all writers at once. A
-chunk whose writers have all landed is scattered into this rank's pages and
-its slot is freed for the next grant. Sources never learn KV addresses on the
-staged path; on the direct path (whole shards, same paging) they get the
-registered KV regions and page ids, and write pages in place.
+Per request: grant one arena slot per chunk to all writers at once. The first
+``early_chunks`` chunks are granted as soon as the request is expected, so a
+source that already holds its grant gathers and writes the moment its ``send``
+is called; the rest once every writer the plan names has announced the request
+(``ready``). A chunk whose writers have all landed is scattered into this
+rank's pages and its slot is freed for the next grant. Sources never learn KV
+addresses on the staged path; on the direct path (whole shards, same paging)
+they get the registered KV regions and page ids, and write pages in place.
 """
 
 from __future__ import annotations
@@ -67,7 +69,8 @@ class Incoming:
     quarantine: dict = dc_field(default_factory=dict)  # chunk index -> Chunk (failed, writes may land)
     scattered: int = 0
     stage: str = "waiting for writers"
-    touched: float = dc_field(default_factory=time.monotonic)
+    touched: float = dc_field(default_factory=time.monotonic)  # expected, or the last writer announced it
+    announced: float | None = None  # when the last writer announced it
     device_pages: object = None  # the page ids on the GPU (``upload_pages``), uploaded before any chunk lands
 
 
@@ -128,10 +131,15 @@ class Destination(Endpoint):
         self.requests[handle.req] = inc
         for w, tokens in self._early.pop(handle.req, {}).items():
             self._on_ready_tokens(inc, w, tokens)
-        self._maybe_start(inc)
+        self._refresh(inc)
 
     def _busy(self) -> bool:
-        return bool(self._scattering) or any(r.open or r.quarantine for r in self.requests.values())
+        """Poll the transport often only while a landing is near: chunks granted
+        early to a prefill still computing are not (its ``ready`` wakes the loop)."""
+        return bool(self._scattering) or any((r.open and r.announced) or r.quarantine for r in self.requests.values())
+
+    def _copying(self):
+        return next((f for f, *_ in self._scattering if not f.done()), None)
 
     def _on_message(self, conn: Connection, msg: dict) -> None:
         kind = msg["type"]
@@ -157,6 +165,13 @@ class Destination(Endpoint):
                     self._remember_abort(req, f"source rank {writer.rank}", cause)
             elif kind == "abort_ack":
                 self._on_abort_ack(writer.rank, field(msg, "req", str))
+            elif kind == "error":  # the source refused a grant of ours: that request cannot complete
+                reason = str(msg.get("reason"))[:300]
+                log.warning("dst %d: source rank %d refused our %s: %s", self.rank, writer.rank,
+                            str(msg.get("about"))[:32], reason)
+                if isinstance(msg.get("req"), str):
+                    self._fail(msg["req"], f"source rank {writer.rank}", str(msg.get("about"))[:32],
+                               f"refused: {reason}", tell=True)
             else:
                 raise ProtocolError(f"unknown message type {kind!r}")
         except KVStageError as e:
@@ -205,6 +220,8 @@ class Destination(Endpoint):
         log.debug("dst %d: source rank %d connected from %s, heads %d..%d, %s path", self.rank, rank, conn.peer,
                   piece.heads.start, piece.heads.stop, "direct" if direct else "staged")
         self._log_link(msg.get("facts"), conn.peer)
+        for inc in list(self.requests.values()):  # requests expected before every writer was connected
+            self._refresh(inc)
 
     def _on_probe(self, conn: Connection, msg: dict) -> None:
         """``kvstage probe --peer``: lend one free arena slot for a measured write.
@@ -247,7 +264,7 @@ class Destination(Endpoint):
             early[writer.rank] = tokens
             return
         self._on_ready_tokens(inc, writer.rank, tokens)
-        self._maybe_start(inc)
+        self._refresh(inc)
 
     def _on_ready_tokens(self, inc: Incoming, rank: int, tokens: int) -> None:
         if inc.handle.done():
@@ -260,38 +277,59 @@ class Destination(Endpoint):
         inc.touched = time.monotonic()
         log.debug("dst %d: %s ready from source rank %d", self.rank, inc.handle.req, rank)
 
-    def _maybe_start(self, inc: Incoming) -> None:
-        if inc.handle.state is not State.PENDING or self.plan is None:
+    def _refresh(self, inc: Incoming) -> None:
+        """Cut a request into chunks once every writer is connected (its grants,
+        early ones included, can then go out); it is TRANSFERRING once every
+        writer announced it, and DONE only then (each announcement checks the
+        token count)."""
+        if inc.handle.done() or self.plan is None:
             return
         pieces = self.plan.writers_of(self.rank)
-        if any(p.src_rank not in inc.ready or p.src_rank not in self.writers for p in pieces):
-            return
-        inc.direct = self.plan.direct and self.settings.direct
-        if inc.direct:
-            inc.chunk_tokens, inc.chunks = inc.handle.tokens, 1
-        else:
-            per = min(self.writers[p.src_rank].slot_bytes // self.plan.piece_token_bytes(p) for p in pieces)
-            fit = min(per, self.arena.slot_bytes // self.plan.dst_token_bytes())
-            # chunks that start on page boundaries on both sides let gather and scatter move whole pages
-            step = math.lcm(self.plan.src.page.page_size, self.spec.page.page_size)
-            inc.chunk_tokens = fit // step * step if fit >= step else fit
-            inc.chunks = -(-inc.handle.tokens // inc.chunk_tokens)
-        inc.stage = "grant"
-        inc.handle.path = "direct" if inc.direct else "staged"
-        inc.handle._move(State.TRANSFERRING)
-        self._rr.append(inc.handle.req)
-        log.debug("dst %d: %s starts, %d chunks of %d tokens, %s", self.rank, inc.handle.req, inc.chunks,
-                  inc.chunk_tokens, "direct" if inc.direct else "staged")
+        if not inc.chunks:
+            if any(p.src_rank not in self.writers for p in pieces):
+                return
+            inc.direct = self.plan.direct and self.settings.direct
+            if inc.direct:
+                inc.chunk_tokens, inc.chunks = inc.handle.tokens, 1
+            else:
+                per = min(self.writers[p.src_rank].slot_bytes // self.plan.piece_token_bytes(p) for p in pieces)
+                fit = min(per, self.arena.slot_bytes // self.plan.dst_token_bytes())
+                # chunks that start on page boundaries on both sides let gather and scatter move whole pages
+                step = math.lcm(self.plan.src.page.page_size, self.spec.page.page_size)
+                inc.chunk_tokens = fit // step * step if fit >= step else fit
+                inc.chunks = -(-inc.handle.tokens // inc.chunk_tokens)
+            inc.handle.path = "direct" if inc.direct else "staged"
+            self._rr.append(inc.handle.req)
+            log.debug("dst %d: %s starts, %d chunks of %d tokens, %s", self.rank, inc.handle.req, inc.chunks,
+                      inc.chunk_tokens, inc.handle.path)
+        if inc.announced is None and all(p.src_rank in inc.ready for p in pieces):
+            inc.announced = time.monotonic()
+            inc.stage = "grant"
+            inc.handle._move(State.TRANSFERRING)
+            log.debug("dst %d: %s announced by every writer", self.rank, inc.handle.req)
+            self._maybe_done(inc)
+
+    def _early_room(self) -> bool:
+        """An early grant (to a request not yet announced by every writer) may
+        take a slot only if at least half the slots stay free after it, so
+        requests whose sources are ready never wait behind prefills still running."""
+        a = self.arena.allocator
+        return a.free - 1 >= -(-a.count // 2)
 
     def _grant(self) -> None:
-        """Hand free slots to waiting chunks, one request at a time in turn."""
+        """Hand free slots to waiting chunks, one request at a time in turn:
+        announced requests first, then early grants (at most ``early_chunks``
+        per request, see ``_early_room``)."""
         progressed = True
         while progressed and self._rr:
             progressed = False
-            for req in list(self._rr):
+            for req in sorted(self._rr, key=lambda r: r in self.requests and self.requests[r].announced is None):
                 inc = self.requests.get(req)
                 if inc is None or inc.handle.done() or inc.next_chunk >= inc.chunks:
                     self._rr.remove(req)
+                    continue
+                if inc.announced is None and (inc.next_chunk >= self.settings.early_chunks
+                                              or not (inc.direct or self._early_room())):
                     continue
                 if inc.direct:
                     self._grant_direct(inc)
@@ -308,7 +346,7 @@ class Destination(Endpoint):
         inc.open[0] = Chunk(0, 0, inc.handle.tokens, None, {piece.src_rank})
         inc.next_chunk = 1
         self.writers[piece.src_rank].conn.send({
-            "type": "grant", "req": inc.handle.req, "chunk": 0, "chunks": 1, "start": 0,
+            "type": "grant", "req": inc.handle.req, "tokens": inc.handle.tokens, "chunk": 0, "chunks": 1, "start": 0,
             "count": inc.handle.tokens, "pages": inc.pages.tolist(),
         })
 
@@ -332,14 +370,14 @@ class Destination(Endpoint):
         region = self.arena.view(self.arena.offset(slot), self.arena.slot_bytes)
         inc.open[c] = Chunk(c, start, count, slot, set(offsets), scatter=prepare_scatter(self.cache, idx, pieces, region))
         inc.next_chunk += 1
-        inc.touched = time.monotonic()
         for rank, off in offsets.items():
-            grant = {"type": "grant", "req": inc.handle.req, "chunk": c, "chunks": inc.chunks, "start": start,
-                     "count": count, "offset": base + off}
+            grant = {"type": "grant", "req": inc.handle.req, "tokens": inc.handle.tokens, "chunk": c,
+                     "chunks": inc.chunks, "start": start, "count": count, "offset": base + off}
             if tickets[rank]:
                 grant["ticket"] = md_to_wire(tickets[rank])
             self.writers[rank].conn.send(grant)
-        log.debug("dst %d: %s chunk %d granted (slot %d)", self.rank, inc.handle.req, c, slot)
+        log.debug("dst %d: %s chunk %d granted (slot %d)%s", self.rank, inc.handle.req, c, slot,
+                  "" if inc.announced else ", early")
 
     def _progress(self) -> None:
         self._poll_scatters()
@@ -381,8 +419,8 @@ class Destination(Endpoint):
             return
         if inc.handle.done():
             raise ProtocolError(f"notice for chunk {c} of {req!r}, which already {inc.handle.state.value}")
-        if inc.handle.state is State.PENDING:
-            raise ProtocolError(f"notice for chunk {c} of {req!r}, which is not granted yet (the request waits for its writers)")
+        if not inc.chunks:
+            raise ProtocolError(f"notice for chunk {c} of {req!r}, which is not granted yet (the request waits for its writers to connect)")
         if c >= inc.chunks:
             raise ProtocolError(f"notice for chunk {c} of {req!r}, out of range: the request has {inc.chunks} chunks")
         if c >= inc.next_chunk:
@@ -404,7 +442,6 @@ class Destination(Endpoint):
             raise ProtocolError(f"{what}: chunk {c} of {req!r} written as {nbytes} bytes at arena offset {offset}, "
                                 f"granted {want} bytes at {want_offset}; the request failed")
         chunk.pending.discard(rank)
-        inc.touched = time.monotonic()
         log.debug("dst %d: %s chunk %d landed from source rank %d", self.rank, req, c, rank)
         if chunk.pending:
             return
@@ -417,7 +454,6 @@ class Destination(Endpoint):
         chunk.scatter()
         log.debug("dst %d: %s chunk %d scatter launched", self.rank, req, c)
         self._scattering.append((fence.close(), inc, chunk, t0))
-        self._watch(fence)
         self._poll_scatters()
 
     def _poll_scatters(self) -> None:
@@ -439,11 +475,16 @@ class Destination(Endpoint):
         self._scattering = still
 
     def _landed(self, inc: Incoming, chunk: Chunk) -> None:
-        """A chunk is in this rank's pages; the request is done with its last one."""
-        req = inc.handle.req
+        """A chunk is in this rank's pages."""
         inc.handle.bytes += self.plan.dst_token_bytes() * chunk.count
         inc.scattered += 1
-        if inc.scattered == inc.chunks:
+        self._maybe_done(inc)
+
+    def _maybe_done(self, inc: Incoming) -> None:
+        """Done with its last chunk scattered, once every writer announced it
+        (early grants can land before a writer's ``ready``, which checks its token count)."""
+        req = inc.handle.req
+        if inc.chunks and inc.scattered == inc.chunks and inc.announced is not None and not inc.handle.done():
             inc.handle._move(State.DONE)
             del self.requests[req]
             if req in self._rr:
@@ -525,8 +566,9 @@ class Destination(Endpoint):
 
     def _check_stalls(self, now: float) -> None:
         """A request waiting for its announcement past ``ready_timeout_s``, or a
-        granted chunk not landed after ``stall_timeout_s``, fails; so does every
-        request while a writer has been silent (no ping) for ``peer_timeout_s``.
+        granted chunk not landed ``stall_timeout_s`` after its grant (or after
+        the last announcement, for early grants), fails; so does every request
+        while a writer has been silent (no ping) for ``peer_timeout_s``.
         Waiting for a free slot is back-pressure, never a failure."""
         for rank, w in list(self.writers.items()):
             quiet = self._silent(w.conn, now)
@@ -539,13 +581,13 @@ class Destination(Endpoint):
         for req, inc in list(self.requests.items()):
             if inc.handle.done():
                 continue
-            if inc.handle.state is State.PENDING:
+            if inc.announced is None:
                 if now - inc.touched > self.settings.ready_timeout_s:
                     missing = sorted({p.src_rank for p in self.plan.writers_of(self.rank)} - set(inc.ready)) if self.plan else []
                     who = "source ranks " + ",".join(map(str, missing)) if missing else "sources"
                     self._fail(req, who, "waiting for writers", f"not announced within {self.settings.ready_timeout_s:g} s", tell=True)
                 continue
-            late = [c for c in inc.open.values() if now - c.granted > self.settings.stall_timeout_s]
+            late = [c for c in inc.open.values() if now - max(c.granted, inc.announced) > self.settings.stall_timeout_s]
             if late:
                 who = "source ranks " + ",".join(map(str, sorted(set().union(*(c.pending for c in late)))))
                 self._fail(req, who, "write", f"chunk {late[0].index} not landed {self.settings.stall_timeout_s:g} s after its grant", tell=True)

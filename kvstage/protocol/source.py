@@ -4,6 +4,11 @@ For each grant the source gathers its piece of the chunk (its head slice, the
 chunk's tokens, all layers, K and V) into a slot of its own arena and issues
 one write into the granted destination slot, with a notice that lands after
 the bytes. Its own arena is back-pressure too: a grant waits for a free slot.
+
+A destination grants the first chunks of a request as soon as it expects it,
+often before this side's ``send``: such grants are checked on arrival and held
+until the request is sent (its first gather then starts at once), or until
+that destination aborts the request or goes away.
 """
 
 from __future__ import annotations
@@ -28,6 +33,9 @@ from kvstage.tp import Piece, TransferPlan, plan
 from kvstage.transports.base import Region, Spans, WriteState
 
 log = logging.getLogger("kvstage")
+
+MAX_HELD = 4096  # grants kept for requests not sent here yet
+MAX_FINISHED = 4096  # finished request ids remembered, so a late grant for one is refused, not held
 
 
 @dataclass
@@ -99,6 +107,9 @@ class Source(Endpoint):
         self._jobs: collections.deque[Job] = collections.deque()
         self._inflight: list[InFlight] = []
         self._gathering: list[Gathering] = []
+        self._held: dict[str, dict] = {}  # req not sent yet -> {(dst rank, chunk): (Job, chunks, tokens)}
+        self._held_count = 0
+        self._finished: dict[str, str] = {}  # req -> final state, oldest first
         self._start()
 
     # -- public --------------------------------------------------------------
@@ -207,7 +218,11 @@ class Source(Endpoint):
         if not want:  # replicas or MLA: another source rank covers these heads
             handle._move(State.DONE)
             return
-        if self._take_abort(handle):
+        self._finished.pop(handle.req, None)
+        if self._take_abort(handle):  # every destination hears of it: none keeps slots granted to it
+            for d in want:
+                self._send(d, {"type": "abort", "req": handle.req, "reason": handle.error.cause})
+                self._send(d, {"type": "abort_ack", "req": handle.req})
             return
         out = Outgoing(handle, pages)
         self.requests[handle.req] = out
@@ -217,9 +232,16 @@ class Source(Endpoint):
             self.targets[d].conn.send({"type": "ready", "req": handle.req, "tokens": handle.tokens})
         if not all(self.targets[d].kv for d in want):
             out.device_pages = upload_pages(self.cache, pages)
+        held = self._drop_held(handle.req)
+        for job, chunks, tokens in sorted(held.values(), key=lambda g: (g[0].chunk, g[0].dst)):
+            if not handle.done():  # a grant naming other tokens fails it
+                self._apply_grant(out, job, chunks, tokens)
 
     def _busy(self) -> bool:
         return bool(self._inflight or self._jobs or self._gathering)
+
+    def _copying(self):
+        return next((g.fence for g in self._gathering if not g.fence.done()), None)
 
     def _on_message(self, conn: Connection, msg: dict) -> None:
         target = next((t for t in self.targets.values() if t.conn is conn), None)
@@ -234,8 +256,10 @@ class Source(Endpoint):
                 cause = "destination aborted: " + str(msg.get("reason"))[:200]
                 if req in self.requests:
                     self._fail(req, f"destination rank {target.rank}", "abort", cause, tell=False)
-                else:
+                else:  # not sent here (yet): nothing of it can land, its early grants are void
+                    self._drop_held(req)
                     self._remember_abort(req, f"destination rank {target.rank}", cause)
+                    self._send(target.rank, {"type": "abort_ack", "req": req})
             elif kind == "done":
                 field(msg, "req", str)
             elif kind == "error":
@@ -249,23 +273,18 @@ class Source(Endpoint):
             self._reject(conn, msg, e)
 
     def _on_grant(self, target: Target, msg: dict) -> None:
+        """Check a grant on arrival; apply it, or hold it until the request is sent."""
         req = field(msg, "req", str)
-        out = self.requests.get(req)
-        if out is None or out.handle.done():
-            raise ProtocolError(f"grant for request {req!r}, which is not in flight here")
         d = target.rank
-        chunks = field(msg, "chunks", int, minimum=1, maximum=out.handle.tokens)
-        if out.chunks.get(d, chunks) != chunks:
-            raise ProtocolError(f"grant says {chunks} chunks for {req!r}; an earlier grant said {out.chunks[d]}")
+        tokens = field(msg, "tokens", int, minimum=1)
+        chunks = field(msg, "chunks", int, minimum=1, maximum=tokens)
         c = field(msg, "chunk", int, minimum=0, maximum=chunks - 1)
-        if c in out.granted[d]:
-            raise ProtocolError(f"chunk {c} of {req!r} granted twice")
-        start = field(msg, "start", int, minimum=0, maximum=out.handle.tokens - 1)
-        count = field(msg, "count", int, minimum=1, maximum=out.handle.tokens - start)
+        start = field(msg, "start", int, minimum=0, maximum=tokens - 1)
+        count = field(msg, "count", int, minimum=1, maximum=tokens - start)
         job = Job(req, d, c, start, count)
         if target.kv:
             pages = field(msg, "pages", list)
-            if len(pages) != pages_needed(out.handle.tokens, self.spec.page.page_size) or not all(
+            if len(pages) != pages_needed(tokens, self.spec.page.page_size) or not all(
                 isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in pages
             ):
                 raise ProtocolError(f"direct grant for {req!r} has a malformed page list")
@@ -283,14 +302,54 @@ class Source(Endpoint):
                     f"grant for {req!r} chunk {c}: {nbytes} bytes at offset {job.offset} exceed the "
                     f"destination arena of {target.arena.nbytes} bytes"
                 )
-        # every check passed: only now does the grant change anything
+        out = self.requests.get(req)
+        if out is None:
+            if req in self._finished:
+                raise ProtocolError(f"grant for request {req!r}, which already {self._finished[req]} here")
+            return self._hold(job, chunks, tokens)
+        if out.handle.done():
+            raise ProtocolError(f"grant for request {req!r}, which already {out.handle.state.value} here")
+        self._apply_grant(out, job, chunks, tokens)
+
+    def _hold(self, job: Job, chunks: int, tokens: int) -> None:
+        """Keep a grant for a request not sent here yet (at most ``MAX_HELD``)."""
+        held = self._held.get(job.req)
+        if held is not None:
+            if (job.dst, job.chunk) in held:
+                raise ProtocolError(f"chunk {job.chunk} of {job.req!r} granted twice")
+            other = next((g for (d, _), g in held.items() if d == job.dst), None)
+            if other is not None and (other[1], other[2]) != (chunks, tokens):
+                raise ProtocolError(f"grant says {chunks} chunks of {tokens} tokens for {job.req!r}; an earlier "
+                                    f"grant said {other[1]} of {other[2]}")
+        if self._held_count >= MAX_HELD:
+            raise ProtocolError(f"more than {MAX_HELD} grants held for requests not sent to this source rank")
+        self._held.setdefault(job.req, {})[(job.dst, job.chunk)] = (job, chunks, tokens)
+        self._held_count += 1
+        log.debug("src %d: %s chunk %d granted by destination rank %d, held until sent", self.rank, job.req,
+                  job.chunk, job.dst)
+
+    def _drop_held(self, req: str) -> dict:
+        held = self._held.pop(req, {})
+        self._held_count -= len(held)
+        return held
+
+    def _apply_grant(self, out: Outgoing, job: Job, chunks: int, tokens: int) -> None:
+        req, d, c = job.req, job.dst, job.chunk
+        if tokens != out.handle.tokens:
+            return self._fail(req, f"destination rank {d}", "grant",
+                              f"destination expects {tokens} tokens, this source sends {out.handle.tokens}", tell=True)
+        if out.chunks.get(d, chunks) != chunks:
+            raise ProtocolError(f"grant says {chunks} chunks for {req!r}; an earlier grant said {out.chunks[d]}")
+        if c in out.granted[d]:
+            raise ProtocolError(f"chunk {c} of {req!r} granted twice")
         out.chunks[d] = chunks
         out.granted[d].add(c)
-        out.handle.path = "direct" if target.kv else "staged"
+        out.handle.path = "direct" if job.pages is not None else "staged"
         out.stage = "gather"
         out.touched = time.monotonic()
         if out.handle.state is State.PENDING:
             out.handle._move(State.TRANSFERRING)
+        job.queued = time.perf_counter()
         self._jobs.append(job)
         log.debug("src %d: %s chunk %d granted by destination rank %d", self.rank, req, c, d)
 
@@ -334,7 +393,6 @@ class Source(Endpoint):
             return self._fail(job.req, "local", "gather", f"{type(e).__name__}: {e}", tell=True)
         out.inflight += 1  # the request is not forgotten while its gather may still run
         self._gathering.append(Gathering(fence, out, job, slot, nbytes, t0))
-        self._watch(fence)
         self._poll_gathers()
 
     def _poll_gathers(self) -> None:
@@ -346,6 +404,7 @@ class Source(Endpoint):
                 continue
             t1 = time.perf_counter()
             out, job = g.out, g.job
+            log.debug("src %d: %s chunk %d gathered", self.rank, job.req, job.chunk)
             out.inflight -= 1
             out.handle.stages["gather"] += t1 - g.started
             gpu = g.fence.gpu_seconds()
@@ -388,7 +447,7 @@ class Source(Endpoint):
         except KVStageError as e:
             if slot is not None:
                 self.arena.allocator.release(slot)
-            return self._fail(job.req, target.conn.peer, "write", str(e), tell=True)
+            return self._fail(job.req, f"destination rank {job.dst}", "write", str(e), tell=True)
         log.debug("src %d: %s chunk %d write posted to destination rank %d", self.rank, job.req, job.chunk, job.dst)
         out.inflight += 1
         out.stage = "write"
@@ -443,6 +502,9 @@ class Source(Endpoint):
         if not out.handle.done() or out.inflight:
             return
         self.requests.pop(out.handle.req, None)
+        self._finished[out.handle.req] = out.handle.state.value
+        while len(self._finished) > MAX_FINISHED:
+            self._finished.pop(next(iter(self._finished)))
         if out.handle.state is State.FAILED:
             for d in out.written:
                 self._send(d, {"type": "abort_ack", "req": out.handle.req})
@@ -463,6 +525,12 @@ class Source(Endpoint):
         del self.targets[target.rank]
         self.transport.disconnect(target.agent)
         d = target.rank
+        for req, held in list(self._held.items()):  # that destination's early grants died with it
+            for key in [k for k in held if k[0] == d]:
+                del held[key]
+                self._held_count -= 1
+            if not held:
+                del self._held[req]
         hit = [req for req, out in self.requests.items() if d in out.written and out.written[d] != out.chunks.get(d, -1)]
         (log.warning if hit else log.info)("src %d: destination rank %d disconnected (%s), %d requests affected",
                                            self.rank, d, reason, len(hit))

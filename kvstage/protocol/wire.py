@@ -19,7 +19,9 @@ from typing import NamedTuple
 
 from kvstage.errors import ProtocolError
 
-PROTOCOL_VERSION = 3  # 2: landing notices say where the write went and how long it was; 3: pings
+# 2: landing notices say where the write went and how long it was; 3: pings;
+# 4: grants carry the request's token count and may come before the source announced the request
+PROTOCOL_VERSION = 4
 MAX_FRAME = 16 << 20
 MAX_ID = 256
 _LEN = struct.Struct("!I")
