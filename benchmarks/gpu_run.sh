@@ -86,7 +86,7 @@ spy spy-4to1-8k-big --tokens 8192 --iters 20 $BIG
 }
 # -k "not ucx": the ucx cases need UCXX's wheels, which travel in a run of their own (gpu_ucx.sh)
 want pytest && step pytest && timeout "${PYTEST_TIMEOUT:-300}" python3 -m pytest -m gpu -k "not ucx" -q -p no:cacheprovider \
-  tests/test_cuda_copy.py tests/test_transfer.py 2>&1 | tee "$OUT/pytest-gpu.log"
+  tests/test_cuda_copy.py tests/test_fence.py tests/test_transfer.py 2>&1 | tee "$OUT/pytest-gpu.log"
 # one GPU under CUDA MPS (a private daemon, its pipe in a temp dir; quit at the end): the five
 # ranks' kernels and copies run side by side instead of in time slices of one context each
 if want mps; then

@@ -465,6 +465,7 @@ class Destination(Endpoint):
                 continue
             inc.handle.stages["scatter"] += time.perf_counter() - t0
             gpu = fence.gpu_seconds()
+            fence.release()
             if gpu is not None:
                 inc.handle.stages["scatter_gpu"] = inc.handle.stages.get("scatter_gpu", 0.0) + gpu
             self.arena.allocator.release(chunk.slot)

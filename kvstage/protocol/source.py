@@ -30,7 +30,7 @@ from kvstage.protocol.wire import PROTOCOL_VERSION, Connection, encode_notice, f
 from kvstage.staging.copy import TokenIndex, gather, upload_pages
 from kvstage.staging.fence import CopyFence
 from kvstage.tp import Piece, TransferPlan, plan
-from kvstage.transports.base import Region, Spans, WriteState
+from kvstage.transports.base import ReadyWrite, Region, Spans, WriteState
 
 log = logging.getLogger("kvstage")
 
@@ -76,7 +76,8 @@ class Outgoing:
 
 @dataclass
 class Gathering:
-    """A chunk whose gather is launched; its write is posted once the fence passes."""
+    """A chunk whose gather is launched; its write, made ready while the gather
+    runs, is posted once the fence passes."""
 
     fence: CopyFence
     out: "Outgoing"
@@ -84,6 +85,7 @@ class Gathering:
     slot: int
     nbytes: int
     started: float
+    write: ReadyWrite | None = None
 
 
 @dataclass
@@ -392,7 +394,15 @@ class Source(Endpoint):
             self.arena.allocator.release(slot)
             return self._fail(job.req, "local", "gather", f"{type(e).__name__}: {e}", tell=True)
         out.inflight += 1  # the request is not forgotten while its gather may still run
-        self._gathering.append(Gathering(fence, out, job, slot, nbytes, t0))
+        g = Gathering(fence, out, job, slot, nbytes, t0)
+        self._gathering.append(g)
+        try:  # the write's descriptors and transfer request, made while the GPU gathers
+            g.write = self.transport.prepare_write(
+                target.agent, Spans.single(self.arena_region, [self.arena.offset(slot)], [nbytes]),
+                Spans.single(target.arena, [job.offset], [nbytes]),
+                encode_notice(job.req, job.chunk, self.rank, job.offset, nbytes), job.ticket)
+        except KVStageError as e:  # the slot is freed once the gather into it has finished
+            self._fail(job.req, f"destination rank {job.dst}", "write", str(e), tell=True)
         self._poll_gathers()
 
     def _poll_gathers(self) -> None:
@@ -408,18 +418,19 @@ class Source(Endpoint):
             out.inflight -= 1
             out.handle.stages["gather"] += t1 - g.started
             gpu = g.fence.gpu_seconds()
+            g.fence.release()
             if gpu is not None:
                 out.handle.stages["gather_gpu"] = out.handle.stages.get("gather_gpu", 0.0) + gpu
             target = self.targets.get(job.dst)
-            if out.handle.done() or target is None:
+            if out.handle.done() or target is None or g.write is None:
+                if g.write is not None:
+                    g.write.drop()
                 self.arena.allocator.release(g.slot)
                 if target is None:
                     self._fail(job.req, f"destination rank {job.dst}", "write", "not connected", tell=False)
                 self._maybe_forget(out)
                 continue
-            local = Spans.single(self.arena_region, [self.arena.offset(g.slot)], [g.nbytes])
-            remote = Spans.single(target.arena, [job.offset], [g.nbytes])
-            self._post_write(out, job, g.slot, local, remote, g.nbytes, t1)
+            self._post_write(out, job, g.slot, g.write, g.nbytes, 1, t1)
         self._gathering = still
 
     def _write_direct(self, out: Outgoing, job: Job) -> None:
@@ -437,14 +448,20 @@ class Source(Endpoint):
         pb = page_bytes[index]
         local = Spans(tuple(local_regions), index, np.tile(src[starts], nbuf) * pb, np.tile(runs, nbuf) * pb)
         remote = Spans(tuple(target.kv), index, np.tile(dst[starts], nbuf) * pb, np.tile(runs, nbuf) * pb)
-        self._post_write(out, job, None, local, remote, int(local.lengths.sum()), time.perf_counter())
-
-    def _post_write(self, out, job, slot, local: Spans, remote: Spans, nbytes: int, t: float) -> None:
-        target = self.targets[job.dst]
+        nbytes = int(local.lengths.sum())
+        t = time.perf_counter()
         try:
-            notice = encode_notice(job.req, job.chunk, self.rank, None if slot is None else job.offset, nbytes)
-            h = self.transport.write(target.agent, local, remote, notice, job.ticket)
+            write = self.transport.prepare_write(target.agent, local, remote,
+                                                 encode_notice(job.req, job.chunk, self.rank, None, nbytes), job.ticket)
         except KVStageError as e:
+            return self._fail(job.req, f"destination rank {job.dst}", "write", str(e), tell=True)
+        self._post_write(out, job, None, write, nbytes, len(local), t)
+
+    def _post_write(self, out, job, slot, write: ReadyWrite, nbytes: int, descriptors: int, t: float) -> None:
+        try:
+            h = write.post()
+        except KVStageError as e:
+            write.drop()
             if slot is not None:
                 self.arena.allocator.release(slot)
             return self._fail(job.req, f"destination rank {job.dst}", "write", str(e), tell=True)
@@ -452,7 +469,7 @@ class Source(Endpoint):
         out.inflight += 1
         out.stage = "write"
         out.handle.bytes += nbytes
-        out.handle.descriptors += len(local)
+        out.handle.descriptors += descriptors
         self._inflight.append(InFlight(h, job, slot, t))
 
     def _poll_writes(self) -> None:

@@ -12,13 +12,20 @@ from __future__ import annotations
 import torch
 
 
+_SPARE: dict = {}  # CUDA device -> event pairs of released fences, recorded again by the next ones
+
+
 class CopyFence:
     def __init__(self, device: torch.device):
         self._cuda = device.type == "cuda"
         self._start = self._end = None
         if self._cuda:
-            self._start = torch.cuda.Event(enable_timing=True)
-            self._end = torch.cuda.Event(enable_timing=True)
+            spare = _SPARE.get(device)
+            if spare:  # a new pair of events costs two driver calls on every chunk
+                self._start, self._end = spare.pop()
+            else:
+                self._start = torch.cuda.Event(enable_timing=True)
+                self._end = torch.cuda.Event(enable_timing=True)
             self._start.record(torch.cuda.current_stream(device))
         self._device = device
 
@@ -38,3 +45,10 @@ class CopyFence:
     def gpu_seconds(self) -> float | None:
         """Time the copies took on the GPU (after ``done``), None on the CPU."""
         return self._start.elapsed_time(self._end) / 1e3 if self._cuda else None
+
+    def release(self) -> None:
+        """Hand the events to the next fence on this device (after ``done`` and
+        ``gpu_seconds``); the fence is not used again."""
+        if self._cuda and self._start is not None:
+            _SPARE.setdefault(self._device, []).append((self._start, self._end))
+            self._start = self._end = None

@@ -97,6 +97,14 @@ class WriteState(enum.Enum):
     DONE = "done"
 
 
+class ReadyWrite:
+    """A write made ahead of its post (``Transport.prepare_write``): ``post()``
+    starts it and returns the handle for ``poll``; ``drop()`` discards it unposted."""
+
+    def __init__(self, post, drop=lambda: None):
+        self.post, self.drop = post, drop
+
+
 class Transport(abc.ABC):
     """One endpoint of a transport. Not thread-safe: one thread drives it."""
 
@@ -138,6 +146,13 @@ class Transport(abc.ABC):
         ``notification`` reaches the peer after all of them. ``ticket``: what the
         peer's ``expect`` returned for ``remote`` (two-sided transports). Returns
         a handle for ``poll``."""
+
+    def prepare_write(self, peer: str, local: Spans, remote: Spans, notification: bytes,
+                      ticket: bytes = b"") -> ReadyWrite:
+        """``write`` in two steps: what needs no bytes in place (checks,
+        descriptors, the transfer request) now, while the bytes are still being
+        made; the post when ``post()`` is called. Default: all at ``post()``."""
+        return ReadyWrite(lambda: self.write(peer, local, remote, notification, ticket))
 
     @abc.abstractmethod
     def prepare(self, peer: str | None, spans: Spans) -> object:

@@ -14,7 +14,7 @@ import uuid
 import numpy as np
 
 from kvstage.errors import TransportError
-from kvstage.transports.base import Region, Spans, Transport, WriteState
+from kvstage.transports.base import ReadyWrite, Region, Spans, Transport, WriteState
 
 log = logging.getLogger(__name__)
 
@@ -106,6 +106,14 @@ class NixlTransport(Transport):
         return self.agent_name
 
     def write(self, peer, local, remote, notification, ticket=b""):
+        return self._post(self._request(peer, local, remote, notification), peer)
+
+    def prepare_write(self, peer, local, remote, notification, ticket=b""):
+        handle = self._request(peer, local, remote, notification)
+        return ReadyWrite(lambda: self._post(handle, peer), lambda: self.release(handle))
+
+    def _request(self, peer, local, remote, notification):
+        """A NIXL transfer request for the write, not posted yet."""
         try:
             Spans.check_pair(local, remote)
         except ValueError as e:
@@ -113,10 +121,9 @@ class NixlTransport(Transport):
         try:
             lds = self._agent.get_xfer_descs(_descs(local), _mem_type(local.device[0]))
             rds = self._agent.get_xfer_descs(_descs(remote), _mem_type(remote.device[0]))
-            handle = self._agent.initialize_xfer("WRITE", lds, rds, peer, notification)
+            return self._agent.initialize_xfer("WRITE", lds, rds, peer, notification)
         except Exception as e:
             raise TransportError(f"NIXL write to {peer} could not be created: {e}") from e
-        return self._post(handle, peer)
 
     def prepare(self, peer, spans):
         try:

@@ -1,0 +1,41 @@
+"""``CopyFence``: the end of copies launched on the current stream, and its
+events handed on for reuse. On the CPU a fence has always passed; on a GPU it
+passes only once the copies before it have run, reused events included."""
+
+import pytest
+import torch
+
+from kvstage.staging.fence import CopyFence
+
+
+def test_a_cpu_fence_has_passed_at_once():
+    f = CopyFence(torch.device("cpu")).close()
+    assert f.done() and f.gpu_seconds() is None
+    f.wait()
+    f.release()  # nothing to hand on
+
+
+@pytest.mark.gpu
+def test_released_events_serve_the_next_fence_and_still_fence():
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    dev = torch.device("cuda", 0)
+    a = torch.ones(1 << 26, dtype=torch.uint8, device=dev)
+    b = torch.empty_like(a)
+    first = CopyFence(dev)
+    b.copy_(a)
+    first.close().wait()
+    took = first.gpu_seconds()
+    assert first.done() and took > 0
+    events = (first._start, first._end)
+    first.release()
+    second = CopyFence(dev)
+    assert (second._start, second._end) == events  # reused, not made anew
+    torch.cuda._sleep(50_000_000)  # keep the stream busy: the reused end event must not read as passed
+    for _ in range(4):
+        b.copy_(a)
+    second.close()
+    assert not second.done()
+    second.wait()
+    assert second.done() and second.gpu_seconds() > took
+    assert bool((b == 1).all())
