@@ -39,6 +39,7 @@ log = logging.getLogger("kvstage")
 _BUSY_WAIT = {"cuda": 0.00002, "cpu": 0.0002}
 _IDLE_WAIT = 0.05
 _PR_SET_TIMERSLACK = 29
+MAX_ABORTED = 4096
 
 
 def _tight_timer() -> None:
@@ -48,7 +49,6 @@ def _tight_timer() -> None:
         ctypes.CDLL(None).prctl(_PR_SET_TIMERSLACK, 1000, 0, 0, 0)
     except (OSError, AttributeError):  # not Linux: its sleeps keep their own precision
         pass
-MAX_ABORTED = 4096
 
 
 def spec_to_wire(spec: SideSpec) -> dict:
