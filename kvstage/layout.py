@@ -94,6 +94,12 @@ class PageLayout:
             raise ConfigError(f"order={self.order!r}: must be one of {', '.join(ORDERS)}")
 
 
+def token_major(geo: KVGeometry, page: PageLayout) -> bool:
+    """Whether a buffer keeps each token's heads together (NHD, and MLA's one
+    latent head): then a token's heads are one contiguous run."""
+    return geo.mla or page.order == "nhd"
+
+
 def buffer_shape(geo: KVGeometry, page: PageLayout, heads: int, pages: int) -> tuple[int, ...]:
     """Shape of one (layer, plane) buffer holding ``heads`` local heads."""
     if geo.mla:
@@ -126,6 +132,6 @@ def element_offsets(
     (page id, offset in page). The ``head_dim`` elements from there are contiguous."""
     p = np.asarray(page_ids, dtype=np.int64)
     o = np.asarray(offsets, dtype=np.int64)
-    if geo.mla or page.order == "nhd":
+    if token_major(geo, page):
         return ((p * page.page_size + o) * heads + head) * geo.head_dim
     return ((p * heads + head) * page.page_size + o) * geo.head_dim

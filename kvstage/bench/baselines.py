@@ -11,13 +11,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from kvstage.layout import element_offsets, token_positions
+from kvstage.layout import element_offsets, token_major, token_positions
 from kvstage.tp import Piece, SideSpec
 from kvstage.transports.base import Region, Spans
-
-
-def _token_major(side: SideSpec) -> bool:
-    return side.geometry.mla or side.page.order == "nhd"
 
 
 def slice_spans(
@@ -29,7 +25,7 @@ def slice_spans(
     es = g.itemsize
     sp, so = token_positions(src_pages, src.page.page_size, 0, tokens)
     dp, do = token_positions(dst_pages, dst.page.page_size, 0, tokens)
-    whole = _token_major(src) and _token_major(dst)
+    whole = token_major(src.geometry, src.page) and token_major(dst.geometry, dst.page)
     heads = [0] if whole else list(range(piece.heads.count))
     length = (piece.heads.count if whole else 1) * g.head_dim * es
     s_off = np.concatenate([element_offsets(g, src.page, src.local_heads(), sp, so, piece.src_offset + j) for j in heads]) * es

@@ -71,7 +71,7 @@ class Outgoing:
     inflight: int = 0
     stage: str = "waiting for grant"
     touched: float = dc_field(default_factory=time.monotonic)
-    device_pages: object = None  # the page ids on the GPU (``upload_pages``), uploaded while grants travel
+    device_pages: object = None  # the page ids on the GPU (``upload_pages``), uploaded once at ``send``
 
 
 @dataclass

@@ -15,7 +15,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from kvstage.layout import token_positions
+from kvstage.layout import token_major, token_positions
 from kvstage.staging.cache import RankCache
 from kvstage.staging.words import chunk_pages
 
@@ -61,7 +61,7 @@ class TokenIndex:
         cache, start, count = self._cache, self.start, self.count
         page = cache.spec.page
         pid, off = token_positions(self.page_ids, page.page_size, start, count)
-        self.flat_order = cache.spec.geometry.mla or page.order == "nhd"
+        self.flat_order = token_major(cache.spec.geometry, page)
         self.on_cpu = cache.device.type == "cpu"
         # Whole pages at the front of the range (the range starts on a page
         # boundary) can move as page rows: 16x fewer, larger rows at page size 16.
@@ -199,7 +199,7 @@ def _tiling(cache: RankCache, count: int, pieces) -> tuple[int, int, int, int] |
     equal-width runs of adjacent heads laid end to end: the region is then one
     ``[writers, buffers, count, heads, words]`` array that a single indexed
     assignment per buffer can place (each destination token written whole)."""
-    if len(pieces) < 2 or not (cache.spec.geometry.mla or cache.spec.page.order == "nhd"):
+    if len(pieces) < 2 or not token_major(cache.spec.geometry, cache.spec.page):
         return None
     lo, n, base = pieces[0]
     size = region_bytes(cache, count, n)

@@ -2,9 +2,10 @@
 
 The endpoint's loop polls a fence while it has other work (launch the next
 chunk's copy, post the previous chunk's write: the overlap of gather k+1,
-write k and scatter k-1) and waits on it, without the GIL, when it has none. The two CUDA events also
-time the copy on the GPU itself, which the stage profile reports beside the
-wall time the loop saw. On the CPU the copy has finished when it returns.
+write k and scatter k-1) and waits on it, without the GIL, when it has none.
+The two CUDA events also time the copy on the GPU itself, which the stage
+profile reports beside the wall time the loop saw. On the CPU the copy has
+finished when it returns.
 """
 
 from __future__ import annotations

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from kvstage.layout import token_major
 from kvstage.tp import SideSpec
 
 
@@ -37,7 +38,7 @@ class WordGeometry:
         if hb % word:
             return None
         heads = 1 if g.mla else spec.local_heads()
-        return WordGeometry(spec.page.page_size, heads, hb // word, not g.mla and spec.page.order == "hnd", word)
+        return WordGeometry(spec.page.page_size, heads, hb // word, not token_major(g, spec.page), word)
 
 
 def chunk_pages(page_ids: np.ndarray, page_size: int, start: int, count: int) -> tuple[np.ndarray, int]:
