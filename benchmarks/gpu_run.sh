@@ -7,7 +7,9 @@
 #   spy needs .whl-spy/ (the py-spy wheel) carried too. ab: the same one-GPU runs for this
 #   tree and for every other tree under ab/NAME/kvstage (untracked copies, e.g. from
 #   `git archive`), alternating (AB_ROUNDS rounds, 2), so a change is measured against its base in one run.
-#   AB_8K=0 keeps ab to its 128-token runs. slots: 4->1 8k with 512 MiB and 1 GiB slots
+#   AB_8K=0 keeps ab to its 128-token runs. mapped: one-GPU runs with KVSTAGE_MAPPED=auto (the
+#   sources gather straight into the destination's arena over CUDA IPC) and =off (a NIXL write per
+#   chunk), alternating (AB_ROUNDS rounds); mappedx2: the same across two GPUs. slots: 4->1 8k with 512 MiB and 1 GiB slots
 #   (fewer, larger chunks). BENCH_TIMEOUT (120) and PYTEST_TIMEOUT (300) bound each step, in seconds.
 set -uo pipefail
 FINAL=${OUT:-/tmp/kvstage-out}
@@ -32,6 +34,28 @@ if want ab; then  # python -m puts the working directory first on sys.path: each
         && { [ "${AB_8K:-1}" = 0 ] || bench "ab-$name-4to1-8k-big-r$round" --tokens 8192 --mode staged,bulk --iters 5 $BIG; })
     done
   done
+fi
+if want mapped; then
+  for round in $(seq "${AB_ROUNDS:-2}"); do
+    for m in auto off; do
+      KVSTAGE_MAPPED=$m bench "map-$m-4to1-128-r$round" --tokens 128 --mode staged,bulk --iters 30 --warmup 3
+      KVSTAGE_MAPPED=$m bench "map-$m-4to1-8k-r$round" --tokens 8192 --mode staged,bulk --iters 5
+      KVSTAGE_MAPPED=$m bench "map-$m-4to1-8k-big-r$round" --tokens 8192 --mode staged,bulk --iters 5 $BIG
+    done
+  done
+  bench map-auto-1to4-8k-big --tokens 8192 --src-tp 1 --dst-tp 4 --mode staged,bulk --iters 5 $BIG
+  bench map-auto-1to4-128 --tokens 128 --src-tp 1 --dst-tp 4 --mode staged,bulk --iters 30 --warmup 3
+fi
+if want mappedx2 && [ "$GPUS" -ge 2 ]; then
+  X="--src-gpu 0 --dst-gpu 1 --mode staged,bulk"
+  for m in auto off; do
+    KVSTAGE_MAPPED=$m bench "mapx2-$m-2to1-8k" --tokens 8192 --src-tp 2 --dst-tp 1 $X --iters 5 $BIG
+    KVSTAGE_MAPPED=$m bench "mapx2-$m-1to2-8k" --tokens 8192 --src-tp 1 --dst-tp 2 $X --iters 5 $BIG
+  done
+  bench mapx2-auto-4to1-8k --tokens 8192 $X --iters 5 $BIG
+  bench mapx2-auto-1to4-8k --tokens 8192 --src-tp 1 --dst-tp 4 $X --iters 5 $BIG
+  bench mapx2-auto-2to1-32k --tokens 32768 --src-tp 2 --dst-tp 1 $X --iters 3 $BIG
+  bench mapx2-auto-4to1-128 --tokens 128 $X --iters 30 --warmup 3
 fi
 want kernels && step kernels && timeout 150 python3 benchmarks/gpu_kernels.py --json "$OUT/kernels.json" 2>&1 | tee "$OUT/kernels.log"
 if want x2 && [ "$GPUS" -ge 2 ]; then  # sources on GPU 0, destinations on GPU 1: NVLink (the multi-GPU issue)

@@ -28,6 +28,7 @@ def _env(name: str, default, kind):
 
 
 ARENA_LOCATIONS = ("auto", "device", "host")
+MAPPED = ("auto", "on", "off")
 PING_INTERVAL_S = 1.0  # every endpoint pings each peer this often; silence past peer_timeout_s fails its requests
 #: transports ``Settings.transport`` may name; the one-sided ones support the direct path
 TRANSPORTS = ("nixl", "ucx")
@@ -51,6 +52,10 @@ class Settings:
     arena: str = field(default_factory=lambda: _env("KVSTAGE_ARENA", "auto", str))
     #: chunks a destination grants a request before every source announced it (0: grant only after)
     early_chunks: int = field(default_factory=lambda: _env("KVSTAGE_EARLY_CHUNKS", 2, int))
+    #: a source on its destination's host gathers straight into the destination's mapped arena:
+    #: auto (CUDA arenas, through CUDA IPC), on (also host arenas, through /dev/shm; refuse a
+    #: destination that cannot share), off (always a transport write)
+    mapped: str = field(default_factory=lambda: _env("KVSTAGE_MAPPED", "auto", str))
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -74,6 +79,13 @@ class Settings:
                               f"(peers ping every {PING_INTERVAL_S:g} s)")
         if not isinstance(self.early_chunks, int) or isinstance(self.early_chunks, bool) or self.early_chunks < 0:
             raise ConfigError(f"early_chunks={self.early_chunks!r}: must be an integer >= 0")
+        if self.mapped not in MAPPED:
+            raise ConfigError(f"mapped={self.mapped!r}: must be one of {', '.join(MAPPED)}")
+        if self.mapped == "on" and self.transport not in ONE_SIDED:
+            raise ConfigError(
+                f"mapped='on' with transport={self.transport!r}: a mapped arena replaces one-sided writes; "
+                f"{self.transport} is two-sided (its receives are posted per chunk); set KVSTAGE_MAPPED=auto or off"
+            )
         if self.arena not in ARENA_LOCATIONS:
             raise ConfigError(f"arena={self.arena!r}: must be one of {', '.join(ARENA_LOCATIONS)}")
         if self.slot_mb > self.arena_mb:

@@ -43,6 +43,7 @@ class FakeSource:
                         "slot_bytes": 16384})
         welcome = self.conn.recv()
         assert welcome["type"] == "welcome", welcome
+        self.welcome = welcome
         self.peer = self.agent.connect(md_from_wire(welcome["metadata"]))
         self.arena = Region.from_wire(welcome["arena"])
         p = plan(self.spec, spec_from_wire(welcome["spec"]))

@@ -5,7 +5,9 @@ random non-contiguous pages, transfers, and compares every destination shard
 (random pages too) with the full cache sharded by destination TP; pages
 outside the request must stay untouched. Every case runs over NIXL (one-sided
 writes) and over UCX through UCXX (two-sided tag messages); the direct path is
-NIXL's only (with UCX, equal TP goes staged, tested below).
+NIXL's only (with UCX, equal TP goes staged, tested below). The mapped path
+(each source gathers straight into the destination's arena: shared memory on
+CPU, CUDA IPC on GPU, the GPU default) runs the same cases.
 """
 
 import dataclasses
@@ -53,7 +55,18 @@ TRANSPORTS = ["nixl", "ucx"]
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_staged_byte_exact(name, device, transport):
-    _check(run(scenario(**CASES[name], device=device, transport=transport)), "staged")
+    """Through the transport: gather into the source's arena, one write, scatter."""
+    sc = dataclasses.replace(scenario(**CASES[name], device=device, transport=transport), settings_extra={"mapped": "off"})
+    _check(run(sc), "staged")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_mapped_byte_exact(name, device):
+    """mapped=on: no transport write at all, the gathers' stores land in the destination's slots."""
+    sc = dataclasses.replace(scenario(**CASES[name], device=device), settings_extra={"mapped": "on"})
+    row = _check(run(sc), "mapped")
+    assert row["descriptors"] == 0
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -93,6 +106,7 @@ def test_request_four_times_the_arena_streams_through_it(device, transport):
     tokens = int(4 * arena_mb * (1 << 20) // geo_bytes)
     sc = scenario(4, 1, tokens=tokens, arena_mb=arena_mb, slot_mb=0.125, device=device, transport=transport)
     assert sc.payload_bytes() >= 4 * arena_mb * (1 << 20) * 0.99
+    sc = dataclasses.replace(sc, settings_extra={"mapped": "off"})
     row = _check(run(sc), "staged")
     fit = (1 << 17) // geo_bytes  # tokens that fit one 128 KiB slot
     chunk = fit // 16 * 16  # rounded down to whole pages (page size 16 on both sides)
@@ -123,8 +137,8 @@ def test_pinned_host_arena_byte_exact(name, device):
 
 
 @pytest.mark.gpu
-def test_gpu_arena_defaults_to_device_memory():
-    row = _check(run(scenario(4, 1, device="cuda")), "staged")
+def test_gpu_arena_defaults_to_device_memory_mapped_by_sources():
+    row = _check(run(scenario(4, 1, device="cuda")), "mapped")
     assert row["arena"] == ["device"]
 
 
@@ -142,5 +156,6 @@ def test_across_two_gpus_byte_exact(name):
         pytest.skip("needs two CUDA devices")
     kw = {"2to1": dict(src_tp=2, dst_tp=1), "1to2": dict(src_tp=1, dst_tp=2), "direct_2to2": dict(src_tp=2, dst_tp=2),
           **CASES}[name]
-    sc = dataclasses.replace(scenario(**kw, device="cuda"), src_gpu=0, dst_gpu=1)
-    _check(run(sc), "direct" if name == "direct_2to2" else "staged")
+    for mapped in ("off", "auto"):  # a NIXL write over the link; the gather kernel's stores over it (CUDA IPC)
+        sc = dataclasses.replace(scenario(**kw, device="cuda"), src_gpu=0, dst_gpu=1, settings_extra={"mapped": mapped})
+        _check(run(sc), "direct" if name == "direct_2to2" else "mapped" if mapped == "auto" else "staged")

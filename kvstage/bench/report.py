@@ -33,13 +33,22 @@ def _num(x) -> str:
     return str(int(x))
 
 
+def _mode_label(mode: str, rows: list[dict]) -> str:
+    """The mode, and how its bytes went when that is not a transport write of a staged chunk:
+    "direct" (page runs straight into the destination's pages), "mapped" (gathered straight
+    into the destination's arena by the source's own stores, same host)."""
+    for path in ("direct", "mapped"):
+        if all(r.get("path") == [path] for r in rows):
+            return f"{mode} ({path})"
+    return mode
+
+
 def _cells(r: dict, show_n: bool, arrow: str, failed: str) -> list[str]:
     """One result row's cells, shared by the terminal table and the markdown table."""
     ratio = "-" if r["ratio_to_bulk"] is None else f"{r['ratio_to_bulk']:.2f}x"
     v = {True: "yes", False: failed, None: "-"}[r["verified"]]
     arena = "-" if r["arena_bytes"] is None else f"{r['arena_bytes'] / (1 << 20):g}"
-    mode = r["mode"] + (" (direct)" if r.get("path") == ["direct"] else "")
-    return [mode, f"{r['src_tp']}{arrow}{r['dst_tp']}", str(r["tokens"])] + ([str(r["concurrency"])] if show_n else []) + [
+    return [_mode_label(r["mode"], [r]), f"{r['src_tp']}{arrow}{r['dst_tp']}", str(r["tokens"])] + ([str(r["concurrency"])] if show_n else []) + [
         f"{r['bytes'] / 1e6:.2f}", f"{r['gbps']:.3f}", _ms(r["latency_p50_s"]), _ms(r["latency_p99_s"]),
         _num(r["descriptors"]), arena, ratio, v]
 
@@ -209,7 +218,7 @@ def write_plot(result: dict, path: str, title: str | None = None) -> None:
                 if not sel:
                     continue
                 pts = sorted((x_of(r), r["gbps"]) for r in sel)
-                label = mode + (" (direct)" if all(r.get("path") == ["direct"] for r in sel) else "")
+                label = _mode_label(mode, sel)
                 label += f", {c} in flight" if c is not None and len(concs) > 1 else ""
                 ax.plot([p[0] for p in pts], [p[1] for p in pts], linestyle=styles[ci % 4], marker=markers[ci % 4],
                         color=_COLORS[mode], label=label)

@@ -25,11 +25,12 @@ import numpy as np
 from kvstage.errors import IncompatibleGeometry, KVStageError, ProtocolError
 from kvstage.protocol.endpoint import Endpoint, check_pages, check_transport, md_from_wire, md_to_wire, spec_from_wire, spec_to_wire
 from kvstage.protocol.request import State, TransferHandle
-from kvstage.protocol.wire import PROTOCOL_VERSION, Connection, decode_notice, field
+from kvstage.protocol.wire import PROTOCOL_VERSION, Connection, decode_notice, field, notice_from_message
 from kvstage.staging.copy import TokenIndex, prepare_scatter, upload_pages
 from kvstage.staging.fence import CopyFence
 from kvstage.tp import Piece, TransferPlan, plan
 from kvstage.transports.base import Region, Spans
+from kvstage.transports.mapped import share, unshare
 
 log = logging.getLogger("kvstage")
 
@@ -43,6 +44,7 @@ class Writer:
     agent: str
     piece: Piece
     slot_bytes: int
+    mapped: bool = False  # it gathers into this arena (its ``landed`` messages say so): no notice to poll for
 
 
 @dataclass
@@ -68,6 +70,7 @@ class Incoming:
     open: dict = dc_field(default_factory=dict)  # chunk index -> Chunk (granted, not scattered)
     quarantine: dict = dc_field(default_factory=dict)  # chunk index -> Chunk (failed, writes may land)
     scattered: int = 0
+    landings: int = 0  # writer landings so far (the path says how they came)
     stage: str = "waiting for writers"
     touched: float = dc_field(default_factory=time.monotonic)  # expected, or the last writer announced it
     announced: float | None = None  # when the last writer announced it
@@ -88,6 +91,8 @@ class Destination(Endpoint):
         self._rr: list[str] = []  # grant order (round robin)
         self._scattering: list = []  # (fence, request, chunk, start time) of scatters still on the device
         self._probes: dict[Connection, tuple[int, str]] = {}  # probe connection -> (lent slot, prober agent)
+        # what a source on this host needs to map the arena and gather straight into it (None: not shared)
+        self._shared = share(self.arena.buffer) if self.settings.mapped != "off" and self.transport.one_sided else None
         self._listener = socket.create_server(listen)
         self.address = self._listener.getsockname()[:2]
         self._start()
@@ -134,9 +139,18 @@ class Destination(Endpoint):
         self._refresh(inc)
 
     def _busy(self) -> bool:
-        """Poll the transport often only while a landing is near: chunks granted
-        early to a prefill still computing are not (its ``ready`` wakes the loop)."""
-        return bool(self._scattering) or any((r.open and r.announced) or r.quarantine for r in self.requests.values())
+        """Poll the transport often only while a notice is near: chunks granted
+        early to a prefill still computing are not (its ``ready`` wakes the loop),
+        nor chunks only mapped writers still owe (their ``landed`` message does)."""
+        if self._scattering:
+            return True
+        for r in self.requests.values():
+            if r.quarantine:
+                return True
+            if r.open and r.announced and any(not getattr(self.writers.get(w), "mapped", False)
+                                              for c in r.open.values() for w in c.pending):
+                return True
+        return False
 
     def _copying(self):
         return next((f for f, *_ in self._scattering if not f.done()), None)
@@ -155,6 +169,11 @@ class Destination(Endpoint):
                 raise ProtocolError(f"{kind!r} before a successful hello")
             elif kind == "ready":
                 self._on_ready(writer, msg)
+            elif kind == "landed":  # a chunk a source gathered straight into this arena (mapped)
+                if self._shared is None:
+                    raise ProtocolError("landed message, but this destination shares no arena (mapped=off, or not shareable)")
+                writer.mapped = True  # decided at its connect: every chunk of it lands this way
+                self._on_landed(notice_from_message(msg), writer, mapped=True)
             elif kind == "abort":
                 req = field(msg, "req", str)
                 cause = "source aborted: " + str(msg.get("reason"))[:200]
@@ -216,7 +235,7 @@ class Destination(Endpoint):
         conn.send(welcome | {
             "metadata": md_to_wire(self.transport.metadata()), "arena": self.arena_region.to_wire(), "kv": kv,
             "facts": self.facts,
-        })
+        } | ({"mapped": self._shared} if self._shared and not direct else {}))
         log.debug("dst %d: source rank %d connected from %s, heads %d..%d, %s path", self.rank, rank, conn.peer,
                   piece.heads.start, piece.heads.stop, "direct" if direct else "staged")
         self._log_link(msg.get("facts"), conn.peer)
@@ -407,10 +426,18 @@ class Destination(Endpoint):
         the grant fails that request: its slot does not hold the chunk."""
         if any(agent == a for _, a in self._probes.values()):
             return  # a probe's measured write into its lent slot
-        req, c, rank, offset, nbytes = decode_notice(data)
-        writer = self.writers.get(rank)
+        notice = decode_notice(data)
+        writer = self.writers.get(notice.writer)
         if writer is None or writer.agent != agent:
-            raise ProtocolError(f"notice names writer {rank}, but agent {agent} is not that source rank's")
+            raise ProtocolError(f"notice names writer {notice.writer}, but agent {agent} is not that source rank's")
+        self._on_landed(notice, writer)
+
+    def _on_landed(self, notice, writer: Writer, mapped: bool = False) -> None:
+        """A writer's chunk is in its slot (its notice, or its ``landed`` message
+        when it gathered straight into this arena), checked as ``_on_notice`` says."""
+        req, c, rank, offset, nbytes = notice
+        if rank != writer.rank:
+            raise ProtocolError(f"landed message names writer {rank}, but came from source rank {writer.rank}")
         inc = self.requests.get(req)
         if inc is None:
             raise ProtocolError(f"notice for unknown request {req!r}")
@@ -442,7 +469,11 @@ class Destination(Endpoint):
             raise ProtocolError(f"{what}: chunk {c} of {req!r} written as {nbytes} bytes at arena offset {offset}, "
                                 f"granted {want} bytes at {want_offset}; the request failed")
         chunk.pending.discard(rank)
-        log.debug("dst %d: %s chunk %d landed from source rank %d", self.rank, req, c, rank)
+        log.debug("dst %d: %s chunk %d landed from source rank %d%s", self.rank, req, c, rank, " (mapped)" if mapped else "")
+        if not inc.direct:  # "mapped" while every landing so far came by the writers' own stores
+            way = "mapped" if mapped else "staged"
+            inc.handle.path = way if not inc.landings or inc.handle.path == way else "staged+mapped"
+            inc.landings += 1
         if chunk.pending:
             return
         del inc.open[c]
@@ -599,4 +630,5 @@ class Destination(Endpoint):
             w.conn.close()
         for req in list(self.requests):
             self._fail(req, "local", "shutdown", "destination closed", tell=False)
+        unshare(self.arena.buffer)  # no new source can map it; those that did keep their mapping until they close
         super()._shutdown()

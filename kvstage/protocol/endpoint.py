@@ -140,8 +140,12 @@ class Endpoint:
             self.facts.update(own())
         where, why = choose_arena(self.settings.arena, cache.device, value(self.facts, "ucx_modules"), os.environ)
         on_gpu = where == "device"
+        # a destination's host arena goes in shared memory only when asked (mapped="on"): sources on this
+        # host then gather into it; a CUDA arena is shareable as it is (CUDA IPC)
+        shared = self.role == "dst" and self.settings.mapped == "on" and cache.device.type == "cpu"
         self.arena = StagingArena(self.settings.slot_bytes, self.settings.slots,
-                                  cache.device if on_gpu else torch.device("cpu"), pinned=cache.device.type == "cuda")
+                                  cache.device if on_gpu else torch.device("cpu"), pinned=cache.device.type == "cuda",
+                                  shared=shared)
         self.arena_location = where
         if cache.device.type == "cuda":
             log.info("%s %d: staging arena of %d MiB in %s (%s)", self.role, self.rank,

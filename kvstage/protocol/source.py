@@ -4,6 +4,10 @@ For each grant the source gathers its piece of the chunk (its head slice, the
 chunk's tokens, all layers, K and V) into a slot of its own arena and issues
 one write into the granted destination slot, with a notice that lands after
 the bytes. Its own arena is back-pressure too: a grant waits for a free slot.
+When the destination shares its arena and this process can map it (same
+host: CUDA IPC, or shared memory with ``mapped="on"``), the gather goes
+straight into the granted slot there and a ``landed`` control message
+replaces the write and its notice.
 
 A destination grants the first chunks of a request as soon as it expects it,
 often before this side's ``send``: such grants are checked on arrival and held
@@ -31,6 +35,7 @@ from kvstage.staging.copy import TokenIndex, gather, upload_pages
 from kvstage.staging.fence import CopyFence
 from kvstage.tp import Piece, TransferPlan, plan
 from kvstage.transports.base import ReadyWrite, Region, Spans, WriteState
+from kvstage.transports.mapped import MappedArena, MappingError, open_shared
 
 log = logging.getLogger("kvstage")
 
@@ -46,6 +51,7 @@ class Target:
     piece: Piece
     arena: Region
     kv: list[Region]
+    mapped: MappedArena | None = None  # the destination's arena mapped here: gathers go straight into it
 
 
 @dataclass
@@ -182,7 +188,7 @@ class Source(Endpoint):
             conn.close()
             raise TransferFailed("-", f"destination {peer}", "handshake", str(e)) from e
         conn.sock.settimeout(None)
-        self._call(lambda: self._add_target(p, rank, conn, md, piece, arena, kv, msg.get("facts")))
+        self._call(lambda: self._add_target(p, rank, conn, md, piece, arena, kv, msg.get("facts"), msg.get("mapped")))
         self._start_reader(conn)
         return rank
 
@@ -193,20 +199,56 @@ class Source(Endpoint):
             raise TransferFailed("-", conn.peer, "handshake", f"destination spec {p.dst} differs from {self.plan.dst}")
         self.plan = p
 
-    def _add_target(self, p: TransferPlan, rank: int, conn: Connection, md: bytes, piece, arena, kv, facts) -> None:
+    def _add_target(self, p: TransferPlan, rank: int, conn: Connection, md: bytes, piece, arena, kv, facts,
+                    shared) -> None:
         self._set_plan(p, conn)
-        if rank in self.targets:
-            self.targets[rank].conn.close()
-        agent = self.transport.connect(md)
         direct = bool(kv)
         if direct and len(kv) != len(self.cache.buffers):
             conn.close()
             raise TransferFailed("-", conn.peer, "handshake", f"destination offered {len(kv)} KV regions, need {len(self.cache.buffers)}")
+        mapped = None if direct else self._map_arena(conn, arena, shared)
+        if rank in self.targets:
+            self._close_target(self.targets[rank])
+        agent = self.transport.connect(md)
         conn.peer = f"destination rank {rank} ({conn.peer})"
-        self.targets[rank] = Target(rank, conn, agent, piece, arena, kv)
+        self.targets[rank] = Target(rank, conn, agent, piece, arena, kv, mapped)
         log.debug("src %d: connected to %s, heads %d..%d, %s path", self.rank, conn.peer, piece.heads.start,
-                  piece.heads.stop, "direct" if direct else "staged")
+                  piece.heads.stop, "direct" if direct else "mapped" if mapped else "staged")
         self._log_link(facts, conn.peer)
+        if mapped is not None:
+            log.info("src %d: %s shares its arena (%s, same host): chunks are gathered straight into its slots, "
+                     "no transport write", self.rank, conn.peer, mapped.kind)
+
+    def _map_arena(self, conn: Connection, arena: Region, shared) -> MappedArena | None:
+        """The destination's arena mapped here, or None (with ``mapped="on"``, no mapping fails the handshake)."""
+        setting = self.settings.mapped
+        if setting == "off" or not self.transport.one_sided:
+            return None
+        why = None
+        if shared is None:
+            why = "the destination does not share its arena (it runs with mapped=off, or its arena is not shareable: " \
+                  "a host arena is shared only with KVSTAGE_MAPPED=on on the destination)"
+        else:
+            try:
+                return open_shared(shared, arena.nbytes, self.cache.device)
+            except MappingError as e:
+                why = str(e)
+        if setting == "on":
+            conn.close()
+            raise TransferFailed("-", conn.peer, "handshake", f"mapped=on, but {why}")
+        if shared is not None:  # offered and not usable: say so once; the chunks go by transport writes
+            log.info("src %d: %s offered its arena, not mapped here (%s): chunks go by transport writes",
+                     self.rank, conn.peer, why)
+        return None
+
+    def _close_target(self, target: Target) -> None:
+        """Close a destination's connection and unmap its arena, once no gather still writes into it."""
+        target.conn.close()
+        if target.mapped is not None:
+            for g in self._gathering:
+                if g.job.dst == target.rank and g.slot is None:
+                    g.fence.wait()
+            target.mapped.close()
 
     def _add(self, handle: TransferHandle, pages: np.ndarray) -> None:
         if handle.req in self.requests:
@@ -228,16 +270,26 @@ class Source(Endpoint):
             return
         out = Outgoing(handle, pages)
         self.requests[handle.req] = out
+        held = self._drop_held(handle.req)
+        # On CUDA the early grants' gathers are launched before the announcements go out (a launch
+        # returns at once), so no TCP send is on their path; a host gather runs in the call, so
+        # there the announcements go first.
+        launch_first = bool(held) and self.cache.device.type == "cuda"
         for d in want:
             out.written[d] = 0
             out.granted[d] = set()
-            self.targets[d].conn.send({"type": "ready", "req": handle.req, "tokens": handle.tokens})
+            if not launch_first:
+                self.targets[d].conn.send({"type": "ready", "req": handle.req, "tokens": handle.tokens})
         if not all(self.targets[d].kv for d in want):
             out.device_pages = upload_pages(self.cache, pages)
-        held = self._drop_held(handle.req)
         for job, chunks, tokens in sorted(held.values(), key=lambda g: (g[0].chunk, g[0].dst)):
             if not handle.done():  # a grant naming other tokens fails it
                 self._apply_grant(out, job, chunks, tokens)
+        if launch_first:
+            self._progress()
+            if handle.state is not State.FAILED:  # DONE already still needs them; FAILED: an abort went instead
+                for d in want:
+                    self._send(d, {"type": "ready", "req": handle.req, "tokens": handle.tokens})
 
     def _busy(self) -> bool:
         return bool(self._inflight or self._jobs or self._gathering)
@@ -346,7 +398,7 @@ class Source(Endpoint):
             raise ProtocolError(f"chunk {c} of {req!r} granted twice")
         out.chunks[d] = chunks
         out.granted[d].add(c)
-        out.handle.path = "direct" if job.pages is not None else "staged"
+        out.handle.path = "direct" if job.pages is not None else "mapped" if self.targets[d].mapped else "staged"
         out.stage = "gather"
         out.touched = time.monotonic()
         if out.handle.state is State.PENDING:
@@ -368,6 +420,11 @@ class Source(Endpoint):
                 self._jobs.popleft()
                 self._write_direct(out, job)
                 continue
+            target = self.targets.get(job.dst)
+            if target is not None and target.mapped is not None:  # the granted slot is the gather's output
+                self._jobs.popleft()
+                self._write_staged(out, job, None)
+                continue
             slot = self.arena.allocator.acquire()
             if slot is None:
                 return  # back-pressure: wait for a write to finish
@@ -375,27 +432,36 @@ class Source(Endpoint):
             out.handle.stages["slot_wait"] += time.perf_counter() - job.queued
             self._write_staged(out, job, slot)
 
-    def _write_staged(self, out: Outgoing, job: Job, slot: int) -> None:
+    def _write_staged(self, out: Outgoing, job: Job, slot: int | None) -> None:
+        """Gather the chunk into ``slot`` of this arena and make its write ready; ``slot``
+        None: gather straight into the granted slot of the destination's mapped arena."""
         target = self.targets.get(job.dst)
         if target is None:
-            self.arena.allocator.release(slot)
+            if slot is not None:
+                self.arena.allocator.release(slot)
             return self._fail(job.req, f"destination rank {job.dst}", "write", "not connected", tell=False)
         piece = target.piece
         nbytes = self.plan.piece_token_bytes(piece) * job.count
         t0 = time.perf_counter()
         try:
-            region = self.arena.view(self.arena.offset(slot), nbytes)
+            if slot is None:
+                region = target.mapped.view(job.offset, nbytes)
+            else:
+                region = self.arena.view(self.arena.offset(slot), nbytes)
             fence = CopyFence(self.cache.device)
             idx = TokenIndex(self.cache, out.pages, job.start, job.count, out.device_pages)
             gather(self.cache, idx, piece.src_offset, piece.heads.count, region)
             fence.close()
             log.debug("src %d: %s chunk %d gather launched", self.rank, job.req, job.chunk)
         except Exception as e:
-            self.arena.allocator.release(slot)
+            if slot is not None:
+                self.arena.allocator.release(slot)
             return self._fail(job.req, "local", "gather", f"{type(e).__name__}: {e}", tell=True)
         out.inflight += 1  # the request is not forgotten while its gather may still run
         g = Gathering(fence, out, job, slot, nbytes, t0)
         self._gathering.append(g)
+        if slot is None:
+            return self._poll_gathers()
         try:  # the write's descriptors and transfer request, made while the GPU gathers
             g.write = self.transport.prepare_write(
                 target.agent, Spans.single(self.arena_region, [self.arena.offset(slot)], [nbytes]),
@@ -422,13 +488,23 @@ class Source(Endpoint):
             if gpu is not None:
                 out.handle.stages["gather_gpu"] = out.handle.stages.get("gather_gpu", 0.0) + gpu
             target = self.targets.get(job.dst)
-            if out.handle.done() or target is None or g.write is None:
+            mapped = g.slot is None
+            if out.handle.done() or target is None or (g.write is None and not mapped):
                 if g.write is not None:
                     g.write.drop()
-                self.arena.allocator.release(g.slot)
+                if not mapped:
+                    self.arena.allocator.release(g.slot)
                 if target is None:
                     self._fail(job.req, f"destination rank {job.dst}", "write", "not connected", tell=False)
                 self._maybe_forget(out)
+                continue
+            if mapped:  # the gather's stores were the transfer: tell the destination they are done
+                self._send(job.dst, {"type": "landed", "req": job.req, "chunk": job.chunk, "writer": self.rank,
+                                     "offset": job.offset, "bytes": g.nbytes})
+                log.debug("src %d: %s chunk %d landed in destination rank %d's mapped arena", self.rank, job.req,
+                          job.chunk, job.dst)
+                out.handle.bytes += g.nbytes
+                self._chunk_written(out, job)
                 continue
             self._post_write(out, job, g.slot, g.write, g.nbytes, 1, t1)
         self._gathering = still
@@ -494,12 +570,18 @@ class Source(Endpoint):
             log.debug("src %d: %s chunk %d write complete", self.rank, w.job.req, w.job.chunk)
             if isinstance(state, Exception):
                 self._fail(w.job.req, f"destination rank {w.job.dst}", "write", str(state), tell=True)
-            elif not out.handle.done():
-                out.written[w.job.dst] += 1
-                if all(out.written[d] == out.chunks.get(d, -1) for d in out.written):
-                    out.handle._move(State.DONE)
-            self._maybe_forget(out)
+                self._maybe_forget(out)
+            else:
+                self._chunk_written(out, w.job)
         self._inflight = still
+
+    def _chunk_written(self, out: Outgoing, job: Job) -> None:
+        """A chunk is in its destination slot (or pages); the request is done with its last one."""
+        if not out.handle.done():
+            out.written[job.dst] += 1
+            if all(out.written[d] == out.chunks.get(d, -1) for d in out.written):
+                out.handle._move(State.DONE)
+        self._maybe_forget(out)
 
     # -- failures --------------------------------------------------------------
     def _fail(self, req: str, peer: str, stage: str, cause: str, tell: bool) -> None:
@@ -540,6 +622,7 @@ class Source(Endpoint):
         if target is None:
             return
         del self.targets[target.rank]
+        self._close_target(target)
         self.transport.disconnect(target.agent)
         d = target.rank
         for req, held in list(self._held.items()):  # that destination's early grants died with it
@@ -584,5 +667,5 @@ class Source(Endpoint):
         for req in list(self.requests):
             self._fail(req, "local", "shutdown", "source closed", tell=True)
         for t in list(self.targets.values()):
-            t.conn.close()
+            self._close_target(t)
         super()._shutdown()

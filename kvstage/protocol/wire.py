@@ -3,7 +3,10 @@
 Control traffic (handshake, grants, readiness, aborts) goes over one TCP
 connection per (source rank, destination rank) pair as length-prefixed JSON.
 The "chunk landed" notice rides on the data write itself (a transport
-notification), so it can never arrive before the bytes it announces.
+notification), so it can never arrive before the bytes it announces. A source
+that gathers straight into the destination's mapped arena (same host) has no
+write: it sends the same notice as a ``landed`` control message once its
+gather has finished on the device.
 
 Every field read from a peer goes through ``field``: a malformed or hostile
 message raises ``ProtocolError`` naming the field, never a KeyError deep inside.
@@ -20,8 +23,9 @@ from typing import NamedTuple
 from kvstage.errors import ProtocolError
 
 # 2: landing notices say where the write went and how long it was; 3: pings;
-# 4: grants carry the request's token count and may come before the source announced the request
-PROTOCOL_VERSION = 4
+# 4: grants carry the request's token count and may come before the source announced the request;
+# 5: a welcome may share the destination's arena ("mapped"), and "landed" control messages
+PROTOCOL_VERSION = 5
 MAX_FRAME = 16 << 20
 MAX_ID = 256
 _LEN = struct.Struct("!I")
@@ -67,6 +71,12 @@ def decode_notice(data: bytes) -> Notice:
         raise ProtocolError(f"notification is not JSON: {data[:60]!r}") from e
     if field(msg, "t", str) != "landed":
         raise ProtocolError(f"notification type {msg['t']!r} unknown")
+    return notice_from_message(msg)
+
+
+def notice_from_message(msg: dict) -> Notice:
+    """The notice in a decoded notification, or in a ``landed`` control message
+    (a mapped writer's: the same fields)."""
     offset = msg.get("offset")
     if offset is not None:
         offset = field(msg, "offset", int, minimum=0)

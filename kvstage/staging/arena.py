@@ -12,6 +12,9 @@ import logging
 
 import torch
 
+from kvstage.cudart import runtime
+from kvstage.transports.mapped import shared_host_buffer
+
 log = logging.getLogger(__name__)
 
 
@@ -60,7 +63,7 @@ class _DeviceAllocation:
         import ctypes
 
         torch.cuda.init()
-        self._rt = _cudart()
+        self._rt = runtime()
         with torch.cuda.device(device):
             ptr = ctypes.c_void_p()
             err = self._rt.cudaMalloc(ctypes.byref(ptr), ctypes.c_size_t(nbytes))
@@ -74,18 +77,6 @@ class _DeviceAllocation:
             self._rt.cudaFree(__import__("ctypes").c_void_p(self.ptr))
         except Exception:  # interpreter shutdown: the driver frees it with the process
             pass
-
-
-def _cudart():
-    """The CUDA runtime torch already loaded (by soname), or the first one found."""
-    import ctypes
-
-    for name in ("libcudart.so.13", "libcudart.so.12", "libcudart.so"):
-        try:
-            return ctypes.CDLL(name)
-        except OSError:
-            continue
-    raise OSError("no CUDA runtime library (libcudart) found to allocate the staging arena")
 
 
 _CUDA_TLS = ("cuda", "cuda_copy", "cuda_ipc")
@@ -120,12 +111,17 @@ def choose_arena(setting: str, device: torch.device, ucx_modules: list[str] | No
     return "device", "arena=auto: UCX has a CUDA transport for device memory"
 
 
-def allocate_arena(nbytes: int, device: torch.device, pinned: bool = False) -> torch.Tensor:
+def allocate_arena(nbytes: int, device: torch.device, pinned: bool = False, shared: bool = False) -> torch.Tensor:
     """A contiguous byte buffer for the arena: host memory (pinned for a CUDA rank's
-    host arena, so its kernels reach it), or cudaMalloc'd device memory."""
+    host arena, so its kernels reach it; in a shared-memory file when ``shared``,
+    so sources on this host can map it), or cudaMalloc'd device memory."""
     if device.type != "cuda":
+        if shared and pinned:
+            raise ValueError("a shared host arena cannot be pinned (a CUDA rank's host arena is not shared)")
         # touch every page now: a first write into untouched memory page-faults,
         # which would land inside the first transfers' timings
+        if shared:
+            return shared_host_buffer(nbytes).fill_(0)
         return torch.empty(nbytes, dtype=torch.uint8, pin_memory=pinned).fill_(0)
     owner = _DeviceAllocation(nbytes, device)
     t = torch.as_tensor(owner, device=device)
@@ -136,10 +132,10 @@ def allocate_arena(nbytes: int, device: torch.device, pinned: bool = False) -> t
 class StagingArena:
     """``slots`` slots of ``slot_bytes`` in one registered buffer."""
 
-    def __init__(self, slot_bytes: int, slots: int, device: torch.device, pinned: bool = False):
+    def __init__(self, slot_bytes: int, slots: int, device: torch.device, pinned: bool = False, shared: bool = False):
         self.slot_bytes = slot_bytes
         self.allocator = SlotAllocator(slots)
-        self.buffer = allocate_arena(slot_bytes * slots, device, pinned)
+        self.buffer = allocate_arena(slot_bytes * slots, device, pinned, shared)
         log.debug("arena: %d slots of %d bytes on %s%s", slots, slot_bytes, device, " (pinned)" if pinned else "")
 
     def offset(self, slot: int) -> int:

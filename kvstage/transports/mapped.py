@@ -1,0 +1,180 @@
+"""A peer's arena mapped into this process, for two ranks on one host.
+
+A source on its destination's host can gather a chunk straight into the
+granted slot of the destination's arena: the gather's own stores are the
+transfer, one pass over the bytes instead of two (gather into its own arena,
+then a transport write of it). CUDA arenas are shared through CUDA IPC (the
+arena is its own ``cudaMalloc`` allocation, so the handle covers exactly it);
+host arenas through a POSIX shared-memory file, created only when asked
+(``mapped="on"``: tests, or a CPU deployment that wants it).
+
+Like every transport module this one moves bytes and knows nothing of KV:
+``share`` describes a buffer for a peer, ``open_shared`` maps that description.
+"""
+
+from __future__ import annotations
+
+import base64
+import ctypes
+import logging
+import mmap
+import os
+import secrets
+
+import torch
+
+from kvstage.cudart import runtime as _cudart
+
+log = logging.getLogger("kvstage")
+
+_IPC_LAZY_PEER_ACCESS = 1  # cudaIpcMemLazyEnablePeerAccess: a GPU other than the owner maps it over NVLink/PCIe
+_SHM_DIR = "/dev/shm"
+
+
+class MappingError(Exception):
+    """A peer's arena cannot be mapped here (the reason says why)."""
+
+
+class _IpcHandle(ctypes.Structure):
+    _fields_ = [("reserved", ctypes.c_char * 64)]
+
+
+def shared_host_buffer(nbytes: int) -> torch.Tensor:
+    """Host memory in a fresh file under /dev/shm (mode 0600), mapped here; the
+    file is removed when the returned tensor's owner is collected."""
+    path = os.path.join(_SHM_DIR, f"kvstage-arena-{os.getpid()}-{secrets.token_hex(8)}")
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        os.ftruncate(fd, nbytes)
+        m = mmap.mmap(fd, nbytes)
+    except OSError:
+        os.unlink(path)
+        raise
+    finally:
+        os.close(fd)
+    owner = _SharedFile(path, m)
+    t = torch.frombuffer(m, dtype=torch.uint8)
+    t._kvstage_owner = owner
+    return t
+
+
+class _SharedFile:
+    def __init__(self, path: str, m: mmap.mmap):
+        self.path, self.map = path, m
+
+    def unlink(self) -> None:
+        try:
+            os.unlink(self.path)
+        except OSError:  # already removed
+            pass
+
+    __del__ = unlink
+
+
+def share(buffer: torch.Tensor) -> dict | None:
+    """What a peer on this host needs to map ``buffer`` (an arena made by
+    ``allocate_arena``), or None when it is not shareable: device memory is
+    shared when it is its own cudaMalloc allocation, host memory when it lives
+    in a shared-memory file."""
+    owner = getattr(buffer, "_kvstage_owner", None)
+    if isinstance(owner, _SharedFile):
+        return {"kind": "shm", "path": owner.path, "nbytes": buffer.numel()}
+    if buffer.is_cuda and owner is not None and getattr(owner, "ptr", None) == buffer.data_ptr():
+        h = _IpcHandle()
+        with torch.cuda.device(buffer.device):
+            err = _cudart().cudaIpcGetMemHandle(ctypes.byref(h), ctypes.c_void_p(buffer.data_ptr()))
+        if err != 0:
+            log.info("arena not shared with sources on this host: cudaIpcGetMemHandle failed with CUDA error %d", err)
+            return None
+        # all 64 bytes (the field itself reads as a C string, cut at the first zero byte)
+        raw = ctypes.string_at(ctypes.addressof(h), ctypes.sizeof(h))
+        return {"kind": "cuda_ipc", "handle": base64.b64encode(raw).decode(), "nbytes": buffer.numel()}
+    return None
+
+
+def unshare(buffer: torch.Tensor) -> None:
+    """Remove a shared host buffer's file name (its memory stays mapped where it is);
+    nothing for other buffers. CUDA IPC needs nothing: the allocation's end ends it."""
+    owner = getattr(buffer, "_kvstage_owner", None)
+    if isinstance(owner, _SharedFile):
+        owner.unlink()
+
+
+class MappedArena:
+    """A peer's arena mapped into this process: ``view`` gives byte ranges of it."""
+
+    def __init__(self, tensor: torch.Tensor, kind: str, closer):
+        self.tensor, self.kind, self._closer = tensor, kind, closer
+
+    def view(self, offset: int, nbytes: int) -> torch.Tensor:
+        return self.tensor[offset : offset + nbytes]
+
+    def close(self) -> None:
+        if self._closer is not None:
+            closer, self._closer = self._closer, None
+            self.tensor = None
+            closer()
+
+
+def open_shared(desc: dict, nbytes: int, device: torch.device) -> MappedArena:
+    """Map a peer's ``share`` description of ``nbytes`` bytes for copies run on ``device``."""
+    if not isinstance(desc, dict) or desc.get("nbytes") != nbytes:
+        raise MappingError(f"the shared arena's description does not match its {nbytes}-byte registration")
+    kind = desc.get("kind")
+    if kind == "shm":
+        return _open_shm(desc.get("path"), nbytes, device)
+    if kind == "cuda_ipc":
+        return _open_ipc(desc.get("handle"), nbytes, device)
+    raise MappingError(f"unknown shared arena kind {str(kind)[:32]!r}")
+
+
+def _open_shm(path, nbytes: int, device: torch.device) -> MappedArena:
+    if device.type != "cpu":
+        raise MappingError("a host arena in shared memory; this rank copies with CUDA kernels from its own device")
+    if not isinstance(path, str) or os.path.dirname(path) != _SHM_DIR or not os.path.basename(path).startswith("kvstage-arena-"):
+        raise MappingError(f"shared arena path {str(path)[:80]!r} is not a kvstage arena under {_SHM_DIR}")
+    try:
+        fd = os.open(path, os.O_RDWR)
+    except OSError as e:
+        raise MappingError(f"cannot open {path}: {e.strerror} (another host, or another /dev/shm)") from e
+    try:
+        if os.fstat(fd).st_size != nbytes:
+            raise MappingError(f"{path} holds {os.fstat(fd).st_size} bytes, the arena {nbytes}")
+        m = mmap.mmap(fd, nbytes)
+    finally:
+        os.close(fd)
+    return MappedArena(torch.frombuffer(m, dtype=torch.uint8), "shm", m.close)
+
+
+class _DevicePointer:
+    def __init__(self, ptr: int, nbytes: int):
+        self.__cuda_array_interface__ = {"shape": (nbytes,), "typestr": "|u1", "data": (ptr, False), "version": 3}
+
+
+def _open_ipc(handle, nbytes: int, device: torch.device) -> MappedArena:
+    if device.type != "cuda":
+        raise MappingError("a CUDA arena; this rank's cache is in host memory")
+    try:
+        raw = base64.b64decode(str(handle), validate=True)
+    except ValueError:
+        raw = b""
+    if len(raw) != 64:
+        raise MappingError("CUDA IPC handle is not 64 bytes of base64")
+    h = _IpcHandle()
+    ctypes.memmove(ctypes.byref(h), raw, 64)
+    rt = _cudart()
+    ptr = ctypes.c_void_p()
+    with torch.cuda.device(device):
+        err = rt.cudaIpcOpenMemHandle(ctypes.byref(ptr), h, ctypes.c_uint(_IPC_LAZY_PEER_ACCESS))
+    if err != 0:
+        rt.cudaGetLastError()  # clear it: a failed open must not fail this process's next CUDA call
+        raise MappingError(f"cudaIpcOpenMemHandle failed with CUDA error {err} (another host or container, "
+                           "or no peer access between the two GPUs)")
+    # no device= here: memory of a peer GPU is a tensor of that GPU; the kernels only take its address
+    tensor = torch.as_tensor(_DevicePointer(ptr.value, nbytes))
+
+    def close():
+        with torch.cuda.device(device):
+            rt.cudaIpcCloseMemHandle(ptr)
+
+    return MappedArena(tensor, "cuda_ipc", close)

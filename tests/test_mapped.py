@@ -1,0 +1,174 @@
+"""The mapped arena: a source on the destination's host gathers straight into
+the destination's arena and says so with a ``landed`` control message.
+
+Byte-exact transfers over it are in test_transfer.py; here: the settings, the
+handshake's refusals, the checks a ``landed`` message goes through (the same as
+a notice riding on a write), and the shared-memory file's lifetime.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import numpy as np
+import pytest
+import torch
+
+import fault_ranks as fr
+from fake_peers import FakeSource
+from kvstage.config import Settings
+from kvstage.errors import ConfigError, TransferFailed
+from kvstage.layout import pages_needed
+from kvstage.protocol.destination import Destination
+from kvstage.protocol.request import State
+from kvstage.protocol.source import Source
+from kvstage.staging.cache import RankCache
+from kvstage.staging.copy import TokenIndex, gather
+from kvstage.transports.mapped import MappingError, open_shared
+
+TOKEN = "mapped-test"
+CHUNK = 32  # tokens per 16 KiB slot at 512 B a token (fault_ranks geometry, source TP 1)
+
+
+def test_settings_name_the_rule():
+    with pytest.raises(ConfigError, match="mapped='sometimes': must be one of auto, on, off"):
+        Settings(mapped="sometimes")
+    with pytest.raises(ConfigError, match="two-sided"):
+        Settings(mapped="on", transport="ucx")
+    assert Settings().mapped == "auto"
+
+
+def _destination(mapped: str) -> Destination:
+    return Destination(RankCache.allocate(fr.dst_spec(), 0, 256),
+                       Settings(**fr.SETTINGS, auth_token=TOKEN, peer_timeout_s=600, mapped=mapped))
+
+
+def test_host_arena_is_shared_only_when_asked():
+    for mapped, shared in (("auto", False), ("off", False), ("on", True)):
+        dst = _destination(mapped)
+        try:
+            src = FakeSource(dst.address, TOKEN)
+            assert ("mapped" in src.welcome) is shared, mapped
+            if shared:
+                desc = src.welcome["mapped"]
+                assert desc["kind"] == "shm" and os.stat(desc["path"]).st_mode & 0o777 == 0o600
+            src.close()
+        finally:
+            dst.close()
+        if shared:  # the name goes with the destination; no file is left behind
+            assert not os.path.exists(desc["path"])
+
+
+def test_source_with_mapped_on_refuses_a_destination_that_does_not_share():
+    dst = _destination("auto")  # a host arena: not shared unless the destination says on
+    src = Source(RankCache.allocate(fr.src_spec(1), 0, 64), Settings(**fr.SETTINGS, auth_token=TOKEN, mapped="on"))
+    try:
+        with pytest.raises(TransferFailed, match="mapped=on, but the destination does not share its arena"):
+            src.connect([dst.address])
+    finally:
+        src.close()
+        dst.close()
+
+
+def test_open_refuses_a_description_that_does_not_match():
+    with pytest.raises(MappingError, match="does not match"):
+        open_shared({"kind": "shm", "path": "/dev/shm/kvstage-arena-x", "nbytes": 10}, 20, torch.device("cpu"))
+    with pytest.raises(MappingError, match="not a kvstage arena"):
+        open_shared({"kind": "shm", "path": "/etc/passwd", "nbytes": 20}, 20, torch.device("cpu"))
+    with pytest.raises(MappingError, match="unknown shared arena kind"):
+        open_shared({"kind": "rdma", "nbytes": 20}, 20, torch.device("cpu"))
+
+
+@pytest.fixture
+def mapped_pair():
+    dst = _destination("on")
+    src = FakeSource(dst.address, TOKEN)
+    arena = open_shared(src.welcome["mapped"], src.arena.nbytes, torch.device("cpu"))
+    yield dst, src, arena
+    arena.close()
+    src.close()
+    dst.close()
+
+
+def _gather_into(src: FakeSource, arena, req: str, grant: dict) -> int:
+    nbytes = grant["count"] * src.token_bytes
+    idx = TokenIndex(src.cache, src.pages[req], grant["start"], grant["count"])
+    gather(src.cache, idx, src.piece.src_offset, src.piece.heads.count, arena.view(grant["offset"], nbytes))
+    return nbytes
+
+
+def _landed(req: str, grant: dict, nbytes: int, **over) -> dict:
+    return {"type": "landed", "req": req, "chunk": grant["chunk"], "writer": 0, "offset": grant["offset"],
+            "bytes": nbytes} | over
+
+
+def test_landed_messages_complete_a_request_byte_for_byte(mapped_pair):
+    dst, src, arena = mapped_pair
+    tokens = 3 * CHUNK - 5
+    ids = np.arange(pages_needed(tokens, 4))[::-1].copy()
+    h = dst.expect("r", ids, tokens)
+    src.announce("r", tokens, 11)
+    for c in range(3):
+        g = src.grant("r", c)
+        src.conn.send(_landed("r", g, _gather_into(src, arena, "r", g)))
+    h.wait(10)
+    assert h.state is State.DONE and h.path == "mapped"
+    from kvstage.bench.reference import check_shard
+
+    assert check_shard(dst.cache, 11, ids, tokens) == []
+    assert dst.slots_free() == dst.arena.allocator.count
+
+
+def test_landed_messages_are_checked_like_notices(mapped_pair):
+    dst, src, arena = mapped_pair
+    ids = np.arange(pages_needed(CHUNK, 4))
+    h = dst.expect("r", ids, CHUNK)
+    src.announce("r", CHUNK, 3)
+    g = src.grant("r", 0)
+    nbytes = _gather_into(src, arena, "r", g)
+    src.conn.send(_landed("r", g, nbytes, writer=1))
+    assert "names writer 1, but came from source rank 0" in src.error()
+    src.conn.send(_landed("nope", g, nbytes))
+    assert "unknown request 'nope'" in src.error()
+    src.conn.send(_landed("r", g, nbytes - 512))  # a wrong length fails the request: its slot lacks the chunk
+    assert "wrong size" in src.error()
+    with pytest.raises(TransferFailed, match="wrong size"):
+        h.wait(10)
+
+
+def test_landed_message_refused_when_the_arena_is_not_shared():
+    dst = _destination("off")
+    src = FakeSource(dst.address, TOKEN)
+    try:
+        h = dst.expect("r", np.arange(pages_needed(CHUNK, 4)), CHUNK)
+        src.announce("r", CHUNK, 3)
+        g = src.grant("r", 0)
+        src.conn.send(_landed("r", g, CHUNK * src.token_bytes))
+        assert "shares no arena" in src.error()
+        assert h.state is not State.DONE and not h.done()
+        src.write("r", g)  # the honest write still completes it
+        h.wait(10)
+    finally:
+        src.close()
+        dst.close()
+
+
+def test_chunks_owed_by_a_mapped_writer_leave_the_loop_idle(mapped_pair):
+    """A mapped writer's ``landed`` message wakes the destination's loop, so chunks
+    only such writers owe do not make it poll the transport; a writer not known
+    to be mapped yet (its first chunk) does."""
+    dst, src, arena = mapped_pair
+    for i, req in enumerate(("first", "second")):
+        ids = np.arange(i * 8, i * 8 + pages_needed(CHUNK, 4))
+        h = dst.expect(req, ids, CHUNK)
+        src.announce(req, CHUNK, 20 + i)
+        g = src.grant(req, 0)
+        deadline = time.monotonic() + 5
+        while dst._call(lambda: dst.requests[req].announced is None):
+            assert time.monotonic() < deadline, f"{req}: announcement not handled"
+            time.sleep(0.01)
+        assert dst._call(dst._busy) is (i == 0)  # the first request polls, the second waits idle
+        src.conn.send(_landed(req, g, _gather_into(src, arena, req, g)))
+        h.wait(10)
+        assert h.path == "mapped"
