@@ -53,7 +53,7 @@ class Settings:
     #: chunks a destination grants a request before every source announced it (0: grant only after)
     early_chunks: int = field(default_factory=lambda: _env("KVSTAGE_EARLY_CHUNKS", 2, int))
     #: a source on its destination's host gathers straight into the destination's mapped arena:
-    #: auto (CUDA arenas, through CUDA IPC), on (also host arenas, through /dev/shm; refuse a
+    #: auto (CUDA arenas, through CUDA IPC), on (also host arenas, through a memfd; refuse a
     #: destination that cannot share), off (always a transport write)
     mapped: str = field(default_factory=lambda: _env("KVSTAGE_MAPPED", "auto", str))
 

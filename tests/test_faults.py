@@ -36,7 +36,14 @@ def _until(cond, limit=30.0):
         time.sleep(0.005)
 
 
-def test_source_killed_mid_transfer_then_restarted_under_the_same_rank():
+# "on": the sources gather straight into the destination's arena (a memfd mapped into them), with
+# no transport write; the spawned ranks read KVSTAGE_MAPPED from the environment they inherit
+MAPPED = ["auto", "on"]
+
+
+@pytest.mark.parametrize("mapped", MAPPED)
+def test_source_killed_mid_transfer_then_restarted_under_the_same_rank(mapped, monkeypatch):
+    monkeypatch.setenv("KVSTAGE_MAPPED", mapped)
     dst = _destination(pages_needed(BIG, 4) + 8)
     try:
         pages = np.random.default_rng(0).permutation(dst.cache.pages)[: pages_needed(BIG, 4)]
@@ -65,6 +72,7 @@ def test_source_killed_mid_transfer_then_restarted_under_the_same_rank():
         p2 = CTX.Process(target=fr.send_one, args=(dst.address, 0, 1, tokens, 7, q))
         p2.start()
         h2.wait(60)
+        assert h2.path == ("mapped" if mapped == "on" else "staged")
         assert fr.check(dst.cache, 7, pages2, tokens) == []
         p2.join(30)
         assert dst.slots_free() == 4
@@ -72,7 +80,9 @@ def test_source_killed_mid_transfer_then_restarted_under_the_same_rank():
         dst.close()
 
 
-def test_destination_killed_mid_transfer_fails_the_source_fast():
+@pytest.mark.parametrize("mapped", MAPPED)
+def test_destination_killed_mid_transfer_fails_the_source_fast(mapped, monkeypatch):
+    monkeypatch.setenv("KVSTAGE_MAPPED", mapped)
     q, commands = CTX.Queue(), CTX.Queue()
     p = CTX.Process(target=fr.receive_one, args=(BIG, 3, q, commands))
     p.start()
@@ -83,6 +93,7 @@ def test_destination_killed_mid_transfer_fails_the_source_fast():
         src.connect([tuple(address)])
         h = src.send("r3", np.arange(pages_needed(BIG, 16)), BIG)
         _until(lambda: h.bytes > 0)
+        assert h.path == ("mapped" if mapped == "on" else "staged")
         t_kill = time.monotonic()
         os.kill(p.pid, signal.SIGKILL)
         with pytest.raises(TransferFailed) as err:

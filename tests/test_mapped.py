@@ -3,7 +3,7 @@ the destination's arena and says so with a ``landed`` control message.
 
 Byte-exact transfers over it are in test_transfer.py; here: the settings, the
 handshake's refusals, the checks a ``landed`` message goes through (the same as
-a notice riding on a write), and the shared-memory file's lifetime.
+a notice riding on a write), and the shared host arena's lifetime.
 """
 
 from __future__ import annotations
@@ -52,12 +52,14 @@ def test_host_arena_is_shared_only_when_asked():
             assert ("mapped" in src.welcome) is shared, mapped
             if shared:
                 desc = src.welcome["mapped"]
-                assert desc["kind"] == "shm" and os.stat(desc["path"]).st_mode & 0o777 == 0o600
+                assert desc["kind"] == "memfd" and desc["pid"] == os.getpid()
+                assert os.readlink(f"/proc/{desc['pid']}/fd/{desc['fd']}").startswith("/memfd:kvstage-arena")
             src.close()
         finally:
             dst.close()
-        if shared:  # the name goes with the destination; no file is left behind
-            assert not os.path.exists(desc["path"])
+        if shared:  # a closed destination offers its arena no more
+            with pytest.raises(MappingError, match="cannot open|not a kvstage arena"):
+                open_shared(desc, desc["nbytes"], torch.device("cpu"))
 
 
 def test_source_with_mapped_on_refuses_a_destination_that_does_not_share():
@@ -73,9 +75,12 @@ def test_source_with_mapped_on_refuses_a_destination_that_does_not_share():
 
 def test_open_refuses_a_description_that_does_not_match():
     with pytest.raises(MappingError, match="does not match"):
-        open_shared({"kind": "shm", "path": "/dev/shm/kvstage-arena-x", "nbytes": 10}, 20, torch.device("cpu"))
-    with pytest.raises(MappingError, match="not a kvstage arena"):
-        open_shared({"kind": "shm", "path": "/etc/passwd", "nbytes": 20}, 20, torch.device("cpu"))
+        open_shared({"kind": "memfd", "pid": os.getpid(), "fd": 3, "nbytes": 10}, 20, torch.device("cpu"))
+    with open(__file__) as f:  # an open descriptor, but not an arena
+        with pytest.raises(MappingError, match="not a kvstage arena"):
+            open_shared({"kind": "memfd", "pid": os.getpid(), "fd": f.fileno(), "nbytes": 20}, 20, torch.device("cpu"))
+    with pytest.raises(MappingError, match="must be positive integers"):
+        open_shared({"kind": "memfd", "pid": "1", "fd": -1, "nbytes": 20}, 20, torch.device("cpu"))
     with pytest.raises(MappingError, match="unknown shared arena kind"):
         open_shared({"kind": "rdma", "nbytes": 20}, 20, torch.device("cpu"))
 

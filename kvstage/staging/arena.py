@@ -113,7 +113,7 @@ def choose_arena(setting: str, device: torch.device, ucx_modules: list[str] | No
 
 def allocate_arena(nbytes: int, device: torch.device, pinned: bool = False, shared: bool = False) -> torch.Tensor:
     """A contiguous byte buffer for the arena: host memory (pinned for a CUDA rank's
-    host arena, so its kernels reach it; in a shared-memory file when ``shared``,
+    host arena, so its kernels reach it; in a memory file peers can map (memfd) when ``shared``,
     so sources on this host can map it), or cudaMalloc'd device memory."""
     if device.type != "cuda":
         if shared and pinned:

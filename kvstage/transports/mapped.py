@@ -5,8 +5,10 @@ granted slot of the destination's arena: the gather's own stores are the
 transfer, one pass over the bytes instead of two (gather into its own arena,
 then a transport write of it). CUDA arenas are shared through CUDA IPC (the
 arena is its own ``cudaMalloc`` allocation, so the handle covers exactly it);
-host arenas through a POSIX shared-memory file, created only when asked
-(``mapped="on"``: tests, or a CPU deployment that wants it).
+host arenas through an anonymous memory file (``memfd_create``) that peers
+open as ``/proc/PID/fd/FD``, created only when asked (``mapped="on"``: tests,
+or a CPU deployment that wants it). Neither outlives its processes: a
+destination killed outright leaves nothing in /dev/shm.
 
 Like every transport module this one moves bytes and knows nothing of KV:
 ``share`` describes a buffer for a peer, ``open_shared`` maps that description.
@@ -19,7 +21,6 @@ import ctypes
 import logging
 import mmap
 import os
-import secrets
 
 import torch
 
@@ -28,7 +29,7 @@ from kvstage.cudart import runtime as _cudart
 log = logging.getLogger("kvstage")
 
 _IPC_LAZY_PEER_ACCESS = 1  # cudaIpcMemLazyEnablePeerAccess: a GPU other than the owner maps it over NVLink/PCIe
-_SHM_DIR = "/dev/shm"
+_MEMFD_NAME = "kvstage-arena"
 
 
 class MappingError(Exception):
@@ -40,35 +41,32 @@ class _IpcHandle(ctypes.Structure):
 
 
 def shared_host_buffer(nbytes: int) -> torch.Tensor:
-    """Host memory in a fresh file under /dev/shm (mode 0600), mapped here; the
-    file is removed when the returned tensor's owner is collected."""
-    path = os.path.join(_SHM_DIR, f"kvstage-arena-{os.getpid()}-{secrets.token_hex(8)}")
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    """Host memory in an anonymous memory file, mapped here. Its descriptor stays
+    open (peers on this host open it through /proc) until ``unshare``."""
+    fd = os.memfd_create(_MEMFD_NAME, os.MFD_CLOEXEC)
     try:
         os.ftruncate(fd, nbytes)
         m = mmap.mmap(fd, nbytes)
     except OSError:
-        os.unlink(path)
-        raise
-    finally:
         os.close(fd)
-    owner = _SharedFile(path, m)
+        raise
+    owner = _SharedFile(fd, m)
     t = torch.frombuffer(m, dtype=torch.uint8)
     t._kvstage_owner = owner
     return t
 
 
 class _SharedFile:
-    def __init__(self, path: str, m: mmap.mmap):
-        self.path, self.map = path, m
+    def __init__(self, fd: int, m: mmap.mmap):
+        self.fd, self.map = fd, m
 
-    def unlink(self) -> None:
-        try:
-            os.unlink(self.path)
-        except OSError:  # already removed
-            pass
+    def close(self) -> None:
+        """No new peer can open it; the memory lives while any mapping of it does."""
+        fd, self.fd = self.fd, None
+        if fd is not None:
+            os.close(fd)
 
-    __del__ = unlink
+    __del__ = close
 
 
 def share(buffer: torch.Tensor) -> dict | None:
@@ -78,7 +76,9 @@ def share(buffer: torch.Tensor) -> dict | None:
     in a shared-memory file."""
     owner = getattr(buffer, "_kvstage_owner", None)
     if isinstance(owner, _SharedFile):
-        return {"kind": "shm", "path": owner.path, "nbytes": buffer.numel()}
+        if owner.fd is None:
+            return None
+        return {"kind": "memfd", "pid": os.getpid(), "fd": owner.fd, "nbytes": buffer.numel()}
     if buffer.is_cuda and owner is not None and getattr(owner, "ptr", None) == buffer.data_ptr():
         h = _IpcHandle()
         with torch.cuda.device(buffer.device):
@@ -93,11 +93,12 @@ def share(buffer: torch.Tensor) -> dict | None:
 
 
 def unshare(buffer: torch.Tensor) -> None:
-    """Remove a shared host buffer's file name (its memory stays mapped where it is);
-    nothing for other buffers. CUDA IPC needs nothing: the allocation's end ends it."""
+    """Stop offering a shared host buffer to new peers (its memory stays mapped
+    where it is); nothing for other buffers. CUDA IPC needs nothing: the
+    allocation's end ends it."""
     owner = getattr(buffer, "_kvstage_owner", None)
     if isinstance(owner, _SharedFile):
-        owner.unlink()
+        owner.close()
 
 
 class MappedArena:
@@ -121,29 +122,33 @@ def open_shared(desc: dict, nbytes: int, device: torch.device) -> MappedArena:
     if not isinstance(desc, dict) or desc.get("nbytes") != nbytes:
         raise MappingError(f"the shared arena's description does not match its {nbytes}-byte registration")
     kind = desc.get("kind")
-    if kind == "shm":
-        return _open_shm(desc.get("path"), nbytes, device)
+    if kind == "memfd":
+        return _open_memfd(desc.get("pid"), desc.get("fd"), nbytes, device)
     if kind == "cuda_ipc":
         return _open_ipc(desc.get("handle"), nbytes, device)
     raise MappingError(f"unknown shared arena kind {str(kind)[:32]!r}")
 
 
-def _open_shm(path, nbytes: int, device: torch.device) -> MappedArena:
+def _open_memfd(pid, fd, nbytes: int, device: torch.device) -> MappedArena:
     if device.type != "cpu":
         raise MappingError("a host arena in shared memory; this rank copies with CUDA kernels from its own device")
-    if not isinstance(path, str) or os.path.dirname(path) != _SHM_DIR or not os.path.basename(path).startswith("kvstage-arena-"):
-        raise MappingError(f"shared arena path {str(path)[:80]!r} is not a kvstage arena under {_SHM_DIR}")
+    if not all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in (pid, fd)):
+        raise MappingError(f"shared arena pid={pid!r} fd={fd!r}: must be positive integers")
+    path = f"/proc/{pid}/fd/{fd}"
     try:
+        if not os.readlink(path).startswith(f"/memfd:{_MEMFD_NAME}"):
+            raise MappingError(f"{path} is not a kvstage arena")
         fd = os.open(path, os.O_RDWR)
     except OSError as e:
-        raise MappingError(f"cannot open {path}: {e.strerror} (another host, or another /dev/shm)") from e
+        raise MappingError(f"cannot open {path}: {e.strerror} (another host or PID namespace, or the "
+                           "destination closed)") from e
     try:
         if os.fstat(fd).st_size != nbytes:
             raise MappingError(f"{path} holds {os.fstat(fd).st_size} bytes, the arena {nbytes}")
         m = mmap.mmap(fd, nbytes)
     finally:
         os.close(fd)
-    return MappedArena(torch.frombuffer(m, dtype=torch.uint8), "shm", m.close)
+    return MappedArena(torch.frombuffer(m, dtype=torch.uint8), "memfd", m.close)
 
 
 class _DevicePointer:
