@@ -177,3 +177,36 @@ def test_chunks_owed_by_a_mapped_writer_leave_the_loop_idle(mapped_pair):
         src.conn.send(_landed(req, g, _gather_into(src, arena, req, g)))
         h.wait(10)
         assert h.path == "mapped"
+
+
+def test_source_does_not_map_an_arena_of_another_host():
+    """The welcome's facts say where the destination runs: a shared arena of another
+    host is never opened (``on`` refuses it, ``auto`` writes through the transport)."""
+    from kvstage.transports.mapped import share
+
+    dst = _destination("on")
+    try:
+        for setting in ("on", "auto"):
+            src = Source(RankCache.allocate(fr.src_spec(1), 0, 64), Settings(**fr.SETTINGS, auth_token=TOKEN, mapped=setting))
+            elsewhere = {"host": {"value": {"hostname": "elsewhere", "boot_id": "0"}}}
+            desc = share(dst.arena.buffer)
+            try:
+                got = src._call(lambda: src._map_arena(_Conn(), dst.arena_region, desc, elsewhere))
+                assert setting == "auto" and got is None
+            except TransferFailed as e:
+                assert setting == "on" and "another host" in str(e)
+            mine = src._call(lambda: src._map_arena(_Conn(), dst.arena_region, desc, src.facts))
+            assert mine is not None and mine.kind == "memfd"
+            src._call(mine.close)
+            src.close()
+    finally:
+        dst.close()
+
+
+class _Conn:
+    """What ``_map_arena`` uses of a control connection: its name, and close."""
+
+    peer = "destination rank 0 (test)"
+
+    def close(self):
+        pass

@@ -28,6 +28,7 @@ import numpy as np
 
 from kvstage.errors import KVStageError, ProtocolError, TransferFailed
 from kvstage.layout import pages_needed
+from kvstage.probe.context import link_context
 from kvstage.protocol.endpoint import Endpoint, check_pages, check_transport, md_from_wire, md_to_wire, spec_from_wire, spec_to_wire
 from kvstage.protocol.request import State, TransferHandle
 from kvstage.protocol.wire import PROTOCOL_VERSION, Connection, encode_notice, field
@@ -206,7 +207,7 @@ class Source(Endpoint):
         if direct and len(kv) != len(self.cache.buffers):
             conn.close()
             raise TransferFailed("-", conn.peer, "handshake", f"destination offered {len(kv)} KV regions, need {len(self.cache.buffers)}")
-        mapped = None if direct else self._map_arena(conn, arena, shared)
+        mapped = None if direct else self._map_arena(conn, arena, shared, facts)
         if rank in self.targets:
             self._close_target(self.targets[rank])
         agent = self.transport.connect(md)
@@ -219,7 +220,7 @@ class Source(Endpoint):
             log.info("src %d: %s shares its arena (%s, same host): chunks are gathered straight into its slots, "
                      "no transport write", self.rank, conn.peer, mapped.kind)
 
-    def _map_arena(self, conn: Connection, arena: Region, shared) -> MappedArena | None:
+    def _map_arena(self, conn: Connection, arena: Region, shared, peer_facts) -> MappedArena | None:
         """The destination's arena mapped here, or None (with ``mapped="on"``, no mapping fails the handshake)."""
         setting = self.settings.mapped
         if setting == "off" or not self.transport.one_sided:
@@ -228,6 +229,8 @@ class Source(Endpoint):
         if shared is None:
             why = "the destination does not share its arena (it runs with mapped=off, or its arena is not shareable: " \
                   "a host arena is shared only with KVSTAGE_MAPPED=on on the destination)"
+        elif link_context(self.facts, peer_facts if isinstance(peer_facts, dict) else None).same_host is False:
+            why = "the destination runs on another host (hostname and boot id differ)"
         else:
             try:
                 return open_shared(shared, arena.nbytes, self.cache.device)
