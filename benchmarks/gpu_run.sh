@@ -9,7 +9,8 @@
 #   `git archive`), alternating (AB_ROUNDS rounds, 2), so a change is measured against its base in one run.
 #   AB_8K=0 keeps ab to its 128-token runs. mapped: one-GPU runs with KVSTAGE_MAPPED=auto (the
 #   sources gather straight into the destination's arena over CUDA IPC) and =off (a NIXL write per
-#   chunk), alternating (AB_ROUNDS rounds); mappedx2: the same across two GPUs. slots: 4->1 8k with 512 MiB and 1 GiB slots
+#   chunk), alternating (AB_ROUNDS rounds); mappedx2: =on (auto maps no other GPU's arena) against
+#   =off across two GPUs. slots: 4->1 8k with 512 MiB and 1 GiB slots
 #   (fewer, larger chunks). BENCH_TIMEOUT (120) and PYTEST_TIMEOUT (300) bound each step, in seconds.
 set -uo pipefail
 FINAL=${OUT:-/tmp/kvstage-out}
@@ -48,14 +49,14 @@ if want mapped; then
 fi
 if want mappedx2 && [ "$GPUS" -ge 2 ]; then
   X="--src-gpu 0 --dst-gpu 1 --mode staged,bulk"
-  for m in auto off; do
+  for m in on off; do
     KVSTAGE_MAPPED=$m bench "mapx2-$m-2to1-8k" --tokens 8192 --src-tp 2 --dst-tp 1 $X --iters 5 $BIG
     KVSTAGE_MAPPED=$m bench "mapx2-$m-1to2-8k" --tokens 8192 --src-tp 1 --dst-tp 2 $X --iters 5 $BIG
   done
-  bench mapx2-auto-4to1-8k --tokens 8192 $X --iters 5 $BIG
-  bench mapx2-auto-1to4-8k --tokens 8192 --src-tp 1 --dst-tp 4 $X --iters 5 $BIG
-  bench mapx2-auto-2to1-32k --tokens 32768 --src-tp 2 --dst-tp 1 $X --iters 3 $BIG
-  bench mapx2-auto-4to1-128 --tokens 128 $X --iters 30 --warmup 3
+  for m in on off; do
+    KVSTAGE_MAPPED=$m bench "mapx2-$m-2to1-32k" --tokens 32768 --src-tp 2 --dst-tp 1 $X --iters 3 $BIG
+    KVSTAGE_MAPPED=$m bench "mapx2-$m-4to1-128" --tokens 128 $X --iters 30 --warmup 3
+  done
 fi
 want kernels && step kernels && timeout 150 python3 benchmarks/gpu_kernels.py --json "$OUT/kernels.json" 2>&1 | tee "$OUT/kernels.log"
 if want x2 && [ "$GPUS" -ge 2 ]; then  # sources on GPU 0, destinations on GPU 1: NVLink (the multi-GPU issue)

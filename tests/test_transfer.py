@@ -156,6 +156,8 @@ def test_across_two_gpus_byte_exact(name):
         pytest.skip("needs two CUDA devices")
     kw = {"2to1": dict(src_tp=2, dst_tp=1), "1to2": dict(src_tp=1, dst_tp=2), "direct_2to2": dict(src_tp=2, dst_tp=2),
           **CASES}[name]
-    for mapped in ("off", "auto"):  # a NIXL write over the link; the gather kernel's stores over it (CUDA IPC)
+    # auto: a NIXL write over the link (another GPU's arena is not mapped unless asked);
+    # on: the gather kernel's own stores over the link (CUDA IPC with peer access)
+    for mapped in ("auto", "on"):
         sc = dataclasses.replace(scenario(**kw, device="cuda"), src_gpu=0, dst_gpu=1, settings_extra={"mapped": mapped})
-        _check(run(sc), "direct" if name == "direct_2to2" else "mapped" if mapped == "auto" else "staged")
+        _check(run(sc), "direct" if name == "direct_2to2" else "mapped" if mapped == "on" else "staged")

@@ -103,6 +103,18 @@ class InFlight:
     posted: float
 
 
+def _same_device(a, b) -> bool:
+    """Two torch devices are one (a bare "cuda" is the current device)."""
+    import torch
+
+    if a.type != b.type:
+        return False
+    if a.type != "cuda":
+        return True
+    cur = torch.cuda.current_device()
+    return (cur if a.index is None else a.index) == (cur if b.index is None else b.index)
+
+
 class Source(Endpoint):
     """A source rank. ``connect`` it to every destination rank, then ``send``."""
 
@@ -233,9 +245,18 @@ class Source(Endpoint):
             why = "the destination runs on another host (hostname and boot id differ)"
         else:
             try:
-                return open_shared(shared, arena.nbytes, self.cache.device)
+                mapped = open_shared(shared, arena.nbytes, self.cache.device)
             except MappingError as e:
                 why = str(e)
+            else:
+                if setting == "on" or _same_device(mapped.tensor.device, self.cache.device):
+                    return mapped
+                # another GPU: NIXL's copy engines write it over the link as fast (docs/benchmarks.md,
+                # session 5) and leave this GPU's SMs to the model; mapped=on stores over the link anyway
+                log.info("src %d: %s shares its arena on another GPU (%s): chunks go by transport writes "
+                         "(KVSTAGE_MAPPED=on maps it)", self.rank, conn.peer, mapped.tensor.device)
+                mapped.close()
+                return None
         if setting == "on":
             conn.close()
             raise TransferFailed("-", conn.peer, "handshake", f"mapped=on, but {why}")
