@@ -210,3 +210,16 @@ class _Conn:
 
     def close(self):
         pass
+
+
+def test_closing_a_mapping_with_a_live_view_does_not_raise():
+    """A source unmaps a destination's arena when the destination goes; a view of it
+    still held somewhere must not turn that into an error (it unmaps when the view goes)."""
+    from kvstage.transports.mapped import share, shared_host_buffer
+
+    owner = shared_host_buffer(1 << 16)
+    m = open_shared(share(owner), 1 << 16, torch.device("cpu"))
+    view = m.view(128, 16)
+    view.fill_(7)
+    m.close()
+    assert int(owner[128]) == 7 and int(view[0]) == 7

@@ -73,7 +73,7 @@ def share(buffer: torch.Tensor) -> dict | None:
     """What a peer on this host needs to map ``buffer`` (an arena made by
     ``allocate_arena``), or None when it is not shareable: device memory is
     shared when it is its own cudaMalloc allocation, host memory when it lives
-    in a shared-memory file."""
+    in a memfd (``shared_host_buffer``) still offered."""
     owner = getattr(buffer, "_kvstage_owner", None)
     if isinstance(owner, _SharedFile):
         if owner.fd is None:
@@ -148,7 +148,13 @@ def _open_memfd(pid, fd, nbytes: int, device: torch.device) -> MappedArena:
         m = mmap.mmap(fd, nbytes)
     finally:
         os.close(fd)
-    return MappedArena(torch.frombuffer(m, dtype=torch.uint8), "memfd", m.close)
+    def close():
+        try:
+            m.close()
+        except BufferError:  # a view of it is still alive somewhere: unmapped when the last one goes
+            pass
+
+    return MappedArena(torch.frombuffer(m, dtype=torch.uint8), "memfd", close)
 
 
 class _DevicePointer:
