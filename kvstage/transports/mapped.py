@@ -148,13 +148,9 @@ def _open_memfd(pid, fd, nbytes: int, device: torch.device) -> MappedArena:
         m = mmap.mmap(fd, nbytes)
     finally:
         os.close(fd)
-    def close():
-        try:
-            m.close()
-        except BufferError:  # a view of it is still alive somewhere: unmapped when the last one goes
-            pass
-
-    return MappedArena(torch.frombuffer(m, dtype=torch.uint8), "memfd", close)
+    # no explicit munmap: torch's views do not pin the map, so closing it under a live view would
+    # leave that view pointing at unmapped memory; the map goes with the last tensor that holds it
+    return MappedArena(torch.frombuffer(m, dtype=torch.uint8), "memfd", lambda: None)
 
 
 class _DevicePointer:
