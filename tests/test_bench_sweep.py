@@ -211,6 +211,20 @@ def test_table_and_csv_from_a_result(tmp_path):
     assert len(csv_rows(result)) == 2
 
 
+@pytest.mark.parametrize("path", ["staged", "mapped", "direct"])
+def test_table_names_how_staged_bytes_went(path):
+    """A staged row whose every request went another way than a transport write of a
+    staged chunk says so: "staged (mapped)", "staged (direct)"; plain staged rows do not."""
+    sc, g, reports = _synthetic()
+    for who, *_, data in reports:
+        if who == "dst" and data["path"] is not None:
+            data["path"] = path
+    text = render_table({"config": sc.to_dict(), "results": summarize(g, reports)})
+    labels = {"staged": "staged ", "mapped": "staged (mapped)", "direct": "staged (direct)"}
+    assert labels[path] in text
+    assert ("(mapped)" in text) is (path == "mapped") and ("(direct)" in text) is (path == "direct")
+
+
 def test_plot_is_a_png(tmp_path):
     pytest.importorskip("matplotlib", reason="matplotlib is the optional 'plot' extra")
     from kvstage.bench.report import write_plot
