@@ -81,6 +81,7 @@ class Destination(Endpoint):
     """A destination rank. ``address`` is where sources connect."""
 
     role = "dst"
+    shares_arena = True
 
     def __init__(self, cache, settings=None, transport=None, listen: tuple[str, int] = ("127.0.0.1", 0)):
         super().__init__(cache, settings, transport)

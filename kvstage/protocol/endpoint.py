@@ -51,6 +51,14 @@ def _tight_timer() -> None:
         pass
 
 
+def remember(recent: dict, key, value, most: int) -> None:
+    """Put ``key`` last in ``recent`` (insertion order = age), keeping at most ``most`` entries: the oldest go."""
+    recent.pop(key, None)
+    recent[key] = value
+    while len(recent) > most:
+        recent.pop(next(iter(recent)))
+
+
 def spec_to_wire(spec: SideSpec) -> dict:
     g = spec.geometry
     return {
@@ -117,6 +125,7 @@ class Endpoint:
     """Base of ``Source`` and ``Destination``."""
 
     role = "endpoint"
+    shares_arena = False  # offers its arena to sources on this host (``transports.mapped``)
 
     def __init__(self, cache: RankCache, settings: Settings | None = None, transport: Transport | None = None):
         self.cache = cache
@@ -142,7 +151,7 @@ class Endpoint:
         on_gpu = where == "device"
         # a destination's host arena goes in shared memory only when asked (mapped="on"): sources on this
         # host then gather into it; a CUDA arena is shareable as it is (CUDA IPC)
-        shared = self.role == "dst" and self.settings.mapped == "on" and cache.device.type == "cpu"
+        shared = self.shares_arena and self.settings.mapped == "on" and cache.device.type == "cpu"
         self.arena = StagingArena(self.settings.slot_bytes, self.settings.slots,
                                   cache.device if on_gpu else torch.device("cpu"), pinned=cache.device.type == "cuda",
                                   shared=shared)
@@ -265,10 +274,7 @@ class Endpoint:
         """A peer aborted ``req`` before this side was told of it: fail it the
         moment it is added instead of waiting for a grant or a writer that will
         never come. At most ``MAX_ABORTED`` are kept, the oldest dropped first."""
-        self._aborted.pop(req, None)
-        self._aborted[req] = (peer, cause)
-        while len(self._aborted) > MAX_ABORTED:
-            self._aborted.pop(next(iter(self._aborted)))
+        remember(self._aborted, req, (peer, cause), MAX_ABORTED)
 
     def _take_abort(self, handle) -> bool:
         got = self._aborted.pop(handle.req, None)

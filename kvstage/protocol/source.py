@@ -29,9 +29,9 @@ import numpy as np
 from kvstage.errors import KVStageError, ProtocolError, TransferFailed
 from kvstage.layout import pages_needed
 from kvstage.probe.context import link_context
-from kvstage.protocol.endpoint import Endpoint, check_pages, check_transport, md_from_wire, md_to_wire, spec_from_wire, spec_to_wire
+from kvstage.protocol.endpoint import Endpoint, check_pages, check_transport, md_from_wire, md_to_wire, remember, spec_from_wire, spec_to_wire
 from kvstage.protocol.request import State, TransferHandle
-from kvstage.protocol.wire import PROTOCOL_VERSION, Connection, encode_notice, field
+from kvstage.protocol.wire import PROTOCOL_VERSION, Connection, encode_notice, field, notice_fields
 from kvstage.staging.copy import TokenIndex, gather, upload_pages
 from kvstage.staging.fence import CopyFence
 from kvstage.tp import Piece, TransferPlan, plan
@@ -299,11 +299,12 @@ class Source(Endpoint):
         # returns at once), so no TCP send is on their path; a host gather runs in the call, so
         # there the announcements go first.
         launch_first = bool(held) and self.cache.device.type == "cuda"
+        ready = {"type": "ready", "req": handle.req, "tokens": handle.tokens}
         for d in want:
             out.written[d] = 0
             out.granted[d] = set()
             if not launch_first:
-                self.targets[d].conn.send({"type": "ready", "req": handle.req, "tokens": handle.tokens})
+                self.targets[d].conn.send(ready)
         if not all(self.targets[d].kv for d in want):
             out.device_pages = upload_pages(self.cache, pages)
         for job, chunks, tokens in sorted(held.values(), key=lambda g: (g[0].chunk, g[0].dst)):
@@ -313,7 +314,7 @@ class Source(Endpoint):
             self._progress()
             if handle.state is not State.FAILED:  # DONE already still needs them; FAILED: an abort went instead
                 for d in want:
-                    self._send(d, {"type": "ready", "req": handle.req, "tokens": handle.tokens})
+                    self._send(d, ready)
 
     def _busy(self) -> bool:
         return bool(self._inflight or self._jobs or self._gathering)
@@ -523,8 +524,8 @@ class Source(Endpoint):
                 self._maybe_forget(out)
                 continue
             if mapped:  # the gather's stores were the transfer: tell the destination they are done
-                self._send(job.dst, {"type": "landed", "req": job.req, "chunk": job.chunk, "writer": self.rank,
-                                     "offset": job.offset, "bytes": g.nbytes})
+                self._send(job.dst, {"type": "landed",
+                                     **notice_fields(job.req, job.chunk, self.rank, job.offset, g.nbytes)})
                 log.debug("src %d: %s chunk %d landed in destination rank %d's mapped arena", self.rank, job.req,
                           job.chunk, job.dst)
                 out.handle.bytes += g.nbytes
@@ -625,9 +626,7 @@ class Source(Endpoint):
         if not out.handle.done() or out.inflight:
             return
         self.requests.pop(out.handle.req, None)
-        self._finished[out.handle.req] = out.handle.state.value
-        while len(self._finished) > MAX_FINISHED:
-            self._finished.pop(next(iter(self._finished)))
+        remember(self._finished, out.handle.req, out.handle.state.value, MAX_FINISHED)
         if out.handle.state is State.FAILED:
             for d in out.written:
                 self._send(d, {"type": "abort_ack", "req": out.handle.req})

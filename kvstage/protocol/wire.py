@@ -59,9 +59,13 @@ class Notice(NamedTuple):
     nbytes: int
 
 
+def notice_fields(req: str, chunk: int, writer: int, offset: int | None, nbytes: int) -> dict:
+    """A notice's fields: riding on a write (``encode_notice``) or in a ``landed`` control message."""
+    return {"req": req, "chunk": chunk, "writer": writer, "offset": offset, "bytes": nbytes}
+
+
 def encode_notice(req: str, chunk: int, writer: int, offset: int | None, nbytes: int) -> bytes:
-    return json.dumps({"t": "landed", "req": req, "chunk": chunk, "writer": writer, "offset": offset, "bytes": nbytes},
-                      separators=(",", ":")).encode()
+    return json.dumps({"t": "landed", **notice_fields(req, chunk, writer, offset, nbytes)}, separators=(",", ":")).encode()
 
 
 def decode_notice(data: bytes) -> Notice:
