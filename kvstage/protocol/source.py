@@ -103,18 +103,6 @@ class InFlight:
     posted: float
 
 
-def _same_device(a, b) -> bool:
-    """Two torch devices are one (a bare "cuda" is the current device)."""
-    import torch
-
-    if a.type != b.type:
-        return False
-    if a.type != "cuda":
-        return True
-    cur = torch.cuda.current_device()
-    return (cur if a.index is None else a.index) == (cur if b.index is None else b.index)
-
-
 class Source(Endpoint):
     """A source rank. ``connect`` it to every destination rank, then ``send``."""
 
@@ -249,7 +237,7 @@ class Source(Endpoint):
             except MappingError as e:
                 why = str(e)
             else:
-                if setting == "on" or _same_device(mapped.tensor.device, self.cache.device):
+                if setting == "on" or mapped.on(self.cache.device):
                     return mapped
                 # another GPU: NIXL's copy engines write it over the link as fast (docs/benchmarks.md,
                 # session 5) and leave this GPU's SMs to the model; mapped=on stores over the link anyway

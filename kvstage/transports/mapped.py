@@ -110,6 +110,16 @@ class MappedArena:
     def view(self, offset: int, nbytes: int) -> torch.Tensor:
         return self.tensor[offset : offset + nbytes]
 
+    def on(self, device: torch.device) -> bool:
+        """Whether the mapped memory lives on ``device`` (a bare "cuda" is the current device)."""
+        mine = self.tensor.device
+        if mine.type != device.type:
+            return False
+        if mine.type != "cuda":
+            return True
+        cur = torch.cuda.current_device()
+        return (cur if mine.index is None else mine.index) == (cur if device.index is None else device.index)
+
     def close(self) -> None:
         if self._closer is not None:
             closer, self._closer = self._closer, None
