@@ -3,11 +3,12 @@
 # kernels beside a d2d copy, staged vs bulk vs per-slice on one GPU, the same
 # across two GPUs when there are two, the byte-exact GPU suite.
 #   run with .whl/ carried (NIXL wheels, ../shared/notes/gpu-machine.md); outputs in $OUT
-#   PARTS="kernels x2 long one mps trace spy pytest ab" (the default: all but ab) picks parts;
+#   PARTS="kernels x2 long one mps trace spy pytest ab" (the default: all but ab and smoke) picks parts;
 #   spy needs .whl-spy/ (the py-spy wheel) carried too. ab: the same one-GPU runs for this
 #   tree and for every other tree under ab/NAME/kvstage (untracked copies, e.g. from
-#   `git archive`), alternating (AB_ROUNDS rounds, 2), so a change is measured against its base in one run.
-#   AB_8K=0 keeps ab to its 128-token runs. mapped: one-GPU runs with KVSTAGE_MAPPED=auto (the
+#   `git archive`), alternating (AB_ROUNDS rounds, 2), so a change is measured against its base in one run;
+#   AB_CASES picks its cases (default "4to1-128 4to1-8k-big"; also 1to4-128, 1to4-8k-big, 4to1-8k-1g:
+#   1 GiB slots, one chunk per request). mapped: one-GPU runs with KVSTAGE_MAPPED=auto (the
 #   sources gather straight into the destination's arena over CUDA IPC) and =off (a NIXL write per
 #   chunk), alternating (AB_ROUNDS rounds); mappedx2: =on (auto maps no other GPU's arena) against
 #   =off across two GPUs. slots: 4->1 8k with 512 MiB and 1 GiB slots
@@ -27,12 +28,25 @@ bench() { local name=$1; shift; step "bench $name: $*"
 BIG="--arena-mb 2048 --slot-mb 256"
 PARTS=${PARTS:-kernels x2 long one mps trace spy pytest}
 want() { [[ " $PARTS " == *" $1 "* ]]; }
+# smoke: the kernel's byte-exact tests alone, first, so a broken launch shows before any bench
+want smoke && step smoke && timeout 120 python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_cuda_copy.py 2>&1 | tee "$OUT/pytest-smoke.log"
+abcase() { case $1 in
+  4to1-128) echo "--tokens 128 --iters 30 --warmup 3" ;;
+  1to4-128) echo "--tokens 128 --src-tp 1 --dst-tp 4 --iters 30 --warmup 3" ;;
+  4to1-8k-big) echo "--tokens 8192 --iters 5 $BIG" ;;
+  1to4-8k-big) echo "--tokens 8192 --src-tp 1 --dst-tp 4 --iters 5 $BIG" ;;
+  4to1-8k-1g) echo "--tokens 8192 --iters 5 --arena-mb 2048 --slot-mb 1024" ;;
+  *) echo "unknown ab case $1" >&2; return 1 ;;
+esac; }
 if want ab; then  # python -m puts the working directory first on sys.path: each tree runs from its own
   for round in $(seq "${AB_ROUNDS:-2}"); do
-    for tree in . ab/*/; do
-      name=$(basename "$(cd "$tree" && pwd)"); [ "$tree" = . ] && name=this
-      (cd "$tree" && bench "ab-$name-4to1-128-r$round" --tokens 128 --mode staged,bulk --iters 30 --warmup 3 \
-        && { [ "${AB_8K:-1}" = 0 ] || bench "ab-$name-4to1-8k-big-r$round" --tokens 8192 --mode staged,bulk --iters 5 $BIG; })
+    for c in ${AB_CASES:-4to1-128 4to1-8k-big}; do
+      args=$(abcase "$c") || continue
+      for tree in . ab/*/; do
+        name=$(basename "$(cd "$tree" && pwd)"); [ "$tree" = . ] && name=this
+        # shellcheck disable=SC2086  # the case's arguments split into words on purpose
+        (cd "$tree" && bench "ab-$name-$c-r$round" --mode staged,bulk $args)
+      done
     done
   done
 fi
@@ -98,6 +112,7 @@ trace() { local name=$1; shift; step "trace $name: $*"
     --mode staged,bulk "$@" 2> "$OUT/$name.err" | tee "$OUT/$name.log"; }
 want trace && {
 trace trace-4to1-128 --tokens 128 --iters 10 --warmup 2
+trace trace-1to4-128 --tokens 128 --src-tp 1 --dst-tp 4 --iters 10 --warmup 2
 trace trace-4to1-8k-big --tokens 8192 --iters 2 $BIG
 [ "$GPUS" -ge 2 ] && trace trace-x2-1to2-32k --tokens 32768 --src-tp 1 --dst-tp 2 --src-gpu 0 --dst-gpu 1 --iters 2 $BIG
 }

@@ -1,5 +1,6 @@
-"""The CUDA runtime library, through ctypes: for the few calls torch does not
-expose (a dedicated cudaMalloc, CUDA IPC handles)."""
+"""The CUDA runtime and driver libraries, through ctypes: for the few calls
+torch does not expose (a dedicated cudaMalloc, CUDA IPC handles, a kernel
+launch with its arguments packed once)."""
 
 from __future__ import annotations
 
@@ -7,12 +8,40 @@ import ctypes
 import functools
 
 
+def _load(names: tuple[str, ...], what: str, kind=ctypes.CDLL) -> ctypes.CDLL:
+    for name in names:
+        try:
+            return kind(name)
+        except OSError:
+            continue
+    raise OSError(f"no {what} found (tried {', '.join(names)})")
+
+
 @functools.cache
 def runtime() -> ctypes.CDLL:
     """The CUDA runtime torch already loaded (by soname), or the first one found."""
-    for name in ("libcudart.so.13", "libcudart.so.12", "libcudart.so"):
-        try:
-            return ctypes.CDLL(name)
-        except OSError:
-            continue
-    raise OSError("no CUDA runtime library (libcudart) found")
+    return _load(("libcudart.so.13", "libcudart.so.12", "libcudart.so"), "CUDA runtime library (libcudart)")
+
+
+@functools.cache
+def driver() -> ctypes.CDLL:
+    """The CUDA driver library, with the signatures of the calls used here declared.
+    Its calls keep the GIL (``PyDLL``): each takes microseconds, and releasing the GIL
+    around a launch would hand it to another thread and wait to get it back."""
+    lib = _load(("libcuda.so.1", "libcuda.so"), "CUDA driver library (libcuda)", ctypes.PyDLL)
+    p, u = ctypes.c_void_p, ctypes.c_uint
+    lib.cuLaunchKernel.argtypes = [p, u, u, u, u, u, u, u, p, p, p]
+    lib.cuCtxGetCurrent.argtypes = [ctypes.POINTER(p)]
+    lib.cuCtxSetCurrent.argtypes = [p]
+    lib.cuDeviceGet.argtypes = [ctypes.POINTER(ctypes.c_int), ctypes.c_int]
+    lib.cuDevicePrimaryCtxRetain.argtypes = [ctypes.POINTER(p), ctypes.c_int]
+    lib.cuGetErrorName.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_char_p)]
+    return lib
+
+
+def driver_error(code: int) -> str:
+    """``CUDA_ERROR_...`` for a driver call's result."""
+    name = ctypes.c_char_p()
+    if driver().cuGetErrorName(code, ctypes.byref(name)) != 0 or not name.value:
+        return f"CUDA driver error {code}"
+    return f"{name.value.decode()} ({code})"

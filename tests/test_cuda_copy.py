@@ -2,10 +2,14 @@
 
 Covers the paths the endpoints take: page ids uploaded once per request
 (``upload_pages``), the scatter prepared ahead and launched later
-(``prepare_scatter``), chunks that start mid-page, several writers per slot.
+(``prepare_scatter``), each writer's piece scattered on its own as it lands
+(``prepare_piece_scatters``), one launch gathering into several regions
+(``gather_pieces``: a 1->N source's mapped destinations), chunks that start
+mid-page, several writers per slot, a launch from a thread with no CUDA context.
 """
 
 import itertools
+import threading
 
 import numpy as np
 import pytest
@@ -14,7 +18,8 @@ import torch
 from kvstage.layout import KVGeometry, PageLayout, pages_needed
 from kvstage.staging import cuda_copy
 from kvstage.staging.cache import RankCache
-from kvstage.staging.copy import TokenIndex, gather, prepare_scatter, region_bytes, scatter_chunk, upload_pages
+from kvstage.staging.copy import (TokenIndex, gather, gather_pieces, prepare_piece_scatters, prepare_scatter,
+                                  region_bytes, scatter_chunk, upload_pages)
 from kvstage.tp import SideSpec
 from test_staging import _random_cache as random_cache  # the same random bytes, made on the host
 
@@ -71,3 +76,77 @@ def test_upload_pages_refuses_page_ids_outside_the_cache(gpu):
     gpu_cache = _random_cache(SideSpec(GEO, 1, PageLayout(4)), 10, 4, "cuda")
     with pytest.raises(IndexError, match=r"page ids must lie in \[0, 10\); got 0\.\.12"):
         upload_pages(gpu_cache, np.array([0, 12]))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("side", SIDES)
+def test_one_launch_gathers_into_several_regions_and_pieces_scatter_one_by_one(gpu, side):
+    start, count = 5, 300
+    spec = SideSpec(GEO, 1, PageLayout(*side))
+    pages = 400
+    ids = np.random.default_rng(7).permutation(pages)[: pages_needed(start + count, side[0])]
+    dev = _random_cache(spec, pages, 8, "cuda")
+    host = RankCache(spec, 0, [b.cpu() for b in dev.buffers])
+    dev_ids = upload_pages(dev, ids)
+    # three regions in three separate allocations (three destinations' arenas), one launch
+    heads = [(0, 1), (1, 2), (3, 1)]
+    regions = [torch.full((region_bytes(host, count, n) + 32,), 0xAB, dtype=torch.uint8, device="cuda") for _, n in heads]
+    gather_pieces(dev, TokenIndex(dev, ids, start, count, dev_ids),
+                  [(lo, n, r[16 : 16 + region_bytes(host, count, n)]) for (lo, n), r in zip(heads, regions)])
+    torch.cuda.synchronize()
+    for (lo, n), r in zip(heads, regions):
+        want = torch.empty(region_bytes(host, count, n), dtype=torch.uint8)
+        gather(host, TokenIndex(host, ids, start, count), lo, n, want)
+        got = r.cpu()
+        assert torch.equal(got[16 : 16 + want.numel()], want), (lo, n)
+        assert bool((got[:16] == 0xAB).all()) and bool((got[16 + want.numel() :] == 0xAB).all()), "wrote outside its region"
+    # a slot of three writers' pieces, each scattered by its own launch, in landing order
+    parts, off = [], 0
+    for lo, n in heads:
+        parts.append((lo, n, off))
+        off += region_bytes(host, count, n)
+    slot = torch.randint(0, 256, (off,), dtype=torch.uint8, generator=torch.Generator().manual_seed(9))
+    ref = RankCache(spec, 0, [b.clone() for b in host.buffers])
+    scatter_chunk(ref, TokenIndex(ref, ids, start, count), parts, slot)
+    launches = prepare_piece_scatters(dev, TokenIndex(dev, ids, start, count, dev_ids), parts, slot.cuda())
+    assert len(launches) == 3
+    for k in (2, 0):
+        launches[k]()
+    torch.cuda.synchronize()
+    assert not all(torch.equal(a.cpu().view(torch.uint8), b.view(torch.uint8)) for a, b in zip(dev.buffers, ref.buffers))
+    launches[1]()
+    torch.cuda.synchronize()
+    assert all(torch.equal(a.cpu().view(torch.uint8), b.view(torch.uint8)) for a, b in zip(dev.buffers, ref.buffers))
+
+
+@pytest.mark.gpu
+def test_a_prepared_copy_launches_from_a_thread_with_no_cuda_context(gpu):
+    """The endpoints' loop threads launch copies prepared elsewhere: the launch makes
+    the device's context current itself (the driver call has no implicit one)."""
+    spec = SideSpec(GEO, 1, PageLayout(16))
+    ids = np.arange(4)
+    dev = _random_cache(spec, 8, 10, "cuda")
+    host = RankCache(spec, 0, [b.cpu() for b in dev.buffers])
+    want = torch.empty(region_bytes(host, 50, 4), dtype=torch.uint8)
+    gather(host, TokenIndex(host, ids, 0, 50), 0, 4, want)
+    got = torch.zeros(want.numel(), dtype=torch.uint8, device="cuda")
+    from kvstage.staging.copy import _prepared
+
+    launch = _prepared(dev, TokenIndex(dev, ids, 0, 50, upload_pages(dev, ids)), [(0, 4, 0)], got, True)
+    torch.cuda.synchronize()
+    errors = []
+    t = threading.Thread(target=lambda: errors.append(_run(launch)))
+    t.start()
+    t.join()
+    assert errors == [None]
+    torch.cuda.synchronize()
+    assert torch.equal(got.cpu(), want)
+
+
+def _run(launch):
+    try:
+        launch()
+        torch.cuda.synchronize()
+    except Exception as e:  # the assertion in the test names it
+        return e
+    return None

@@ -9,7 +9,7 @@ import torch
 from kvstage.layout import KVGeometry, PageLayout, pages_needed
 from kvstage.staging.arena import SlotAllocator, StagingArena
 from kvstage.staging.cache import RankCache
-from kvstage.staging.copy import TokenIndex, gather, region_bytes, scatter, scatter_chunk
+from kvstage.staging.copy import TokenIndex, gather, gather_pieces, prepare_piece_scatters, region_bytes, scatter, scatter_chunk
 from kvstage.staging.words import WordGeometry, chunk_pages, word_index
 from kvstage.tp import SideSpec
 
@@ -116,6 +116,23 @@ def test_scatter_chunk_places_every_writer():
     for k, lo in enumerate((0, 2)):
         gather(dc, TokenIndex(dc, ids, 0, 40), lo, 2, back[: parts[k].numel()])
         assert torch.equal(back[: parts[k].numel()], parts[k])
+
+
+def test_gather_pieces_fills_each_region_as_its_own_gather_would():
+    """On the host (no kernel) ``gather_pieces`` is one gather per piece; on a GPU it
+    is one launch (tests/test_cuda_copy.py): both must give each region its slice."""
+    s = SideSpec(GEO, 1, PageLayout(4, "hnd"))
+    sc = _random_cache(s, 40, 11)
+    ids = np.random.default_rng(12).permutation(40)[:12]
+    heads = [(3, 1), (0, 2), (2, 1)]
+    regions = [torch.zeros(region_bytes(sc, 45, n), dtype=torch.uint8) for _, n in heads]
+    gather_pieces(sc, TokenIndex(sc, ids, 3, 45), [(lo, n, r) for (lo, n), r in zip(heads, regions)])
+    for (lo, n), r in zip(heads, regions):
+        want = torch.empty_like(r)
+        gather(sc, TokenIndex(sc, ids, 3, 45), lo, n, want)
+        assert torch.equal(r, want), (lo, n)
+    # on the host a chunk's pieces are scattered in one pass, not one by one
+    assert prepare_piece_scatters(sc, TokenIndex(sc, ids, 3, 45), [(0, 2, 0), (2, 2, 64)], regions[1]) is None
 
 
 @pytest.mark.parametrize("side,rng", list(itertools.product(SIDES, RANGES)))

@@ -26,7 +26,7 @@ from kvstage.errors import IncompatibleGeometry, KVStageError, ProtocolError
 from kvstage.protocol.endpoint import Endpoint, check_pages, check_transport, md_from_wire, md_to_wire, spec_from_wire, spec_to_wire
 from kvstage.protocol.request import State, TransferHandle
 from kvstage.protocol.wire import PROTOCOL_VERSION, Connection, decode_notice, field, notice_from_message
-from kvstage.staging.copy import TokenIndex, prepare_scatter, upload_pages
+from kvstage.staging.copy import TokenIndex, prepare_piece_scatters, prepare_scatter, upload_pages
 from kvstage.staging.fence import CopyFence
 from kvstage.tp import Piece, TransferPlan, plan
 from kvstage.transports.base import Region, Spans
@@ -55,7 +55,20 @@ class Chunk:
     slot: int | None
     pending: set = dc_field(default_factory=set)  # writer ranks not landed yet
     granted: float = dc_field(default_factory=time.monotonic)
-    scatter: object = None  # the prepared scatter (``prepare_scatter``), run once every writer landed
+    scatter: object = None  # the whole chunk's prepared scatter (``prepare_scatter``), run once every writer landed
+    piece_scatters: dict | None = None  # or, on the kernel path: writer rank -> its piece's, run as that piece lands
+    fences: list = dc_field(default_factory=list)  # the scatters launched so far (stream order: the last is the end)
+
+    def settle(self) -> float | None:
+        """Wait for the scatters launched into this chunk's pages and hand their fences
+        back; the seconds they took on the GPU (None on the CPU)."""
+        if self.fences:
+            self.fences[-1].wait()
+        seconds = [f.gpu_seconds() for f in self.fences]
+        for f in self.fences:
+            f.release()
+        self.fences = []
+        return sum(seconds) if seconds and seconds[0] is not None else None
 
 
 @dataclass
@@ -90,7 +103,7 @@ class Destination(Endpoint):
         self.requests: dict[str, Incoming] = {}
         self._early: dict[str, dict[int, int]] = {}
         self._rr: list[str] = []  # grant order (round robin)
-        self._scattering: list = []  # (fence, request, chunk, start time) of scatters still on the device
+        self._scattering: list = []  # (request, chunk, time its last piece landed) of chunks still scattering
         self._probes: dict[Connection, tuple[int, str]] = {}  # probe connection -> (lent slot, prober agent)
         # what a source on this host needs to map the arena and gather straight into it (None: not shared)
         self._shared = share(self.arena.buffer) if self.settings.mapped != "off" and self.transport.one_sided else None
@@ -108,7 +121,7 @@ class Destination(Endpoint):
             except OSError:
                 return
             conn = Connection(sock, f"{addr[0]}:{addr[1]}")
-            self._start_reader(conn, first_timeout=self.settings.handshake_timeout_s)
+            self._watch(conn, first_timeout=self.settings.handshake_timeout_s)
 
     # -- public --------------------------------------------------------------
     def expect(self, req: str, page_ids, tokens: int) -> TransferHandle:
@@ -154,7 +167,7 @@ class Destination(Endpoint):
         return False
 
     def _copying(self):
-        return next((f for f, *_ in self._scattering if not f.done()), None)
+        return next((c.fences[-1] for _, c, _ in self._scattering if not c.fences[-1].done()), None)
 
     def _on_message(self, conn: Connection, msg: dict) -> None:
         kind = msg["type"]
@@ -386,9 +399,17 @@ class Destination(Endpoint):
             self.arena.allocator.release(slot)
             return self._fail(inc.handle.req, "local", "grant", f"posting receives: {e}", tell=True)
         idx = TokenIndex(self.cache, inc.pages, start, count, inc.device_pages)
-        pieces = [(p.dst_offset, p.heads.count, offsets[p.src_rank]) for p in self.plan.writers_of(self.rank)]
+        writers = self.plan.writers_of(self.rank)
+        pieces = [(p.dst_offset, p.heads.count, offsets[p.src_rank]) for p in writers]
         region = self.arena.view(self.arena.offset(slot), self.arena.slot_bytes)
-        inc.open[c] = Chunk(c, start, count, slot, set(offsets), scatter=prepare_scatter(self.cache, idx, pieces, region))
+        chunk = inc.open[c] = Chunk(c, start, count, slot, set(offsets))
+        # several writers, on the kernel path: each piece is scattered as it lands, so only the last
+        # writer's is left once the chunk is complete (one GPU: fills the gaps between the writers' gathers)
+        each = prepare_piece_scatters(self.cache, idx, pieces, region) if len(pieces) > 1 else None
+        if each is None:
+            chunk.scatter = prepare_scatter(self.cache, idx, pieces, region)
+        else:
+            chunk.piece_scatters = {p.src_rank: launch for p, launch in zip(writers, each)}
         inc.next_chunk += 1
         for rank, off in offsets.items():
             grant = {"type": "grant", "req": inc.handle.req, "tokens": inc.handle.tokens, "chunk": c,
@@ -475,29 +496,35 @@ class Destination(Endpoint):
             way = "mapped" if mapped else "staged"
             inc.handle.path = way if not inc.landings or inc.handle.path == way else "staged+mapped"
             inc.landings += 1
+        t0 = time.perf_counter()
+        if chunk.piece_scatters is not None:  # this writer's piece goes to the pages now
+            fence = CopyFence(self.cache.device)
+            chunk.piece_scatters.pop(rank)()
+            chunk.fences.append(fence.close())
+            log.debug("dst %d: %s chunk %d piece of source rank %d scatter launched", self.rank, req, c, rank)
         if chunk.pending:
             return
         del inc.open[c]
         if inc.direct:
             return self._landed(inc, chunk)
         inc.stage = "scatter"
-        t0 = time.perf_counter()
-        fence = CopyFence(self.cache.device)
-        chunk.scatter()
-        log.debug("dst %d: %s chunk %d scatter launched", self.rank, req, c)
-        self._scattering.append((fence.close(), inc, chunk, t0))
+        if chunk.scatter is not None:
+            fence = CopyFence(self.cache.device)
+            chunk.scatter()
+            chunk.fences.append(fence.close())
+            log.debug("dst %d: %s chunk %d scatter launched", self.rank, req, c)
+        self._scattering.append((inc, chunk, t0))
         self._poll_scatters()
 
     def _poll_scatters(self) -> None:
         """Finish every chunk whose scatter has passed its fence: free its slot, count it."""
         still = []
-        for fence, inc, chunk, t0 in self._scattering:
-            if not fence.done():
-                still.append((fence, inc, chunk, t0))
+        for inc, chunk, t0 in self._scattering:
+            if not chunk.fences[-1].done():
+                still.append((inc, chunk, t0))
                 continue
             inc.handle.stages["scatter"] += time.perf_counter() - t0
-            gpu = fence.gpu_seconds()
-            fence.release()
+            gpu = chunk.settle()
             if gpu is not None:
                 inc.handle.stages["scatter_gpu"] = inc.handle.stages.get("scatter_gpu", 0.0) + gpu
             self.arena.allocator.release(chunk.slot)
@@ -538,6 +565,12 @@ class Destination(Endpoint):
         inc = self.requests.get(req)
         if inc is None or inc.handle.done():
             return
+        # the handle says FAILED (its pages may be reused at once) only when no scatter of ours still writes them
+        for chunk in inc.open.values():
+            chunk.settle()
+        for other, chunk, _ in self._scattering:
+            if other is inc:
+                chunk.fences[-1].wait()
         inc.handle._fail(peer, stage, cause)
         log.warning("dst %d: request %s failed at %s with %s: %s", self.rank, req, stage, peer, cause)
         if req in self._rr:

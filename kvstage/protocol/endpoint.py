@@ -1,10 +1,12 @@
 """What source and destination endpoints share: the transport, the staging
 arena, the control connections and the single thread that drives them all.
 
-One loop thread per endpoint owns every piece of mutable state; other threads
-(the caller, one reader per connection) only post events to its queue. That
-keeps the state machines free of locks and makes the order of events the
-order they are handled in.
+One loop thread per endpoint owns every piece of mutable state and reads
+every control connection itself: it waits on the sockets (epoll, without the
+GIL) and handles a message the moment it arrives, with no reader thread to
+hand it over. Other threads (the caller's, the listener's) only post events
+to its queue and wake it. That keeps the state machines free of locks and
+makes the order of events the order they are handled in.
 """
 
 from __future__ import annotations
@@ -14,6 +16,9 @@ import ctypes
 import logging
 import os
 import queue
+import select
+import selectors
+import socket
 import threading
 import time
 from typing import Callable
@@ -164,6 +169,12 @@ class Endpoint:
         self._kv_regions: list[Region] | None = None
         self._aborted: dict[str, tuple[str, str]] = {}  # req -> (peer, cause): aborted by a peer before this side knew it
         self._events: queue.Queue = queue.Queue()
+        self._selector = selectors.DefaultSelector()
+        self._wake, self._waker = socket.socketpair()  # a byte on _waker: the queue holds an event
+        for s in (self._wake, self._waker):
+            s.setblocking(False)
+        self._selector.register(self._wake, selectors.EVENT_READ, None)
+        self._first: dict = {}  # watched connection -> deadline of its first message
         self._busy_wait = _BUSY_WAIT["cuda" if cache.device.type == "cuda" else "cpu"]
         self._heard: dict = {}  # control connection -> when its peer last sent anything
         self._pinged = 0.0
@@ -177,6 +188,10 @@ class Endpoint:
     # -- threads ------------------------------------------------------------
     def _post(self, kind: str, *args) -> None:
         self._events.put((kind, args))
+        try:
+            self._waker.send(b"\0")
+        except OSError:  # full (the loop has bytes to read already) or closed (it stopped)
+            pass
 
     def _call(self, fn: Callable, timeout: float = 30.0):
         """Run ``fn`` on the loop thread and return its result (or raise its error)."""
@@ -197,59 +212,119 @@ class Endpoint:
             raise box["error"]
         return box.get("value")
 
-    def _start_reader(self, conn: Connection, first_timeout: float | None = None) -> None:
-        def read():
-            try:
-                conn.sock.settimeout(first_timeout)
-                while True:
-                    msg = conn.recv()
-                    conn.sock.settimeout(None)
-                    self._post("msg", conn, msg)
-            except (ConnectionError, OSError, ProtocolError) as e:
-                self._post("closed", conn, str(e) or type(e).__name__)
-
-        threading.Thread(target=read, name=f"kvstage-read-{conn.peer}", daemon=True).start()
+    def _watch(self, conn: Connection, first_timeout: float | None = None) -> None:
+        """Have the loop read ``conn``'s messages from now on; with ``first_timeout``, a
+        connection whose first message is not there within that many seconds is dropped."""
+        self._post("watch", conn, first_timeout)
 
     def _run(self) -> None:
         _tight_timer()
         while True:
             try:
-                kind, args = self._events.get_nowait()
-            except queue.Empty:
-                fence = self._copying()
-                if fence is not None:  # the copy's end wakes the loop, with no thread in between
-                    try:
-                        fence.wait()
-                    except Exception:  # a CUDA error: logged; the copy's fence keeps failing the poll too
-                        log.exception("%s %d: waiting for a device copy", self.role, self.rank)
-                        time.sleep(self._busy_wait)
-                    kind, args = None, ()
-                else:
-                    try:
-                        kind, args = self._events.get(timeout=self._busy_wait if self._busy() else _IDLE_WAIT)
-                    except queue.Empty:
-                        kind, args = None, ()
-            if kind == "stop":
-                break
-            try:
-                if kind == "call":
-                    args[0]()
-                elif kind == "msg":
-                    self._heard[args[0]] = time.monotonic()
-                    if args[1].get("type") != "ping":
-                        self._on_message(*args)
-                elif kind == "closed":
-                    self._heard.pop(args[0], None)
-                    self._on_closed(*args)
-                self._progress()
-                now = time.monotonic()
-                if now - self._pinged >= PING_INTERVAL_S:
-                    self._pinged = now
-                    self._ping()
-                self._check_stalls(now)
+                if not self._turn():
+                    break
             except Exception:  # a bug must not kill the loop silently
                 log.exception("%s %d: loop error", self.role, self.rank)
         self._shutdown()
+
+    def _turn(self) -> bool:
+        """Wait for something to do, do all of it, move the transfers on. False: stop."""
+        readable = self._wait()
+        for key in list(self._selector.get_map().values()):  # closed here since (a refused hello, a replaced peer)
+            if key.data is not None and key.data.closed:   # before any new socket can take its descriptor
+                self._drop(key.data, "closed by this side")
+                readable = [c for c in readable if c is not key.data]
+        for conn in readable:  # first: what had arrived before a call posted since was made
+            self._read(conn)
+        while True:
+            try:
+                kind, args = self._events.get_nowait()
+            except queue.Empty:
+                break
+            if kind == "stop":
+                return False
+            if kind == "call":
+                args[0]()
+            elif kind == "watch" and not args[0].closed:
+                self._selector.register(args[0].sock, selectors.EVENT_READ, args[0])
+                if args[1] is not None:
+                    self._first[args[0]] = time.monotonic() + args[1]
+        now = time.monotonic()
+        for conn, deadline in list(self._first.items()):
+            if now > deadline:
+                conn.close()
+                self._drop(conn, "timed out")
+        self._progress()
+        if now - self._pinged >= PING_INTERVAL_S:
+            self._pinged = now
+            self._ping()
+        self._check_stalls(now)
+        return True
+
+    def _wait(self) -> list[Connection]:
+        """The connections with bytes to read, once something is to be done: a message,
+        a posted event, a device copy's end, or (while a transfer is near) the poll interval."""
+        ready = self._selector.select(0)
+        if not ready:
+            fence = self._copying()
+            if fence is not None:  # the copy's end wakes the loop, with no thread in between
+                try:
+                    fence.wait()
+                except Exception:  # a CUDA error: logged; the copy's fence keeps failing the poll too
+                    log.exception("%s %d: waiting for a device copy", self.role, self.rank)
+                    time.sleep(self._busy_wait)
+                ready = self._selector.select(0)
+            elif self._busy():  # the transport is polled every _busy_wait: a message still ends the wait at once
+                self._pause()
+                ready = self._selector.select(0)
+            else:
+                ready = self._selector.select(_IDLE_WAIT)
+        conns = []
+        for key, _ in ready:
+            if key.data is None:
+                try:
+                    self._wake.recv(4096)
+                except OSError:
+                    pass
+            else:
+                conns.append(key.data)
+        return conns
+
+    def _pause(self) -> None:
+        """Wait ``_busy_wait`` or until a watched socket is readable. epoll counts in
+        milliseconds, select(2) in microseconds; select cannot watch a descriptor past
+        1023 (a process with many files open): then a plain sleep, and a message waits
+        for its end."""
+        try:
+            select.select([k.fileobj for k in self._selector.get_map().values()], [], [], self._busy_wait)
+        except ValueError:
+            time.sleep(self._busy_wait)
+
+    def _read(self, conn: Connection) -> None:
+        """Handle every whole message ``conn`` holds now; a closed or broken connection is dropped."""
+        try:
+            for msg in conn.feed():
+                self._first.pop(conn, None)
+                self._heard[conn] = time.monotonic()
+                if msg["type"] != "ping":
+                    try:
+                        self._on_message(conn, msg)
+                    except Exception:  # a bug must not kill the loop or the rest of the batch
+                        log.exception("%s %d: handling %s from %s", self.role, self.rank, msg["type"], conn.peer)
+                if conn.closed:
+                    return
+        except (ConnectionError, OSError, ProtocolError) as e:
+            self._drop(conn, str(e) or type(e).__name__)
+
+    def _drop(self, conn: Connection, reason: str) -> None:
+        """Stop watching ``conn`` and tell the endpoint it is gone."""
+        try:
+            self._selector.unregister(conn.sock)
+        except (KeyError, ValueError):
+            pass
+        self._first.pop(conn, None)
+        self._heard.pop(conn, None)
+        self._on_closed(conn, reason)
 
     def _ping(self) -> None:
         for conn in self._peers():
@@ -306,6 +381,9 @@ class Endpoint:
 
     def _shutdown(self) -> None:
         self.transport.close()
+        self._selector.close()
+        self._wake.close()
+        self._waker.close()
 
     def _reject(self, conn: Connection, msg: dict, err: KVStageError) -> None:
         log.warning("%s %d: rejected %s message from %s: %s", self.role, self.rank, msg.get("type"), conn.peer, err)

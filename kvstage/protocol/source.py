@@ -32,7 +32,7 @@ from kvstage.probe.context import link_context
 from kvstage.protocol.endpoint import Endpoint, check_pages, check_transport, md_from_wire, md_to_wire, remember, spec_from_wire, spec_to_wire
 from kvstage.protocol.request import State, TransferHandle
 from kvstage.protocol.wire import PROTOCOL_VERSION, Connection, encode_notice, field, notice_fields
-from kvstage.staging.copy import TokenIndex, gather, upload_pages
+from kvstage.staging.copy import TokenIndex, gather, gather_pieces, upload_pages
 from kvstage.staging.fence import CopyFence
 from kvstage.tp import Piece, TransferPlan, plan
 from kvstage.transports.base import ReadyWrite, Region, Spans, WriteState
@@ -79,18 +79,21 @@ class Outgoing:
     stage: str = "waiting for grant"
     touched: float = dc_field(default_factory=time.monotonic)
     device_pages: object = None  # the page ids on the GPU (``upload_pages``), uploaded once at ``send``
+    unannounced: dict | None = None  # the ``ready`` message, while it waits for the first gathers' launch
 
 
 @dataclass
 class Gathering:
     """A chunk whose gather is launched; its write, made ready while the gather
-    runs, is posted once the fence passes."""
+    runs, is posted once the fence passes. Gathered straight into mapped arenas
+    (``slot`` None), one launch may fill several destinations' pieces of the same
+    tokens: ``jobs`` and ``sizes`` list them (otherwise one job)."""
 
     fence: CopyFence
     out: "Outgoing"
-    job: Job
-    slot: int
-    nbytes: int
+    jobs: list[Job]
+    slot: int | None
+    sizes: list[int]
     started: float
     write: ReadyWrite | None = None
 
@@ -190,7 +193,7 @@ class Source(Endpoint):
             raise TransferFailed("-", f"destination {peer}", "handshake", str(e)) from e
         conn.sock.settimeout(None)
         self._call(lambda: self._add_target(p, rank, conn, md, piece, arena, kv, msg.get("facts"), msg.get("mapped")))
-        self._start_reader(conn)
+        self._watch(conn)
         return rank
 
     # -- loop thread -----------------------------------------------------------
@@ -258,7 +261,7 @@ class Source(Endpoint):
         target.conn.close()
         if target.mapped is not None:
             for g in self._gathering:
-                if g.job.dst == target.rank and g.slot is None:
+                if g.slot is None and any(j.dst == target.rank for j in g.jobs):
                     g.fence.wait()
             target.mapped.close()
 
@@ -299,10 +302,18 @@ class Source(Endpoint):
             if not handle.done():  # a grant naming other tokens fails it
                 self._apply_grant(out, job, chunks, tokens)
         if launch_first:
+            out.unannounced = ready  # sent once the gathers are launched, and before any of them is reported
             self._progress()
             if handle.state is not State.FAILED:  # DONE already still needs them; FAILED: an abort went instead
-                for d in want:
-                    self._send(d, ready)
+                self._announce(out)
+
+    def _announce(self, out: Outgoing) -> None:
+        """Send a request's held-back ``ready`` (see ``_add``): before any of its chunks is
+        reported, so a destination that sees the last chunk land knows the request is announced."""
+        if out.unannounced is not None:
+            for d in out.written:
+                self._send(d, out.unannounced)
+            out.unannounced = None
 
     def _busy(self) -> bool:
         return bool(self._inflight or self._jobs or self._gathering)
@@ -433,53 +444,74 @@ class Source(Endpoint):
                 self._jobs.popleft()
                 self._write_direct(out, job)
                 continue
-            target = self.targets.get(job.dst)
-            if target is not None and target.mapped is not None:  # the granted slot is the gather's output
-                self._jobs.popleft()
-                self._write_staged(out, job, None)
+            if self._mapped(job):  # the granted slot is the gather's output
+                self._write_staged(out, self._take_mapped(), None)
                 continue
             slot = self.arena.allocator.acquire()
             if slot is None:
                 return  # back-pressure: wait for a write to finish
             self._jobs.popleft()
             out.handle.stages["slot_wait"] += time.perf_counter() - job.queued
-            self._write_staged(out, job, slot)
+            self._write_staged(out, [job], slot)
 
-    def _write_staged(self, out: Outgoing, job: Job, slot: int | None) -> None:
-        """Gather the chunk into ``slot`` of this arena and make its write ready; ``slot``
-        None: gather straight into the granted slot of the destination's mapped arena."""
+    def _mapped(self, job: Job) -> bool:
         target = self.targets.get(job.dst)
-        if target is None:
+        return job.pages is None and target is not None and target.mapped is not None
+
+    def _take_mapped(self) -> list[Job]:
+        """The queue's first job and the jobs right behind it for the same tokens of the
+        same request into other destinations' mapped arenas (a 1->N source's pieces of
+        one chunk, granted together): one gather launch fills them all."""
+        jobs = [self._jobs.popleft()]
+        head = jobs[0]
+        while self._jobs:
+            job = self._jobs[0]
+            if ((job.req, job.start, job.count) != (head.req, head.start, head.count) or not self._mapped(job)
+                    or any(j.dst == job.dst for j in jobs)):
+                break
+            jobs.append(self._jobs.popleft())
+        return jobs
+
+    def _write_staged(self, out: Outgoing, jobs: list[Job], slot: int | None) -> None:
+        """Gather the chunk into ``slot`` of this arena and make its write ready; ``slot``
+        None: gather straight into the granted slots of the destinations' mapped arenas
+        (``jobs``: the same tokens for each of them, one launch)."""
+        job = jobs[0]
+        targets = [self.targets.get(j.dst) for j in jobs]
+        if None in targets:
             if slot is not None:
                 self.arena.allocator.release(slot)
-            return self._fail(job.req, f"destination rank {job.dst}", "write", "not connected", tell=False)
-        piece = target.piece
-        nbytes = self.plan.piece_token_bytes(piece) * job.count
+            gone = jobs[targets.index(None)].dst
+            return self._fail(job.req, f"destination rank {gone}", "write", "not connected", tell=False)
+        sizes = [self.plan.piece_token_bytes(t.piece) * j.count for t, j in zip(targets, jobs)]
         t0 = time.perf_counter()
         try:
-            if slot is None:
-                region = target.mapped.view(job.offset, nbytes)
-            else:
-                region = self.arena.view(self.arena.offset(slot), nbytes)
             fence = CopyFence(self.cache.device)
             idx = TokenIndex(self.cache, out.pages, job.start, job.count, out.device_pages)
-            gather(self.cache, idx, piece.src_offset, piece.heads.count, region)
+            if slot is None:
+                gather_pieces(self.cache, idx, [(t.piece.src_offset, t.piece.heads.count, t.mapped.view(j.offset, n))
+                                                for t, j, n in zip(targets, jobs, sizes)])
+            else:
+                piece = targets[0].piece
+                gather(self.cache, idx, piece.src_offset, piece.heads.count,
+                       self.arena.view(self.arena.offset(slot), sizes[0]))
             fence.close()
-            log.debug("src %d: %s chunk %d gather launched", self.rank, job.req, job.chunk)
+            log.debug("src %d: %s chunk %d gather launched%s", self.rank, job.req, job.chunk,
+                      f" (one launch for destination ranks {','.join(str(j.dst) for j in jobs)})" if len(jobs) > 1 else "")
         except Exception as e:
             if slot is not None:
                 self.arena.allocator.release(slot)
             return self._fail(job.req, "local", "gather", f"{type(e).__name__}: {e}", tell=True)
         out.inflight += 1  # the request is not forgotten while its gather may still run
-        g = Gathering(fence, out, job, slot, nbytes, t0)
+        g = Gathering(fence, out, jobs, slot, sizes, t0)
         self._gathering.append(g)
         if slot is None:
             return self._poll_gathers()
         try:  # the write's descriptors and transfer request, made while the GPU gathers
             g.write = self.transport.prepare_write(
-                target.agent, Spans.single(self.arena_region, [self.arena.offset(slot)], [nbytes]),
-                Spans.single(target.arena, [job.offset], [nbytes]),
-                encode_notice(job.req, job.chunk, self.rank, job.offset, nbytes), job.ticket)
+                targets[0].agent, Spans.single(self.arena_region, [self.arena.offset(slot)], [sizes[0]]),
+                Spans.single(targets[0].arena, [job.offset], [sizes[0]]),
+                encode_notice(job.req, job.chunk, self.rank, job.offset, sizes[0]), job.ticket)
         except KVStageError as e:  # the slot is freed once the gather into it has finished
             self._fail(job.req, f"destination rank {job.dst}", "write", str(e), tell=True)
         self._poll_gathers()
@@ -492,7 +524,7 @@ class Source(Endpoint):
                 still.append(g)
                 continue
             t1 = time.perf_counter()
-            out, job = g.out, g.job
+            out, job = g.out, g.jobs[0]
             log.debug("src %d: %s chunk %d gathered", self.rank, job.req, job.chunk)
             out.inflight -= 1
             out.handle.stages["gather"] += t1 - g.started
@@ -500,26 +532,27 @@ class Source(Endpoint):
             g.fence.release()
             if gpu is not None:
                 out.handle.stages["gather_gpu"] = out.handle.stages.get("gather_gpu", 0.0) + gpu
-            target = self.targets.get(job.dst)
+            gone = next((j.dst for j in g.jobs if j.dst not in self.targets), None)
             mapped = g.slot is None
-            if out.handle.done() or target is None or (g.write is None and not mapped):
+            if out.handle.done() or gone is not None or (g.write is None and not mapped):
                 if g.write is not None:
                     g.write.drop()
                 if not mapped:
                     self.arena.allocator.release(g.slot)
-                if target is None:
-                    self._fail(job.req, f"destination rank {job.dst}", "write", "not connected", tell=False)
+                if gone is not None:
+                    self._fail(job.req, f"destination rank {gone}", "write", "not connected", tell=False)
                 self._maybe_forget(out)
                 continue
-            if mapped:  # the gather's stores were the transfer: tell the destination they are done
-                self._send(job.dst, {"type": "landed",
-                                     **notice_fields(job.req, job.chunk, self.rank, job.offset, g.nbytes)})
-                log.debug("src %d: %s chunk %d landed in destination rank %d's mapped arena", self.rank, job.req,
-                          job.chunk, job.dst)
-                out.handle.bytes += g.nbytes
-                self._chunk_written(out, job)
+            self._announce(out)
+            if mapped:  # the gather's stores were the transfer: tell each destination they are done
+                for j, nbytes in zip(g.jobs, g.sizes):
+                    self._send(j.dst, {"type": "landed", **notice_fields(j.req, j.chunk, self.rank, j.offset, nbytes)})
+                    log.debug("src %d: %s chunk %d landed in destination rank %d's mapped arena", self.rank, j.req,
+                              j.chunk, j.dst)
+                    out.handle.bytes += nbytes
+                    self._chunk_written(out, j)
                 continue
-            self._post_write(out, job, g.slot, g.write, g.nbytes, 1, t1)
+            self._post_write(out, job, g.slot, g.write, g.sizes[0], 1, t1)
         self._gathering = still
 
     def _write_direct(self, out: Outgoing, job: Job) -> None:

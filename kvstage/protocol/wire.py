@@ -106,13 +106,16 @@ def _keepalive(sock: socket.socket, idle: int = 1, interval: int = 1, count: int
 class Connection:
     """A framed JSON message stream over a connected TCP socket.
 
-    ``send`` may be called from any thread; ``recv`` from one reader thread."""
+    ``send`` may be called from any thread. Reading is either blocking
+    (``recv``: a handshake) or, once an endpoint's loop watches the socket,
+    ``feed`` each time it is readable; never both at once."""
 
     def __init__(self, sock: socket.socket, peer: str):
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         _keepalive(sock)
         self.sock, self.peer = sock, peer
         self._send_lock = threading.Lock()
+        self._inbox = bytearray()  # bytes read by ``feed`` not yet a whole frame
         self.closed = False
 
     def send(self, msg: dict) -> None:
@@ -132,17 +135,23 @@ class Connection:
     def recv(self) -> dict:
         """Next message; ``ConnectionError`` when closed, ``ProtocolError`` when malformed."""
         (n,) = _LEN.unpack(self._exact(_LEN.size))
-        if n > MAX_FRAME:
-            raise ProtocolError(f"frame of {n} bytes exceeds the {MAX_FRAME}-byte limit")
-        data = self._exact(n)
-        try:
-            msg = json.loads(data)
-        except (ValueError, UnicodeDecodeError) as e:
-            raise ProtocolError(f"frame is not JSON: {data[:60]!r}") from e
-        if not isinstance(msg, dict):
-            raise ProtocolError(f"frame is not a JSON object: {data[:60]!r}")
-        field(msg, "type", str)
-        return msg
+        return _decode(self._exact(_frame_size(n)))
+
+    def feed(self):
+        """The messages completed by one read of a readable socket (which then does not
+        block), in order; ``ConnectionError`` when closed, ``ProtocolError`` at a malformed
+        frame (after the whole ones before it)."""
+        part = self.sock.recv(1 << 16)
+        if not part:
+            raise ConnectionError("peer closed the connection")
+        self._inbox += part
+        while len(self._inbox) >= _LEN.size:
+            n = _frame_size(_LEN.unpack_from(self._inbox)[0])
+            if len(self._inbox) < _LEN.size + n:
+                return
+            data = bytes(self._inbox[_LEN.size : _LEN.size + n])
+            del self._inbox[: _LEN.size + n]
+            yield _decode(data)
 
     def close(self) -> None:
         if not self.closed:
@@ -152,3 +161,21 @@ class Connection:
             except OSError:
                 pass
             self.sock.close()
+
+
+def _frame_size(n: int) -> int:
+    if n > MAX_FRAME:
+        raise ProtocolError(f"frame of {n} bytes exceeds the {MAX_FRAME}-byte limit")
+    return n
+
+
+def _decode(data: bytes) -> dict:
+    """A frame's message: a JSON object with a string ``type``."""
+    try:
+        msg = json.loads(data)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise ProtocolError(f"frame is not JSON: {data[:60]!r}") from e
+    if not isinstance(msg, dict):
+        raise ProtocolError(f"frame is not a JSON object: {data[:60]!r}")
+    field(msg, "type", str)
+    return msg

@@ -152,6 +152,10 @@ def _prepared(cache: RankCache, idx: TokenIndex, pieces, region: torch.Tensor, t
     copier = _copier(cache)
     if copier is None or not copier.supports(region, pieces, idx.count):
         return None
+    return _prepare(copier, idx, pieces, region, to_region)
+
+
+def _prepare(copier, idx: TokenIndex, pieces, region: torch.Tensor | None, to_region: bool):
     if idx.device_pages is None:
         return copier.prepare(idx.chunk_pages, idx.first, idx.count, pieces, region, to_region)
     return copier.prepare(idx.device_pages, idx.first, idx.count, pieces, region, to_region, idx.first_page)
@@ -171,6 +175,17 @@ def prepare_scatter(cache: RankCache, idx: TokenIndex, pieces, region: torch.Ten
     kernel launch; elsewhere the call does the whole scatter."""
     launch = _prepared(cache, idx, pieces, region, to_region=False)
     return launch if launch is not None else (lambda: scatter_chunk(cache, idx, pieces, region))
+
+
+def prepare_piece_scatters(cache: RankCache, idx: TokenIndex, pieces, region: torch.Tensor) -> list | None:
+    """One prepared kernel launch per piece, so each writer's piece can be scattered
+    the moment it lands and only the last writer's is left when the chunk is
+    complete; None where the kernel does not run the chunk (the torch and numpy
+    paths scatter a chunk's pieces in one pass: ``prepare_scatter``)."""
+    copier = _copier(cache)
+    if copier is None or not copier.supports(region, pieces, idx.count):
+        return None
+    return [_prepare(copier, idx, [piece], region, False) for piece in pieces]
 
 
 def _bounce(cache: RankCache, region: torch.Tensor) -> torch.Tensor | None:
@@ -246,6 +261,19 @@ def gather(cache: RankCache, idx: TokenIndex, head_lo: int, heads: int, region: 
             torch.index_select(_flat(buf, cache)[:, head_lo : head_lo + heads], 0, idx.flat[t0:], out=out[i, t0:])
         else:
             out[i].copy_(_words(buf, cache)[idx.page, head_lo : head_lo + heads, idx.offset])
+
+
+def gather_pieces(cache: RankCache, idx: TokenIndex, pieces) -> None:
+    """Gather several head slices of the same tokens, each into its own region:
+    ``pieces`` = [(head_lo, heads, region)]. On CUDA one kernel launch fills them
+    all (a 1->N source's pieces of one chunk, each in its destination's mapped
+    arena); elsewhere, or where a region is out of the kernel's reach, one
+    ``gather`` per piece."""
+    copier = _copier(cache)
+    if copier is not None and all(copier.supports(r, [(lo, n, 0)], idx.count) for lo, n, r in pieces):
+        return _prepare(copier, idx, [(lo, n, r.data_ptr()) for lo, n, r in pieces], None, True)()
+    for lo, n, r in pieces:
+        gather(cache, idx, lo, n, r)
 
 
 def scatter(cache: RankCache, idx: TokenIndex, head_lo: int, heads: int, region: torch.Tensor) -> None:

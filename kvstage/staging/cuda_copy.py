@@ -9,16 +9,25 @@ chunk's copy is one launch on the caller's torch stream with no upload and no
 host synchronization; ``prepare`` builds that launch ahead of time (the
 destination does it at grant time, before the chunk's bytes land).
 Compiled at first use with CuPy's NVRTC (RawKernel): the copy is a pure byte
-move, so explicit ``uint4`` loads and stores are the whole kernel. The region
-may be device memory or pinned host memory (mapped into the GPU's address
-space: the pinned-host arena).
+move, so explicit ``uint4`` loads and stores are the whole kernel. Launched
+with the driver's ``cuLaunchKernel`` on arguments packed once per prepared
+copy: CuPy's own call converts every argument and enters a device and a
+stream context each time, ~15 µs of host time per launch, which is most of a
+small chunk's copy. The region may be device memory or pinned host memory
+(mapped into the GPU's address space: the pinned-host arena); with no region
+(``None``) each piece's base is an absolute address, so one launch can fill
+several regions (a 1→N source's pieces of one chunk, each in its own
+destination's mapped arena).
 """
 
 from __future__ import annotations
 
+import ctypes
+
 import numpy as np
 import torch
 
+from kvstage.cudart import driver, driver_error
 from kvstage.staging.words import WordGeometry
 
 _UNROLL = 4
@@ -75,6 +84,20 @@ extern "C" __global__ void kvstage_copy_words(
 }
 """
 
+
+
+class _KernelArgs(ctypes.Structure):
+    """The kernel's parameters in order; ``cuLaunchKernel`` reads each one through a pointer."""
+
+    _fields_ = [("table_addr", ctypes.c_uint64), ("region_addr", ctypes.c_uint64), ("meta_addr", ctypes.c_uint64),
+                ("pages_addr", ctypes.c_uint64), ("count", ctypes.c_uint32), ("first", ctypes.c_uint32),
+                ("page_size", ctypes.c_uint32), ("nheads", ctypes.c_uint32), ("head_words", ctypes.c_uint32),
+                ("hnd", ctypes.c_int32), ("to_region", ctypes.c_int32)]
+
+
+_ARG_OFFSETS = tuple(getattr(_KernelArgs, name).offset for name, _ in _KernelArgs._fields_)
+_ArgPointers = ctypes.c_void_p * len(_ARG_OFFSETS)
+
 _kernel = None
 _RING = 4  # pinned upload buffers in flight per copier
 _PIECE_TABLES = 64  # distinct piece lists kept on the device per copier
@@ -119,17 +142,13 @@ class WordCopier:
         self._ring = [_Upload() for _ in range(_RING)]
         self._next = 0
         self._pieces: dict = {}
-        self._stream_key, self._stream = None, None
         g = self.geometry
-        self._table = np.uint64(self.table.data_ptr())
-        self._fixed = None if g is None else (np.uint32(g.page_size), np.uint32(g.heads), np.uint32(g.head_words),
-                                              np.int32(int(g.hnd)))
-        import cupy
-
-        self._cupy_device = cupy.cuda.Device(self.device.index or 0)
+        self._fixed = None if g is None else (g.page_size, g.heads, g.head_words, int(g.hnd))
+        self._function = self._context = None  # the kernel's CUfunction and its context, at the first launch
 
     def supports(self, region: torch.Tensor, pieces, count: int) -> bool:
-        """16-byte words everywhere, a region the GPU can reach, and 32-bit word indices."""
+        """16-byte words everywhere, a region the GPU can reach, and 32-bit word indices
+        (with absolute piece bases, ask for each piece's own region)."""
         reachable = region.is_cuda or region.is_pinned()
         g = self.geometry
         return (g is not None and self.aligned and reachable and region.data_ptr() % 16 == 0
@@ -141,12 +160,13 @@ class WordCopier:
         before any copy launched after it there)."""
         return self._upload(np.asarray(page_ids, dtype=np.int64))
 
-    def prepare(self, pages, first: int, count: int, pieces, region: torch.Tensor, to_region: bool,
+    def prepare(self, pages, first: int, count: int, pieces, region: torch.Tensor | None, to_region: bool,
                 page_offset: int = 0) -> "PreparedCopy":
         """The launch copying tokens ``first .. first+count`` of the chunk's pages for every
         ``(head_lo, heads, base)`` piece; nothing runs until it is called. ``pages``: the
         chunk's page ids on the host (uploaded now), or a request's from ``upload_pages``
-        with the chunk's first page at ``page_offset``."""
+        with the chunk's first page at ``page_offset``. ``region`` None: each ``base`` is
+        an absolute address (checked by ``supports`` against that piece's own region)."""
         if not isinstance(pages, torch.Tensor):
             pages = self._upload(np.asarray(pages, dtype=np.int64))
         key = tuple(map(tuple, pieces))
@@ -158,19 +178,54 @@ class WordCopier:
             self._pieces[key] = meta
         most = max(n for _, n, _ in pieces) * count * self.geometry.head_words
         grid = (-(-most // (_THREADS * _UNROLL)), self.nbuf, len(pieces))
-        args = (self._table, np.uint64(region.data_ptr()), np.uint64(meta.data_ptr()),
-                np.uint64(pages.data_ptr() + 8 * page_offset),
-                np.uint32(count), np.uint32(first), *self._fixed, np.int32(int(to_region)))
-        return PreparedCopy(self, grid, args, (pages, meta, region))
+        args = _KernelArgs(self.table.data_ptr(), 0 if region is None else region.data_ptr(), meta.data_ptr(),
+                           pages.data_ptr() + 8 * page_offset, count, first, *self._fixed, int(to_region))
+        at = ctypes.addressof(args)
+        params = _ArgPointers(*(at + o for o in _ARG_OFFSETS))
+        return PreparedCopy(self, grid, params, (pages, meta, region, args))
 
-    def _launch(self, grid, args) -> None:
+    def _launch(self, grid, params) -> None:
+        """The kernel on the caller's current torch stream, in this device's context
+        (made current for the launch if the thread's is another, then restored)."""
+        if self._function is None:
+            self._load()
+        current = ctypes.c_void_p()
+        self._get_context(ctypes.byref(current))
+        switch = current.value != self._context
+        if switch:
+            self._set_context(self._context)
+        try:
+            err = self._launch_kernel(self._function, grid[0], grid[1], grid[2], _THREADS, 1, 1, 0,
+                                      _raw_stream(self.device), params, None)
+        finally:
+            if switch and current.value:
+                self._set_context(current.value)
+        if err:
+            raise RuntimeError(f"gather/scatter kernel launch on {self.device} failed: {driver_error(err)}")
+
+    def _load(self) -> None:
+        """Compile (or take from CuPy's cache) the kernel for this device, loaded in the
+        device's primary context: torch's and CuPy's, made current here if no context is."""
         import cupy
 
-        raw = _raw_stream(self.device)
-        if self._stream_key != raw:
-            self._stream_key, self._stream = raw, cupy.cuda.ExternalStream(raw)
-        with self._cupy_device, self._stream:
-            _get_kernel()(grid, (_THREADS,), args)
+        drv = driver()
+        index = self.device.index if self.device.index is not None else torch.cuda.current_device()
+        dev, context, before = ctypes.c_int(), ctypes.c_void_p(), ctypes.c_void_p()
+        err = drv.cuDeviceGet(ctypes.byref(dev), index) or drv.cuDevicePrimaryCtxRetain(ctypes.byref(context), dev)
+        if err:
+            raise RuntimeError(f"no primary CUDA context for {self.device}: {driver_error(err)}")
+        drv.cuCtxGetCurrent(ctypes.byref(before))
+        drv.cuCtxSetCurrent(context)
+        try:
+            with cupy.cuda.Device(index):
+                function = _get_kernel().kernel.ptr
+        finally:
+            if before.value and before.value != context.value:
+                drv.cuCtxSetCurrent(before)
+        # bound once: the launch is on every chunk's critical path
+        self._get_context, self._set_context = drv.cuCtxGetCurrent, drv.cuCtxSetCurrent
+        self._launch_kernel = drv.cuLaunchKernel
+        self._function, self._context = function, context.value
 
     def _upload(self, values: np.ndarray) -> torch.Tensor:
         """``values`` on the device, through the next pinned buffer of the ring."""
@@ -184,13 +239,13 @@ class WordCopier:
 
 class PreparedCopy:
     """One chunk's copy, ready to launch: calling it launches the kernel on the
-    current stream. Holds the tensors its arguments point into."""
+    current stream. Holds the tensors and the packed arguments its parameters point into."""
 
-    def __init__(self, copier: WordCopier, grid, args, keep):
-        self._copier, self._grid, self._args, self._keep = copier, grid, args, keep
+    def __init__(self, copier: WordCopier, grid, params, keep):
+        self._copier, self._grid, self._params, self._keep = copier, grid, params, keep
 
     def __call__(self) -> None:
-        self._copier._launch(self._grid, self._args)
+        self._copier._launch(self._grid, self._params)
 
 
 class _Upload:
