@@ -272,3 +272,47 @@ def test_held_grants_end_with_an_abort_or_a_disconnect_and_are_bounded(monkeypat
         assert f.held(0) == 0
     finally:
         f.close()
+
+
+def test_feed_frames_messages_however_the_bytes_arrive():
+    """The loop reads a readable socket once per turn: a frame may arrive split
+    across reads, several in one read, and a malformed one after whole ones
+    (those are handled first, then the error names the broken frame)."""
+    from kvstage.errors import ProtocolError
+    from kvstage.protocol.wire import Connection
+
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        a = socket.create_connection(server.getsockname()[:2])
+        b, _ = server.accept()
+    conn = Connection(b, "test")
+    b.settimeout(5)  # a read that waits for bytes never sent fails the test instead of hanging it
+
+    def frame(obj) -> bytes:
+        data = json.dumps(obj).encode()
+        return struct.pack("!I", len(data)) + data
+
+    def until(n: int, got=None) -> list:  # reads as the loop does, until n messages (TCP may split a send)
+        got = [] if got is None else got
+        for _ in range(50):
+            got.extend(conn.feed())
+            if len(got) >= n:
+                break
+        return got
+
+    one, two = frame({"type": "ready", "req": "r", "tokens": 3}), frame({"type": "ping"})
+    a.sendall(one[:3])
+    assert list(conn.feed()) == []
+    a.sendall(one[3:] + two + frame({"type": "done", "req": "r"})[:6])
+    assert until(2) == [{"type": "ready", "req": "r", "tokens": 3}, {"type": "ping"}]
+    a.sendall(frame({"type": "done", "req": "r"})[6:] + frame({"type": "x"}) + frame([1, 2]))
+    got = []
+    with pytest.raises(ProtocolError, match="frame is not a JSON object"):
+        until(3, got)
+    assert got == [{"type": "done", "req": "r"}, {"type": "x"}]
+    a.sendall(struct.pack("!I", (16 << 20) + 1))
+    with pytest.raises(ProtocolError, match="exceeds the 16777216-byte limit"):
+        list(conn.feed())
+    a.close()
+    with pytest.raises(ConnectionError, match="peer closed"):
+        list(conn.feed())
+    conn.close()
