@@ -2,8 +2,8 @@
 arena, the control connections and the single thread that drives them all.
 
 One loop thread per endpoint owns every piece of mutable state and reads
-every control connection itself: it waits on the sockets (epoll, without the
-GIL) and handles a message the moment it arrives, with no reader thread to
+every control connection itself: it waits on the sockets (``select``, without
+the GIL) and handles a message the moment it arrives, with no reader thread to
 hand it over. Other threads (the caller's, the listener's) only post events
 to its queue and wake it. That keeps the state machines free of locks and
 makes the order of events the order they are handled in.
@@ -43,6 +43,7 @@ log = logging.getLogger("kvstage")
 # cores to spare and sub-millisecond chunks; on a host cache the copies are the cores' work
 _BUSY_WAIT = {"cuda": 0.00002, "cpu": 0.0002}
 _IDLE_WAIT = 0.05
+_SELECT_LIMIT = 1024  # select(2) sees no descriptor from here on (FD_SETSIZE)
 _PR_SET_TIMERSLACK = 29
 MAX_ABORTED = 4096
 
@@ -174,6 +175,8 @@ class Endpoint:
         for s in (self._wake, self._waker):
             s.setblocking(False)
         self._selector.register(self._wake, selectors.EVENT_READ, None)
+        self._watched: dict = {self._wake: None}  # socket -> its connection (None: the wake-up socket)
+        self._socks, self._low = [self._wake], self._wake.fileno() < _SELECT_LIMIT
         self._first: dict = {}  # watched connection -> deadline of its first message
         self._busy_wait = _BUSY_WAIT["cuda" if cache.device.type == "cuda" else "cpu"]
         self._heard: dict = {}  # control connection -> when its peer last sent anything
@@ -229,11 +232,9 @@ class Endpoint:
 
     def _turn(self) -> bool:
         """Wait for something to do, do all of it, move the transfers on. False: stop."""
+        for conn in [c for c in self._watched.values() if c is not None and c.closed]:
+            self._drop(conn, "closed by this side")  # a refused hello, a replaced peer: before a new socket takes its number
         readable = self._wait()
-        for key in list(self._selector.get_map().values()):  # closed here since (a refused hello, a replaced peer)
-            if key.data is not None and key.data.closed:   # before any new socket can take its descriptor
-                self._drop(key.data, "closed by this side")
-                readable = [c for c in readable if c is not key.data]
         for conn in readable:  # first: what had arrived before a call posted since was made
             self._read(conn)
         while True:
@@ -247,6 +248,8 @@ class Endpoint:
                 args[0]()
             elif kind == "watch" and not args[0].closed:
                 self._selector.register(args[0].sock, selectors.EVENT_READ, args[0])
+                self._watched[args[0].sock] = args[0]
+                self._sockets_changed()
                 if args[1] is not None:
                     self._first[args[0]] = time.monotonic() + args[1]
         now = time.monotonic()
@@ -264,7 +267,7 @@ class Endpoint:
     def _wait(self) -> list[Connection]:
         """The connections with bytes to read, once something is to be done: a message,
         a posted event, a device copy's end, or (while a transfer is near) the poll interval."""
-        ready = self._selector.select(0)
+        ready = self._ready(0)
         if not ready:
             fence = self._copying()
             if fence is not None:  # the copy's end wakes the loop, with no thread in between
@@ -273,32 +276,37 @@ class Endpoint:
                 except Exception:  # a CUDA error: logged; the copy's fence keeps failing the poll too
                     log.exception("%s %d: waiting for a device copy", self.role, self.rank)
                     time.sleep(self._busy_wait)
-                ready = self._selector.select(0)
-            elif self._busy():  # the transport is polled every _busy_wait: a message still ends the wait at once
-                self._pause()
-                ready = self._selector.select(0)
-            else:
-                ready = self._selector.select(_IDLE_WAIT)
+                ready = self._ready(0)
+            else:  # the transport is polled every _busy_wait while a transfer is near; a message ends the wait
+                ready = self._ready(self._busy_wait if self._busy() else _IDLE_WAIT)
         conns = []
-        for key, _ in ready:
-            if key.data is None:
+        for sock in ready:
+            conn = self._watched.get(sock)
+            if conn is not None:
+                conns.append(conn)
+            elif sock is self._wake:
                 try:
                     self._wake.recv(4096)
                 except OSError:
                     pass
-            else:
-                conns.append(key.data)
         return conns
 
-    def _pause(self) -> None:
-        """Wait ``_busy_wait`` or until a watched socket is readable. epoll counts in
-        milliseconds, select(2) in microseconds; select cannot watch a descriptor past
-        1023 (a process with many files open): then a plain sleep, and a message waits
-        for its end."""
-        try:
-            select.select([k.fileobj for k in self._selector.get_map().values()], [], [], self._busy_wait)
-        except ValueError:
-            time.sleep(self._busy_wait)
+    def _ready(self, timeout: float) -> list:
+        """The watched sockets readable within ``timeout`` s. select(2) waits in
+        microseconds (the loop polls the transport every 20-200 µs while a transfer
+        is near) but sees no descriptor past 1023; past that (a process with many
+        files open), epoll, which waits in milliseconds: a shorter wait is then a
+        sleep before the check, and a message waits for its end."""
+        if self._low:
+            return select.select(self._socks, [], [], timeout)[0]
+        if 0 < timeout < 1e-3:
+            time.sleep(timeout)
+            timeout = 0
+        return [key.fileobj for key, _ in self._selector.select(timeout)]
+
+    def _sockets_changed(self) -> None:
+        self._socks = list(self._watched)
+        self._low = all(sock.fileno() < _SELECT_LIMIT for sock in self._socks)
 
     def _read(self, conn: Connection) -> None:
         """Handle every whole message ``conn`` holds now; a closed or broken connection is dropped."""
@@ -322,6 +330,8 @@ class Endpoint:
             self._selector.unregister(conn.sock)
         except (KeyError, ValueError):
             pass
+        if self._watched.pop(conn.sock, None) is not None:
+            self._sockets_changed()
         self._first.pop(conn, None)
         self._heard.pop(conn, None)
         self._on_closed(conn, reason)
