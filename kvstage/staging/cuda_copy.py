@@ -85,7 +85,6 @@ extern "C" __global__ void kvstage_copy_words(
 """
 
 
-
 class _KernelArgs(ctypes.Structure):
     """The kernel's parameters in order; ``cuLaunchKernel`` reads each one through a pointer."""
 
