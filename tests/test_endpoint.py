@@ -4,6 +4,7 @@ sockets, real NIXL, a real transfer checked byte for byte)."""
 
 from __future__ import annotations
 
+import logging
 import os
 
 import numpy as np
@@ -18,10 +19,12 @@ from kvstage.protocol.endpoint import _SELECT_LIMIT
 from kvstage.staging.cache import RankCache
 
 
-def test_sockets_past_descriptor_1023_are_served_by_epoll_byte_exact():
+def test_sockets_past_descriptor_1023_are_served_by_epoll_byte_exact(caplog):
     """An engine process with many files open gets sockets select(2) cannot see:
-    the loop waits with epoll instead, and a 2->1 transfer of several chunks
-    (grants, notices, done: every message over those sockets) completes exactly."""
+    the loop waits with epoll instead (and says so once), and a 2->1 transfer of
+    several chunks (grants, notices, done: every message over those sockets)
+    completes exactly."""
+    caplog.set_level(logging.INFO, logger="kvstage")
     held = [os.open(os.devnull, os.O_RDONLY) for _ in range(_SELECT_LIMIT + 16)]
     tokens, seed = 150, 41  # 32-token slots at the destination: 5 chunks
     try:
@@ -43,6 +46,8 @@ def test_sockets_past_descriptor_1023_are_served_by_epoll_byte_exact():
         for h in hs + [hd]:
             h.wait(30)
         assert check_shard(dcache, seed, dpages, tokens) == []
+        said = [r.getMessage() for r in caplog.records if "the loop waits with epoll" in r.getMessage()]
+        assert len(said) == 3 and said[0].startswith("dst 0: control sockets past descriptor 1023"), said
         for s, _ in srcs:
             s.close()
         dst.close()

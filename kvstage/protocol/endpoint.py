@@ -176,7 +176,8 @@ class Endpoint:
             s.setblocking(False)
         self._selector.register(self._wake, selectors.EVENT_READ, None)
         self._watched: dict = {self._wake: None}  # socket -> its connection (None: the wake-up socket)
-        self._socks, self._low = [self._wake], self._wake.fileno() < _SELECT_LIMIT
+        self._socks, self._low = [self._wake], True
+        self._sockets_changed()
         self._first: dict = {}  # watched connection -> deadline of its first message
         self._busy_wait = _BUSY_WAIT["cuda" if cache.device.type == "cuda" else "cpu"]
         self._heard: dict = {}  # control connection -> when its peer last sent anything
@@ -306,7 +307,12 @@ class Endpoint:
 
     def _sockets_changed(self) -> None:
         self._socks = list(self._watched)
-        self._low = all(sock.fileno() < _SELECT_LIMIT for sock in self._socks)
+        low = all(sock.fileno() < _SELECT_LIMIT for sock in self._socks)
+        if low != self._low:
+            log.info("%s %d: control sockets %s descriptor %d: the loop waits with %s", self.role, self.rank,
+                     "below" if low else "past", _SELECT_LIMIT - 1,
+                     "select(2) again" if low else "epoll (millisecond timeouts: shorter waits become sleeps)")
+        self._low = low
 
     def _read(self, conn: Connection) -> None:
         """Handle every whole message ``conn`` holds now; a closed or broken connection is dropped."""
