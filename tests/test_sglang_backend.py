@@ -212,13 +212,16 @@ def test_abort_from_either_side(runs, name):
     assert all(g["state"] == "failed" and ("decode aborted" in g["error"] or "from another rank" in g["error"])
                for g in got), got
     assert any("decode aborted" in g["error"] for g in got), got
+    # each decode rank: the prefill's own record ("Aborted by AbortReq.") or kvstage's, from whichever prefill
+    # rank (each aborts) reached the wire first. As on the prefill side, a decode rank that has not read it yet
+    # when the decode ranks' MIN all-reduce turns Failed reports SGLang's "from another rank" (seen once in six
+    # CI runs with decode TP 2); at least one decode rank names the prefill rank and the abort
+    got = [res[("decode", rank)]["3003"] for rank in range(dtp)]
+    named = [g for g in got if re.search(f"prefill rank [0-{ptp - 1}]: ", g["error"]) and "abort" in g["error"].lower()]
+    assert all(g["state"] == "failed" and (g in named or "from another rank" in g["error"]) for g in got), got
+    assert named, got
     for rank in range(dtp):
         got = res[("decode", rank)]
-        # the prefill's own record ("Aborted by AbortReq.") or kvstage's, from whichever prefill rank (each
-        # aborts) reached the wire first
-        err = got["3003"]["error"]
-        assert got["3003"]["state"] == "failed" and re.search(f"prefill rank [0-{ptp - 1}]: ", err) \
-            and "abort" in err.lower(), got["3003"]
         assert got["4004"]["state"] == "failed" and "Aborted by AbortReq" in got["4004"]["error"], got["4004"]
 
 
