@@ -268,18 +268,18 @@ class Endpoint:
     def _wait(self) -> list[Connection]:
         """The connections with bytes to read, once something is to be done: a message,
         a posted event, a device copy's end, or (while a transfer is near) the poll interval."""
-        ready = self._ready(0)
-        if not ready:
-            fence = self._copying()
-            if fence is not None:  # the copy's end wakes the loop, with no thread in between
+        fence = self._copying()
+        if fence is None:  # the transport is polled every _busy_wait while a transfer is near; a message ends the wait
+            ready = self._ready(self._busy_wait if self._busy() else _IDLE_WAIT)
+        else:  # messages first; then the copy's end wakes the loop, with no thread in between
+            ready = self._ready(0)
+            if not ready:
                 try:
                     fence.wait()
                 except Exception:  # a CUDA error: logged; the copy's fence keeps failing the poll too
                     log.exception("%s %d: waiting for a device copy", self.role, self.rank)
                     time.sleep(self._busy_wait)
                 ready = self._ready(0)
-            else:  # the transport is polled every _busy_wait while a transfer is near; a message ends the wait
-                ready = self._ready(self._busy_wait if self._busy() else _IDLE_WAIT)
         conns = []
         for sock in ready:
             conn = self._watched.get(sock)
