@@ -152,6 +152,14 @@ def test_a_request_expected_before_its_writer_connects_is_granted_on_connect():
         dst.close()
 
 
+def _scattered(dst: Destination) -> None:
+    """Wait until the destination has taken every landed chunk off its slots (notices are polled)."""
+    deadline = time.monotonic() + 5
+    while dst.slots_free() != dst.arena.allocator.count:
+        assert time.monotonic() < deadline, "the landed chunk was not scattered"
+        time.sleep(0.01)
+
+
 def test_done_waits_for_the_announcement_which_checks_the_token_count(pair):
     """Every chunk can land before the source's ``ready`` (control and data take
     different paths); the request is DONE only once that announcement came and
@@ -160,8 +168,9 @@ def test_done_waits_for_the_announcement_which_checks_the_token_count(pair):
     h, ids = _expect(dst, "r", CHUNK, 0)
     src.announce("r", CHUNK, 5, say=False)
     src.write("r", src.grant("r", 0))
-    time.sleep(0.3)
-    assert h.state is State.PENDING and dst.slots_free() == 4  # scattered, slot free, not done
+    _scattered(dst)
+    time.sleep(0.1)
+    assert h.state is State.PENDING  # scattered, slot free, not done
     src.conn.send({"type": "ready", "req": "r", "tokens": CHUNK})
     h.wait(10)
     assert fr.check(dst.cache, 5, ids, CHUNK) == []
@@ -169,6 +178,7 @@ def test_done_waits_for_the_announcement_which_checks_the_token_count(pair):
     h, _ = _expect(dst, "bad", CHUNK, 100)
     src.announce("bad", CHUNK, 6, say=False)
     src.write("bad", src.grant("bad", 0))
+    _scattered(dst)  # the chunk landed before the announcement (else it would wait in quarantine for an ack)
     src.conn.send({"type": "ready", "req": "bad", "tokens": CHUNK + 1})
     with pytest.raises(TransferFailed, match=f"source announced {CHUNK + 1} tokens, destination expects {CHUNK}"):
         h.wait(10)
