@@ -3,7 +3,7 @@
 # kernels beside a d2d copy, staged vs bulk vs per-slice on one GPU, the same
 # across two GPUs when there are two, the byte-exact GPU suite.
 #   run with .whl/ carried (NIXL wheels, ../shared/notes/gpu-machine.md); outputs in $OUT
-#   PARTS="kernels x2 long one mps trace spy pytest ab" (the default: all but ab and smoke) picks parts;
+#   PARTS="kernels x2 long one mps trace spy pytest ab" (the default: all but ab, smoke, tracex2 and prearm) picks parts;
 #   spy needs .whl-spy/ (the py-spy wheel) carried too. ab: the same one-GPU runs for this
 #   tree and for every other tree under ab/NAME/kvstage (untracked copies, e.g. from
 #   `git archive`), alternating (AB_ROUNDS rounds, 2), so a change is measured against its base in one run;
@@ -28,8 +28,9 @@ bench() { local name=$1; shift; step "bench $name: $*"
 BIG="--arena-mb 2048 --slot-mb 256"
 PARTS=${PARTS:-kernels x2 long one mps trace spy pytest}
 want() { [[ " $PARTS " == *" $1 "* ]]; }
-# smoke: the kernel's byte-exact tests alone, first, so a broken launch shows before any bench
-want smoke && step smoke && timeout 120 python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_cuda_copy.py 2>&1 | tee "$OUT/pytest-smoke.log"
+# smoke: the kernel's and the landing words' GPU tests alone, first, so a broken launch shows before any bench
+want smoke && step smoke && timeout 120 python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_cuda_copy.py \
+  tests/test_landing.py 2>&1 | tee "$OUT/pytest-smoke.log"
 abcase() { case $1 in
   4to1-128) echo "--tokens 128 --iters 30 --warmup 3" ;;
   1to4-128) echo "--tokens 128 --src-tp 1 --dst-tp 4 --iters 30 --warmup 3" ;;
@@ -70,6 +71,21 @@ if want mappedx2 && [ "$GPUS" -ge 2 ]; then
   for m in on off; do
     KVSTAGE_MAPPED=$m bench "mapx2-$m-2to1-32k" --tokens 32768 --src-tp 2 --dst-tp 1 $X --iters 3 $BIG
     KVSTAGE_MAPPED=$m bench "mapx2-$m-4to1-128" --tokens 128 $X --iters 30 --warmup 3
+  done
+fi
+# prearm: queued scatters (KVSTAGE_PREARM=1, staging.landing) against scatters launched on `landed` (=0),
+# alternating (AB_ROUNDS rounds); one GPU, then across two with mapped=on (the gather stores over NVLink)
+if want prearm; then
+  for round in $(seq "${AB_ROUNDS:-2}"); do
+    for q in 1 0; do
+      KVSTAGE_PREARM=$q bench "prearm$q-4to1-128-r$round" --tokens 128 --mode staged,bulk --iters 30 --warmup 3
+      KVSTAGE_PREARM=$q bench "prearm$q-1to4-128-r$round" --tokens 128 --src-tp 1 --dst-tp 4 --mode staged,bulk --iters 30 --warmup 3
+      KVSTAGE_PREARM=$q bench "prearm$q-4to1-8k-1g-r$round" --tokens 8192 --mode staged,bulk --iters 5 --arena-mb 2048 --slot-mb 1024
+      if [ "$GPUS" -ge 2 ]; then
+        KVSTAGE_PREARM=$q KVSTAGE_MAPPED=on bench "prearm$q-x2-1to2-8k-r$round" --tokens 8192 --src-tp 1 --dst-tp 2 \
+          --src-gpu 0 --dst-gpu 1 --mode staged,bulk --iters 5 $BIG
+      fi
+    done
   done
 fi
 want kernels && step kernels && timeout 150 python3 benchmarks/gpu_kernels.py --json "$OUT/kernels.json" 2>&1 | tee "$OUT/kernels.log"
@@ -116,6 +132,11 @@ trace trace-1to4-128 --tokens 128 --src-tp 1 --dst-tp 4 --iters 10 --warmup 2
 trace trace-4to1-8k-big --tokens 8192 --iters 2 $BIG
 [ "$GPUS" -ge 2 ] && trace trace-x2-1to2-32k --tokens 32768 --src-tp 1 --dst-tp 2 --src-gpu 0 --dst-gpu 1 --iters 2 $BIG
 }
+# tracex2: one 8k request each way across two GPUs, every endpoint event (the NVLink target's fixed cost)
+want tracex2 && [ "$GPUS" -ge 2 ] && {
+trace trace-x2-2to1-8k --tokens 8192 --src-tp 2 --dst-tp 1 --src-gpu 0 --dst-gpu 1 --iters 3 $BIG
+trace trace-x2-1to2-8k --tokens 8192 --src-tp 1 --dst-tp 2 --src-gpu 0 --dst-gpu 1 --iters 3 $BIG
+}
 # where the endpoints' host time goes: py-spy samples every rank (no pauses) over a longer run
 want spy && python3 -m pip install -q --no-index --no-deps --target /tmp/spy .whl-spy/*.whl && {
 spy() { local name=$1; shift; step "spy $name: $*"
@@ -126,7 +147,8 @@ spy spy-4to1-8k-big --tokens 8192 --iters 20 $BIG
 }
 # -k "not ucx": the ucx cases need UCXX's wheels, which travel in a run of their own (gpu_ucx.sh)
 want pytest && step pytest && timeout "${PYTEST_TIMEOUT:-300}" python3 -m pytest -m gpu -k "not ucx" -q -p no:cacheprovider \
-  tests/test_cuda_copy.py tests/test_fence.py tests/test_transfer.py 2>&1 | tee "$OUT/pytest-gpu.log"
+  tests/test_cuda_copy.py tests/test_fence.py tests/test_landing.py tests/test_mapped.py tests/test_transfer.py 2>&1 \
+  | tee "$OUT/pytest-gpu.log"
 # one GPU under CUDA MPS (a private daemon, its pipe in a temp dir; quit at the end): the five
 # ranks' kernels and copies run side by side instead of in time slices of one context each
 if want mps; then

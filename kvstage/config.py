@@ -56,6 +56,11 @@ class Settings:
     #: auto (CUDA arenas, through CUDA IPC), on (also host arenas, through a memfd; refuse a
     #: destination that cannot share), off (always a transport write)
     mapped: str = field(default_factory=lambda: _env("KVSTAGE_MAPPED", "auto", str))
+    #: a destination queues each mapped writer's piece scatter on the GPU behind a wait on a word the
+    #: writer's stream sets after its gather (``staging.landing``); off (the default): launched when
+    #: ``landed`` is read. Off by default: no gain measured yet, and a queued wait holds back device-wide
+    #: synchronizations in the decode process (docs/architecture.md, step 5)
+    prearm: bool = field(default_factory=lambda: _env("KVSTAGE_PREARM", False, bool))
 
     def __post_init__(self) -> None:
         for f in fields(self):

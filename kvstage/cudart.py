@@ -36,6 +36,11 @@ def driver() -> ctypes.CDLL:
     lib.cuDeviceGet.argtypes = [ctypes.POINTER(ctypes.c_int), ctypes.c_int]
     lib.cuDevicePrimaryCtxRetain.argtypes = [ctypes.POINTER(p), ctypes.c_int]
     lib.cuGetErrorName.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_char_p)]
+    for name in ("cuStreamWaitValue32", "cuStreamWriteValue32"):  # the v2 calls: on by default since CUDA 11.7
+        fn = getattr(lib, name + "_v2", None) or getattr(lib, name, None)
+        if fn is not None:  # bound as kvstage_<name>; absent from a driver without them
+            fn.argtypes = [p, ctypes.c_uint64, ctypes.c_uint32, u]
+            setattr(lib, "kvstage_" + name, fn)
     return lib
 
 

@@ -223,3 +223,23 @@ def test_closing_a_mapping_keeps_live_views_valid():
     view.fill_(7)
     m.close()
     assert int(owner[128]) == 7 and int(view[0]) == 7
+
+
+@pytest.mark.gpu
+def test_a_cuda_arena_is_local_only_on_the_gpu_its_owner_names():
+    """``auto`` maps a CUDA arena only on the source's own GPU. The tensor over an IPC
+    mapping reports the opening process's current device whatever GPU holds the memory,
+    so the owner's share names its GPU by UUID and the source compares that."""
+    from kvstage.staging.arena import allocate_arena
+    from kvstage.transports.mapped import MappedArena, gpu_uuid, share
+
+    dev = torch.device("cuda", 0)
+    buf = allocate_arena(1 << 20, dev)
+    desc = share(buf)
+    assert desc["kind"] == "cuda_ipc" and desc["gpu"] == gpu_uuid(dev) and len(desc["gpu"]) >= 32
+    view = buf[:16]  # stands for an IPC mapping (a process cannot open its own handle)
+    assert MappedArena(view, "cuda_ipc", lambda: None, desc["gpu"]).on(dev)
+    assert not MappedArena(view, "cuda_ipc", lambda: None, "GPU-00000000-0000-0000-0000-000000000000").on(dev)
+    assert not MappedArena(view, "cuda_ipc", lambda: None, None).on(dev)  # unknown: not taken for local
+    if torch.cuda.device_count() > 1:
+        assert not MappedArena(view, "cuda_ipc", lambda: None, desc["gpu"]).on(torch.device("cuda", 1))

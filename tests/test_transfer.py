@@ -11,6 +11,7 @@ CPU, CUDA IPC on GPU, the GPU default) runs the same cases.
 """
 
 import dataclasses
+import math
 
 import pytest
 
@@ -63,10 +64,36 @@ def test_staged_byte_exact(name, device, transport):
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_mapped_byte_exact(name, device):
-    """mapped=on: no transport write at all, the gathers' stores land in the destination's slots."""
-    sc = dataclasses.replace(scenario(**CASES[name], device=device), settings_extra={"mapped": "on"})
+    """mapped=on: no transport write at all, the gathers' stores land in the destination's slots.
+    With prearm on a GPU every piece's scatter is queued before it lands (staging.landing;
+    the default, prearm off, is the test below)."""
+    sc = dataclasses.replace(scenario(**CASES[name], device=device), settings_extra={"mapped": "on", "prearm": True})
     row = _check(run(sc), "mapped")
     assert row["descriptors"] == 0
+    assert row["queued_scatters"] == (_pieces_per_request(sc) if device == "cuda" else 0)
+
+
+def _pieces_per_request(sc) -> int:
+    """Pieces one request lands: each destination rank's chunks times its writers
+    (the destination's chunking: the most tokens every slot holds, in whole pages of both sides)."""
+    p, slot = sc.plan, sc.settings().slot_bytes
+    total = 0
+    for d in range(sc.dst_tp):
+        writers = p.writers_of(d)
+        fit = min(min(slot // p.piece_token_bytes(w) for w in writers), slot // p.dst_token_bytes())
+        step = math.lcm(p.src.page.page_size, p.dst.page.page_size)
+        chunk = fit // step * step if fit >= step else fit
+        total += -(-sc.tokens // chunk) * len(writers)
+    return total
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["4to1", "1to4"])
+def test_mapped_without_queued_scatters_byte_exact(name):
+    """prearm off (the default): each piece's scatter is launched when its ``landed`` message is read."""
+    sc = dataclasses.replace(scenario(**CASES[name], device="cuda"), settings_extra={"mapped": "on"})
+    row = _check(run(sc), "mapped")
+    assert row["queued_scatters"] == 0
 
 
 @pytest.mark.parametrize("device", DEVICES)

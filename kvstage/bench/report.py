@@ -109,6 +109,8 @@ def notes(result: dict) -> list[str]:
             parts.append("staged ms, summed over ranks: " + ", ".join(f"{k} {v * 1e3:.1f}" for k, v in ms.items()))
             if st.get("overlap"):
                 parts.append(f"stage overlap {st['overlap']:.2f}x")
+            if modes["staged"].get("queued_scatters"):
+                parts.append(f"{modes['staged']['queued_scatters']} piece scatters per request queued before landing")
         if parts:
             prefix = f"{s}->{d} {tok} tok{f' x{n}' if n > 1 else ''}: " if many else ""
             out.append(prefix + "; ".join(parts))

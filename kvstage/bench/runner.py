@@ -394,12 +394,14 @@ def summarize(group: Group, reports: list) -> list[dict]:
         rows = []
         for mode in sc.modes:
             walls, descs, stage_rows, lat, verified, errors, paths, arenas = [], [], [], [], None, [], set(), set()
+            queued = []
             for it in range(sc.warmup, sc.warmup + sc.iters):
                 got = by[(pi, mode, it)]
                 srcs = [d for role, _, d in got if role == "src"]
                 dsts = [d for role, _, d in got if role == "dst"]
                 walls.append(max(d["t1"] for d in dsts) - min(d["t0"] for d in srcs))
                 descs.append(sum(d["descriptors"] for d in srcs))
+                queued.append(sum(d.get("queued_scatters", 0) for d in dsts))
                 for k in range(n):
                     lat.append(max(d["done"][k] for d in dsts) - min(d["sent"][k] for d in srcs))
                 st = {k: sum(d["stages"].get(k, 0.0) for d in srcs) for k in ("gather", "write", "slot_wait")}
@@ -431,6 +433,8 @@ def summarize(group: Group, reports: list) -> list[dict]:
             }
             if mode == "staged":
                 row["stages"] = stage_rows[mid]
+                # pieces per request whose scatter was queued on the GPU before they landed (staging.landing)
+                row["queued_scatters"] = queued[mid] / n if queued[mid] % n else queued[mid] // n
                 row["path"] = sorted(paths)
                 row["arena"] = sorted(arenas)
             if errors:

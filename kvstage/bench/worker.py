@@ -165,12 +165,13 @@ def dst_main(link: Link, g: Group, rank: int, listen_host: str) -> None:
         _sync(dev)
         link.send({"type": "armed", "step": step, "tickets": tickets})
         link.recv("go")
-        path, stages, done = None, {}, [None] * n
+        path, stages, done, queued = None, {}, [None] * n, 0
         if handles:
             for h in handles:
                 h.wait(WAIT_S)
             done = [link.to_coord(h.finished) for h in handles]
             stages, path = _stages(handles), handles[0].path
+            queued = sum(h.queued_scatters for h in handles)
         else:
             want = {}
             for k in range(n):
@@ -203,6 +204,7 @@ def dst_main(link: Link, g: Group, rank: int, listen_host: str) -> None:
             dirty = np.concatenate(reqs)
         link.send({"type": "result", "step": step, "data": {
             "t1": t1, "done": done, "verified": verified, "errors": errors[:5], "stages": stages, "path": path,
+            "queued_scatters": queued,
             "arena": ep.arena_location,
         }})
     link.recv("end")

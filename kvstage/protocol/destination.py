@@ -27,6 +27,7 @@ from kvstage.protocol.endpoint import Endpoint, check_pages, check_transport, md
 from kvstage.protocol.request import State, TransferHandle
 from kvstage.protocol.wire import PROTOCOL_VERSION, Connection, decode_notice, field, notice_from_message
 from kvstage.staging.copy import TokenIndex, prepare_piece_scatters, prepare_scatter, upload_pages
+from kvstage.staging import landing
 from kvstage.staging.fence import CopyFence
 from kvstage.tp import Piece, TransferPlan, plan
 from kvstage.transports.base import Region, Spans
@@ -44,7 +45,7 @@ class Writer:
     agent: str
     piece: Piece
     slot_bytes: int
-    mapped: bool = False  # it gathers into this arena (its ``landed`` messages say so): no notice to poll for
+    mapped: bool = False  # it gathers into this arena (its ``mapped`` message says so): no notice to poll for
 
 
 @dataclass
@@ -57,13 +58,18 @@ class Chunk:
     granted: float = dc_field(default_factory=time.monotonic)
     scatter: object = None  # the whole chunk's prepared scatter (``prepare_scatter``), run once every writer landed
     piece_scatters: dict | None = None  # or, on the kernel path: writer rank -> its piece's, run as that piece lands
-    fences: list = dc_field(default_factory=list)  # the scatters launched so far (stream order: the last is the end)
+    fences: list = dc_field(default_factory=list)  # the scatters launched or armed so far (several streams)
+    words: dict = dc_field(default_factory=dict)  # writer rank -> (landing word, value) named in its grant
+    armed: set = dc_field(default_factory=set)  # writer ranks whose piece scatter waits on its word, not landed yet
+
+    def scattered(self) -> bool:
+        return all(f.done() for f in self.fences)
 
     def settle(self) -> float | None:
         """Wait for the scatters launched into this chunk's pages and hand their fences
         back; the seconds they took on the GPU (None on the CPU)."""
-        if self.fences:
-            self.fences[-1].wait()
+        for f in self.fences:
+            f.wait()
         seconds = [f.gpu_seconds() for f in self.fences]
         for f in self.fences:
             f.release()
@@ -107,6 +113,14 @@ class Destination(Endpoint):
         self._probes: dict[Connection, tuple[int, str]] = {}  # probe connection -> (lent slot, prober agent)
         # what a source on this host needs to map the arena and gather straight into it (None: not shared)
         self._shared = share(self.arena.buffer) if self.settings.mapped != "off" and self.transport.one_sided else None
+        self._landing = None  # mapped writers' piece scatters queued at grant time (``staging.landing``)
+        self._arming = False  # off again if the driver refuses a wait: scatters then launch as pieces land
+        if self._shared is not None and self.arena.words is not None:
+            why = landing.supported()
+            if why is None:
+                self._landing, self._arming = landing.LandingWords(self.arena.words), True
+            else:
+                log.info("dst %d: piece scatters are launched as pieces land, not queued ahead: %s", self.rank, why)
         self._listener = socket.create_server(listen)
         self.address = self._listener.getsockname()[:2]
         self._start()
@@ -167,7 +181,7 @@ class Destination(Endpoint):
         return False
 
     def _copying(self):
-        return next((c.fences[-1] for _, c, _ in self._scattering if not c.fences[-1].done()), None)
+        return next((f for _, c, _ in self._scattering for f in c.fences if not f.done()), None)
 
     def _on_message(self, conn: Connection, msg: dict) -> None:
         kind = msg["type"]
@@ -183,6 +197,12 @@ class Destination(Endpoint):
                 raise ProtocolError(f"{kind!r} before a successful hello")
             elif kind == "ready":
                 self._on_ready(writer, msg)
+            elif kind == "mapped":  # it maps this arena: its chunks land by its own stores, with ``landed``
+                if self._shared is None:
+                    raise ProtocolError("mapped message, but this destination shares no arena (mapped=off, or not shareable)")
+                writer.mapped = True
+                log.debug("dst %d: source rank %d gathers straight into this arena%s", self.rank, writer.rank,
+                          "; its piece scatters are queued at grant time" if self._arming else "")
             elif kind == "landed":  # a chunk a source gathered straight into this arena (mapped)
                 if self._shared is None:
                     raise ProtocolError("landed message, but this destination shares no arena (mapped=off, or not shareable)")
@@ -309,6 +329,8 @@ class Destination(Endpoint):
         inc.ready[rank] = tokens
         inc.touched = time.monotonic()
         log.debug("dst %d: %s ready from source rank %d", self.rank, inc.handle.req, rank)
+        for chunk in inc.open.values():  # its early grants: its bytes are on the way now
+            self._arm(inc, chunk)
 
     def _refresh(self, inc: Incoming) -> None:
         """Cut a request into chunks once every writer is connected (its grants,
@@ -405,20 +427,52 @@ class Destination(Endpoint):
         chunk = inc.open[c] = Chunk(c, start, count, slot, set(offsets))
         # several writers, on the kernel path: each piece is scattered as it lands, so only the last
         # writer's is left once the chunk is complete (one GPU: fills the gaps between the writers' gathers)
-        each = prepare_piece_scatters(self.cache, idx, pieces, region) if len(pieces) > 1 else None
+        # with landing words, also one writer's: its scatter can then be queued before it lands
+        each = (prepare_piece_scatters(self.cache, idx, pieces, region)
+                if len(pieces) > 1 or self._landing is not None else None)
         if each is None:
             chunk.scatter = prepare_scatter(self.cache, idx, pieces, region)
         else:
             chunk.piece_scatters = {p.src_rank: launch for p, launch in zip(writers, each)}
+            if self._landing is not None:
+                for i, p in enumerate(writers[: landing.WORDS_PER_SLOT]):
+                    word = slot * landing.WORDS_PER_SLOT + i
+                    chunk.words[p.src_rank] = (word, self._landing.next_value(word))
         inc.next_chunk += 1
         for rank, off in offsets.items():
             grant = {"type": "grant", "req": inc.handle.req, "tokens": inc.handle.tokens, "chunk": c,
                      "chunks": inc.chunks, "start": start, "count": count, "offset": base + off}
             if tickets[rank]:
                 grant["ticket"] = md_to_wire(tickets[rank])
+            if rank in chunk.words:  # set it to the value after the gather, if it maps this arena
+                grant["word"], grant["value"] = chunk.words[rank]
             self.writers[rank].conn.send(grant)
         log.debug("dst %d: %s chunk %d granted (slot %d)%s", self.rank, inc.handle.req, c, slot,
                   "" if inc.announced else ", early")
+        self._arm(inc, chunk)
+
+    def _arm(self, inc: Incoming, chunk: Chunk) -> None:
+        """Queue the piece scatters of this chunk's mapped writers, each behind a wait on its
+        landing word (``staging.landing``), once that writer announced the request (its bytes
+        are then coming; its ``ready`` precedes its ``landed`` on the connection)."""
+        if not self._arming or not chunk.words or chunk.piece_scatters is None:
+            return
+        for rank, (word, value) in chunk.words.items():
+            w = self.writers.get(rank)
+            if (rank not in inc.ready or rank not in chunk.pending or rank in chunk.armed
+                    or rank not in chunk.piece_scatters or not (w and w.mapped)):
+                continue
+            try:
+                chunk.fences.append(self._landing.arm(rank, word, value, chunk.piece_scatters[rank]))
+            except RuntimeError as e:  # the piece scatters go on landing from now on
+                log.warning("dst %d: cannot queue scatters ahead any more, each is launched as its piece lands: %s",
+                            self.rank, e)
+                self._arming = False
+                return
+            del chunk.piece_scatters[rank]
+            chunk.armed.add(rank)
+            log.debug("dst %d: %s chunk %d piece of source rank %d scatter queued on word %d = %d", self.rank,
+                      inc.handle.req, chunk.index, rank, word, value)
 
     def _progress(self) -> None:
         self._poll_scatters()
@@ -497,7 +551,11 @@ class Destination(Endpoint):
             inc.handle.path = way if not inc.landings or inc.handle.path == way else "staged+mapped"
             inc.landings += 1
         t0 = time.perf_counter()
-        if chunk.piece_scatters is not None:  # this writer's piece goes to the pages now
+        if rank in chunk.armed:  # its scatter is queued: it may have run already; the word is set for sure now
+            chunk.armed.discard(rank)
+            self._landing.release(*chunk.words[rank])
+            inc.handle.queued_scatters += 1
+        elif chunk.piece_scatters is not None:  # this writer's piece goes to the pages now
             fence = CopyFence(self.cache.device)
             chunk.piece_scatters.pop(rank)()
             chunk.fences.append(fence.close())
@@ -520,7 +578,7 @@ class Destination(Endpoint):
         """Finish every chunk whose scatter has passed its fence: free its slot, count it."""
         still = []
         for inc, chunk, t0 in self._scattering:
-            if not chunk.fences[-1].done():
+            if not chunk.scattered():
                 still.append((inc, chunk, t0))
                 continue
             inc.handle.stages["scatter"] += time.perf_counter() - t0
@@ -565,12 +623,17 @@ class Destination(Endpoint):
         inc = self.requests.get(req)
         if inc is None or inc.handle.done():
             return
-        # the handle says FAILED (its pages may be reused at once) only when no scatter of ours still writes them
+        # the handle says FAILED (its pages may be reused at once) only when no scatter of ours still writes them;
+        # queued scatters are let go first (they copy whatever their slot holds into this request's pages)
         for chunk in inc.open.values():
+            for rank in chunk.armed:
+                self._landing.release(*chunk.words[rank])
+            chunk.armed.clear()
             chunk.settle()
         for other, chunk, _ in self._scattering:
             if other is inc:
-                chunk.fences[-1].wait()
+                for f in chunk.fences:
+                    f.wait()
         inc.handle._fail(peer, stage, cause)
         log.warning("dst %d: request %s failed at %s with %s: %s", self.rank, req, stage, peer, cause)
         if req in self._rr:
@@ -665,4 +728,7 @@ class Destination(Endpoint):
         for req in list(self.requests):
             self._fail(req, "local", "shutdown", "destination closed", tell=False)
         unshare(self.arena.buffer)  # no new source can map it; those that did keep their mapping until they close
+        if self._landing is not None:  # every queued scatter was let go by the failures above
+            self._arming = False
+            self._landing.close()
         super()._shutdown()

@@ -33,6 +33,7 @@ from kvstage.probe.connect import connect_line
 from kvstage.probe.facts import collect_local, memory_facts, value
 from kvstage.protocol.wire import Connection, field
 from kvstage.staging.arena import StagingArena, choose_arena
+from kvstage.staging.landing import WORDS_PER_SLOT
 from kvstage.staging.cache import RankCache
 from kvstage.tp import SideSpec
 from kvstage.transports.base import Region, Transport
@@ -158,9 +159,13 @@ class Endpoint:
         # a destination's host arena goes in shared memory only when asked (mapped="on"): sources on this
         # host then gather into it; a CUDA arena is shareable as it is (CUDA IPC)
         shared = self.shares_arena and self.settings.mapped == "on" and cache.device.type == "cpu"
+        # and beside a shared CUDA arena, the words its writers set as their pieces land (``staging.landing``)
+        words = self.settings.slots * WORDS_PER_SLOT if (
+            self.shares_arena and on_gpu and self.settings.mapped != "off" and self.settings.prearm
+            and self.transport.one_sided) else 0
         self.arena = StagingArena(self.settings.slot_bytes, self.settings.slots,
                                   cache.device if on_gpu else torch.device("cpu"), pinned=cache.device.type == "cuda",
-                                  shared=shared)
+                                  shared=shared, words=words)
         self.arena_location = where
         if cache.device.type == "cuda":
             log.info("%s %d: staging arena of %d MiB in %s (%s)", self.role, self.rank,

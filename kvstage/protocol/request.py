@@ -37,6 +37,7 @@ class TransferHandle:
         self.bytes = 0
         self.descriptors = 0
         self.path: str | None = None  # "staged" or "direct", once known
+        self.queued_scatters = 0  # destination: pieces whose scatter was queued before they landed (staging.landing)
         self.created = time.perf_counter()
         self.finished: float | None = None
         self.stages = {"gather": 0.0, "write": 0.0, "scatter": 0.0, "slot_wait": 0.0}

@@ -32,6 +32,7 @@ from kvstage.probe.context import link_context
 from kvstage.protocol.endpoint import Endpoint, check_pages, check_transport, md_from_wire, md_to_wire, remember, spec_from_wire, spec_to_wire
 from kvstage.protocol.request import State, TransferHandle
 from kvstage.protocol.wire import PROTOCOL_VERSION, Connection, encode_notice, field, notice_fields
+from kvstage.staging import landing
 from kvstage.staging.copy import TokenIndex, gather, gather_pieces, upload_pages
 from kvstage.staging.fence import CopyFence
 from kvstage.tp import Piece, TransferPlan, plan
@@ -65,6 +66,7 @@ class Job:
     offset: int = 0
     pages: np.ndarray | None = None
     ticket: bytes = b""  # from the destination's transport.expect (two-sided transports)
+    word: tuple[int, int] | None = None  # (landing word, value) to set after gathering into a mapped arena
     queued: float = dc_field(default_factory=time.perf_counter)
 
 
@@ -220,6 +222,7 @@ class Source(Endpoint):
                   piece.heads.stop, "direct" if direct else "mapped" if mapped else "staged")
         self._log_link(facts, conn.peer)
         if mapped is not None:
+            conn.send({"type": "mapped"})  # before any ready: the destination may queue its scatters ahead
             log.info("src %d: %s shares its arena (%s, same host): chunks are gathered straight into its slots, "
                      "no transport write", self.rank, conn.peer, mapped.kind)
 
@@ -244,8 +247,8 @@ class Source(Endpoint):
                     return mapped
                 # another GPU: NIXL's copy engines write it over the link as fast (docs/benchmarks.md,
                 # session 5) and leave this GPU's SMs to the model; mapped=on stores over the link anyway
-                log.info("src %d: %s shares its arena on another GPU (%s): chunks go by transport writes "
-                         "(KVSTAGE_MAPPED=on maps it)", self.rank, conn.peer, mapped.tensor.device)
+                log.info("src %d: %s shares its arena on another GPU (%s) or one of unknown identity: chunks go "
+                         "by transport writes (KVSTAGE_MAPPED=on maps it)", self.rank, conn.peer, mapped.gpu)
                 mapped.close()
                 return None
         if setting == "on":
@@ -374,6 +377,11 @@ class Source(Endpoint):
                     job.ticket = base64.b64decode(field(msg, "ticket", str), validate=True)
                 except ValueError:
                     raise ProtocolError(f"grant for {req!r} chunk {c}: ticket is not base64") from None
+            if "word" in msg:  # set after the gather, when gathering into its mapped arena (else unused)
+                job.word = (field(msg, "word", int, minimum=0), field(msg, "value", int, minimum=1, maximum=2**32 - 1))
+                if target.mapped is not None and target.mapped.words is not None and job.word[0] >= target.mapped.words[1]:
+                    raise ProtocolError(f"grant for {req!r} chunk {c}: word {job.word[0]} past the "
+                                        f"{target.mapped.words[1]} words its arena shares")
             nbytes = self.plan.piece_token_bytes(target.piece) * count
             if job.offset + nbytes > target.arena.nbytes:
                 raise ProtocolError(
@@ -491,6 +499,9 @@ class Source(Endpoint):
             if slot is None:
                 gather_pieces(self.cache, idx, [(t.piece.src_offset, t.piece.heads.count, t.mapped.view(j.offset, n))
                                                 for t, j, n in zip(targets, jobs, sizes)])
+                for t, j in zip(targets, jobs):  # each destination's queued scatter of its piece starts now
+                    if j.word is not None and t.mapped.words is not None:
+                        landing.signal(self.cache.device, t.mapped.word_addr(j.word[0]), j.word[1])
             else:
                 piece = targets[0].piece
                 gather(self.cache, idx, piece.src_offset, piece.heads.count,

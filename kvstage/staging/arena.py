@@ -70,6 +70,7 @@ class _DeviceAllocation:
         if err != 0:
             raise MemoryError(f"cudaMalloc of {nbytes} bytes on {device} failed with CUDA error {err}")
         self.ptr, self.device = ptr.value, device
+        self.words = None  # (byte offset, count) of the landing words after the arena's slots, if any
         self.__cuda_array_interface__ = {"shape": (nbytes,), "typestr": "|u1", "data": (self.ptr, False), "version": 3}
 
     def __del__(self):
@@ -130,12 +131,26 @@ def allocate_arena(nbytes: int, device: torch.device, pinned: bool = False, shar
 
 
 class StagingArena:
-    """``slots`` slots of ``slot_bytes`` in one registered buffer."""
+    """``slots`` slots of ``slot_bytes`` in one registered buffer. On a GPU, ``words``
+    32-bit words (zeroed) follow the slots in the same allocation, so a peer that maps the
+    arena reaches them too (``staging.landing``); ``self.words`` is None elsewhere."""
 
-    def __init__(self, slot_bytes: int, slots: int, device: torch.device, pinned: bool = False, shared: bool = False):
+    def __init__(self, slot_bytes: int, slots: int, device: torch.device, pinned: bool = False, shared: bool = False,
+                 words: int = 0):
         self.slot_bytes = slot_bytes
         self.allocator = SlotAllocator(slots)
-        self.buffer = allocate_arena(slot_bytes * slots, device, pinned, shared)
+        nbytes = slot_bytes * slots
+        self.words = None
+        if words and device.type == "cuda":
+            at = -(-nbytes // 256) * 256
+            whole = allocate_arena(at + 4 * words, device)
+            owner = whole._kvstage_owner
+            owner.words = (at, words)  # ``transports.mapped.share`` describes them to peers
+            self.buffer = whole[:nbytes]  # what is registered: the slots alone
+            self.buffer._kvstage_owner = owner
+            self.words = whole[at:].view(torch.int32).zero_()
+        else:
+            self.buffer = allocate_arena(nbytes, device, pinned, shared)
         log.debug("arena: %d slots of %d bytes on %s%s", slots, slot_bytes, device, " (pinned)" if pinned else "")
 
     def offset(self, slot: int) -> int:

@@ -88,7 +88,11 @@ def share(buffer: torch.Tensor) -> dict | None:
             return None
         # all 64 bytes (the field itself reads as a C string, cut at the first zero byte)
         raw = ctypes.string_at(ctypes.addressof(h), ctypes.sizeof(h))
-        return {"kind": "cuda_ipc", "handle": base64.b64encode(raw).decode(), "nbytes": buffer.numel()}
+        desc = {"kind": "cuda_ipc", "handle": base64.b64encode(raw).decode(), "nbytes": buffer.numel(),
+                "gpu": gpu_uuid(buffer.device)}
+        if getattr(owner, "words", None):  # 32-bit words after the buffer, in the same allocation
+            desc["words"] = {"offset": owner.words[0], "count": owner.words[1]}
+        return desc
     return None
 
 
@@ -101,24 +105,41 @@ def unshare(buffer: torch.Tensor) -> None:
         owner.close()
 
 
-class MappedArena:
-    """A peer's arena mapped into this process: ``view`` gives byte ranges of it."""
+def gpu_uuid(device: torch.device) -> str | None:
+    """The GPU's UUID (the same in every process, whatever each one's device numbering), or None
+    where torch does not report it."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    uuid = getattr(torch.cuda.get_device_properties(index), "uuid", None)
+    return str(uuid) if uuid is not None else None
 
-    def __init__(self, tensor: torch.Tensor, kind: str, closer):
-        self.tensor, self.kind, self._closer = tensor, kind, closer
+
+class MappedArena:
+    """A peer's arena mapped into this process: ``view`` gives byte ranges of it.
+    ``gpu``: the UUID of the GPU a CUDA arena lives on, as its owner reported it;
+    ``words``: (device address, count) of the 32-bit words its owner keeps after it, if any."""
+
+    def __init__(self, tensor: torch.Tensor, kind: str, closer, gpu: str | None = None,
+                 words: tuple[int, int] | None = None):
+        self.tensor, self.kind, self._closer, self.gpu, self.words = tensor, kind, closer, gpu, words
+
+    def word_addr(self, index: int) -> int:
+        """The device address of word ``index`` (checked against the owner's count)."""
+        if self.words is None or not 0 <= index < self.words[1]:
+            raise IndexError(f"word {index}: this mapped arena has {0 if self.words is None else self.words[1]} words")
+        return self.words[0] + 4 * index
 
     def view(self, offset: int, nbytes: int) -> torch.Tensor:
         return self.tensor[offset : offset + nbytes]
 
     def on(self, device: torch.device) -> bool:
-        """Whether the mapped memory lives on ``device`` (a bare "cuda" is the current device)."""
-        mine = self.tensor.device
-        if mine.type != device.type:
+        """Whether the mapped memory lives on ``device``. A CUDA arena is compared by its owner's
+        GPU UUID: the tensor over an IPC mapping reports this process's current device, not the
+        GPU holding the memory. No UUID on either side: False (not known to be local)."""
+        if self.tensor.device.type != device.type:
             return False
-        if mine.type != "cuda":
+        if device.type != "cuda":
             return True
-        cur = torch.cuda.current_device()
-        return (cur if mine.index is None else mine.index) == (cur if device.index is None else device.index)
+        return self.gpu is not None and self.gpu == gpu_uuid(device)
 
     def close(self) -> None:
         if self._closer is not None:
@@ -135,7 +156,7 @@ def open_shared(desc: dict, nbytes: int, device: torch.device) -> MappedArena:
     if kind == "memfd":
         return _open_memfd(desc.get("pid"), desc.get("fd"), nbytes, device)
     if kind == "cuda_ipc":
-        return _open_ipc(desc.get("handle"), nbytes, device)
+        return _open_ipc(desc.get("handle"), nbytes, device, desc.get("gpu"), desc.get("words"))
     raise MappingError(f"unknown shared arena kind {str(kind)[:32]!r}")
 
 
@@ -168,7 +189,19 @@ class _DevicePointer:
         self.__cuda_array_interface__ = {"shape": (nbytes,), "typestr": "|u1", "data": (ptr, False), "version": 3}
 
 
-def _open_ipc(handle, nbytes: int, device: torch.device) -> MappedArena:
+def _words(words, nbytes: int) -> tuple[int, int] | None:
+    """A description's landing words as (byte offset, count), checked; None if it has none."""
+    if words is None:
+        return None
+    ok = isinstance(words, dict) and all(isinstance(words.get(k), int) and not isinstance(words.get(k), bool)
+                                         for k in ("offset", "count"))
+    if not ok or words["offset"] < nbytes or words["offset"] % 4 or not 0 < words["count"] <= 1 << 20:
+        raise MappingError(f"the shared arena's words {str(words)[:80]} are malformed (offset >= {nbytes}, "
+                           "4-byte aligned; 1 to 2**20 words)")
+    return words["offset"], words["count"]
+
+
+def _open_ipc(handle, nbytes: int, device: torch.device, gpu, words=None) -> MappedArena:
     if device.type != "cuda":
         raise MappingError("a CUDA arena; this rank's cache is in host memory")
     try:
@@ -177,6 +210,7 @@ def _open_ipc(handle, nbytes: int, device: torch.device) -> MappedArena:
         raw = b""
     if len(raw) != 64:
         raise MappingError("CUDA IPC handle is not 64 bytes of base64")
+    words = _words(words, nbytes)
     h = _IpcHandle()
     ctypes.memmove(ctypes.byref(h), raw, 64)
     rt = _cudart()
@@ -187,11 +221,12 @@ def _open_ipc(handle, nbytes: int, device: torch.device) -> MappedArena:
         rt.cudaGetLastError()  # clear it: a failed open must not fail this process's next CUDA call
         raise MappingError(f"cudaIpcOpenMemHandle failed with CUDA error {err} (another host or container, "
                            "or no peer access between the two GPUs)")
-    # no device= here: memory of a peer GPU is a tensor of that GPU; the kernels only take its address
+    # the kernels only take its address; the tensor's device says nothing of where the memory is (``on``)
     tensor = torch.as_tensor(_DevicePointer(ptr.value, nbytes))
 
     def close():
         with torch.cuda.device(device):
             rt.cudaIpcCloseMemHandle(ptr)
 
-    return MappedArena(tensor, "cuda_ipc", close)
+    return MappedArena(tensor, "cuda_ipc", close, gpu if isinstance(gpu, str) else None,
+                       None if words is None else (ptr.value + words[0], words[1]))
