@@ -29,7 +29,8 @@ BIG="--arena-mb 2048 --slot-mb 256"
 PARTS=${PARTS:-kernels x2 long one mps trace spy pytest}
 want() { [[ " $PARTS " == *" $1 "* ]]; }
 # smoke: the kernel's and the landing words' GPU tests alone, first, so a broken launch shows before any bench
-want smoke && step smoke && timeout 120 python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_cuda_copy.py \
+# faulthandler_timeout: a test stuck in a CUDA call (signals cannot interrupt it) prints every thread's stack
+want smoke && step smoke && timeout 120 python3 -m pytest -m gpu -q -p no:cacheprovider -o faulthandler_timeout=45 tests/test_cuda_copy.py \
   tests/test_landing.py 2>&1 | tee "$OUT/pytest-smoke.log"
 abcase() { case $1 in
   4to1-128) echo "--tokens 128 --iters 30 --warmup 3" ;;
@@ -146,7 +147,7 @@ spy spy-4to1-8k-big --tokens 8192 --iters 20 $BIG
 [ "$GPUS" -ge 2 ] && spy spy-x2-1to2-32k --tokens 32768 --src-tp 1 --dst-tp 2 --src-gpu 0 --dst-gpu 1 --iters 8 $BIG
 }
 # -k "not ucx": the ucx cases need UCXX's wheels, which travel in a run of their own (gpu_ucx.sh)
-want pytest && step pytest && timeout "${PYTEST_TIMEOUT:-300}" python3 -m pytest -m gpu -k "not ucx" -q -p no:cacheprovider \
+want pytest && step pytest && timeout "${PYTEST_TIMEOUT:-300}" python3 -m pytest -m gpu -k "not ucx" -q -p no:cacheprovider -o faulthandler_timeout=60 \
   tests/test_cuda_copy.py tests/test_fence.py tests/test_landing.py tests/test_mapped.py tests/test_transfer.py 2>&1 \
   | tee "$OUT/pytest-gpu.log"
 # one GPU under CUDA MPS (a private daemon, its pipe in a temp dir; quit at the end): the five
