@@ -179,6 +179,51 @@ def test_chunks_owed_by_a_mapped_writer_leave_the_loop_idle(mapped_pair):
         assert h.path == "mapped"
 
 
+def test_a_mapped_message_makes_the_first_request_idle_too(mapped_pair):
+    """A source that mapped the arena says ``mapped`` (protocol 6): the destination then
+    knows before any ``landed`` that this writer owes no transport notice."""
+    dst, src, arena = mapped_pair
+    src.conn.send({"type": "mapped"})
+    ids = np.arange(pages_needed(CHUNK, 4))
+    h = dst.expect("first", ids, CHUNK)
+    src.announce("first", CHUNK, 30)
+    g = src.grant("first", 0)
+    deadline = time.monotonic() + 5
+    while dst._call(lambda: dst.requests["first"].announced is None):
+        assert time.monotonic() < deadline, "announcement not handled"
+        time.sleep(0.01)
+    assert dst._call(dst._busy) is False
+    src.conn.send(_landed("first", g, _gather_into(src, arena, "first", g)))
+    h.wait(10)
+    assert h.path == "mapped" and "word" not in g  # a host arena has no landing words
+
+
+def test_mapped_message_refused_when_the_arena_is_not_shared():
+    dst = _destination("off")
+    src = FakeSource(dst.address, TOKEN)
+    try:
+        src.conn.send({"type": "mapped"})
+        m = src.message(lambda m: m["type"] == "error")
+        assert m["about"] == "mapped" and "shares no arena" in m["reason"]
+    finally:
+        src.close()
+        dst.close()
+
+
+def test_a_real_source_says_mapped_once_it_maps_the_arena():
+    dst = _destination("on")
+    src = Source(RankCache.allocate(fr.src_spec(1), 0, 64), Settings(**fr.SETTINGS, auth_token=TOKEN, mapped="on"))
+    try:
+        src.connect([dst.address])
+        deadline = time.monotonic() + 5
+        while not dst._call(lambda: all(w.mapped for w in dst.writers.values()) and bool(dst.writers)):
+            assert time.monotonic() < deadline, "the destination did not hear that its writer maps its arena"
+            time.sleep(0.01)
+    finally:
+        src.close()
+        dst.close()
+
+
 def test_source_does_not_map_an_arena_of_another_host():
     """The welcome's facts say where the destination runs: a shared arena of another
     host is never opened (``on`` refuses it, ``auto`` writes through the transport)."""
