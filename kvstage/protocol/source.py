@@ -297,8 +297,8 @@ class Source(Endpoint):
         for d in want:
             out.written[d] = 0
             out.granted[d] = set()
-            if not launch_first:
-                self.targets[d].conn.send(ready)
+            if not launch_first:  # a send that fails here fails the request when the loop sees the closed connection
+                self._send(d, ready)
         if not all(self.targets[d].kv for d in want):
             out.device_pages = upload_pages(self.cache, pages)
         for job, chunks, tokens in sorted(held.values(), key=lambda g: (g[0].chunk, g[0].dst)):
