@@ -3,7 +3,7 @@
 # kernels beside a d2d copy, staged vs bulk vs per-slice on one GPU, the same
 # across two GPUs when there are two, the byte-exact GPU suite.
 #   run with .whl/ carried (NIXL wheels, ../shared/notes/gpu-machine.md); outputs in $OUT
-#   PARTS="kernels x2 long one mps trace spy pytest ab" (the default: all but ab, smoke, tracex2 and prearm) picks parts;
+#   PARTS="kernels x2 long one mps trace spy pytest ab" (the default: all but ab, smoke, tracex2, x2slots and prearm) picks parts;
 #   spy needs .whl-spy/ (the py-spy wheel) carried too. ab: the same one-GPU runs for this
 #   tree and for every other tree under ab/NAME/kvstage (untracked copies, e.g. from
 #   `git archive`), alternating (AB_ROUNDS rounds, 2), so a change is measured against its base in one run;
@@ -99,6 +99,13 @@ if want x2 && [ "$GPUS" -ge 2 ]; then  # sources on GPU 0, destinations on GPU 1
   bench x2-4to1-32k --tokens 32768 $X --iters 3 $BIG
   bench x2-1to4-32k --tokens 32768 --src-tp 1 --dst-tp 4 $X --iters 3 $BIG
   bench x2-4to1-128 --tokens 128 $X --iters 30 --warmup 3
+fi
+if want x2slots && [ "$GPUS" -ge 2 ]; then  # smaller slots across GPUs: a shorter first gather and last scatter
+  X="--src-gpu 0 --dst-gpu 1 --mode staged,bulk --arena-mb 2048"
+  for mb in 64 128 256; do
+    bench "x2slots-2to1-8k-$mb" --tokens 8192 --src-tp 2 --dst-tp 1 $X --iters 5 --slot-mb $mb
+    bench "x2slots-1to2-8k-$mb" --tokens 8192 --src-tp 1 --dst-tp 2 $X --iters 5 --slot-mb $mb
+  done
 fi
 if want long && [ "$GPUS" -ge 2 ]; then  # long prompts: the per-request start-up and drain weigh less
   X="--src-gpu 0 --dst-gpu 1 --mode staged,bulk"
