@@ -85,6 +85,20 @@ def test_open_refuses_a_description_that_does_not_match():
         open_shared({"kind": "rdma", "nbytes": 20}, 20, torch.device("cpu"))
 
 
+def test_landing_words_of_a_description_are_checked():
+    """A CUDA arena's description may name landing words after its bytes (protocol 6):
+    they must lie past the arena, 4-byte aligned, 1 to 2**20 of them."""
+    from kvstage.transports.mapped import _words
+
+    assert _words(None, 4096) is None
+    assert _words({"offset": 4096, "count": 256}, 4096) == (4096, 256)
+    for bad in ({"offset": 4092, "count": 8}, {"offset": 4098, "count": 8}, {"offset": 4096, "count": 0},
+                {"offset": 4096, "count": 1 << 21}, {"offset": 4096.0, "count": 8}, {"offset": True, "count": 8},
+                {"count": 8}, [4096, 8]):
+        with pytest.raises(MappingError, match="malformed"):
+            _words(bad, 4096)
+
+
 @pytest.fixture
 def mapped_pair():
     dst = _destination("on")
