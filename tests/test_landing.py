@@ -82,7 +82,7 @@ def test_a_queued_copy_waits_for_its_word_and_runs_on_its_value():
     src = torch.arange(1 << 16, dtype=torch.int32, device="cuda")
     out = torch.zeros_like(src)
     value = words.next_value(3)
-    fence = words.arm("writer", 3, value, lambda: out.copy_(src))
+    fence = words.arm(0, 3, value, lambda: out.copy_(src))
     assert _pending(fence) and int(out.abs().sum()) == 0
     writer = torch.cuda.Stream()  # the writer's side: the word set on its own stream, after its work
     with torch.cuda.stream(writer):
@@ -96,7 +96,7 @@ def test_an_older_value_does_not_release_a_newer_wait():
     new = words.next_value(1)
     assert new == old + 1
     out = torch.zeros(16, device="cuda")
-    fence = words.arm("writer", 1, new, lambda: out.fill_(1))
+    fence = words.arm(0, 1, new, lambda: out.fill_(1))
     words.release(1, old)  # a late write of the previous grant's value
     assert _pending(fence) and float(out.sum()) == 0
     words.release(1, new)  # the destination's own release (landed message read, or the request failed)

@@ -5,9 +5,10 @@ small array of 32-bit words in the same device allocation, shared with them.
 Each grant to such a writer names a word and a value. Right after its gather
 the writer's stream sets that word to that value (a stream memory write,
 ordered after the kernel's stores by its own fence); the destination has
-already queued, on a stream of that writer's own, a wait for the value and the
-piece's scatter behind it. The scatter then starts on the GPU the moment the
-gather ends: no message, no host hop and no kernel launch on the critical path.
+already queued, on a stream kept for that writer (one of eight, all made
+before any wait), a wait for the value and the piece's scatter behind it. The
+scatter then starts on the GPU the moment the gather ends: no message, no host
+hop and no kernel launch on the critical path.
 The ``landed`` message still comes and is still checked; it releases the word
 too, so no wait outlives it, and a failing request releases its words before
 it waits for its scatters (those then copy whatever the slot holds into the
@@ -29,15 +30,16 @@ this is why the setting (``prearm``) is off by default.
 
 from __future__ import annotations
 
-import torch
-
 import ctypes
+
+import torch
 
 from kvstage.cudart import driver, driver_error, runtime
 from kvstage.staging.fence import CopyFence
 
 WORD_BYTES = 4
 WORDS_PER_SLOT = 64  # a slot's writers past the 64th are not armed (their scatters launch on ``landed``)
+STREAMS = 8  # writers' queued scatters go on stream ``writer % STREAMS``, all created before any wait
 _WAIT_EQ = 0x1  # CU_STREAM_WAIT_VALUE_EQ
 _WRITE_DEFAULT = 0x0  # CU_STREAM_WRITE_VALUE_DEFAULT: a memory fence before the write
 
@@ -81,7 +83,8 @@ class LandingWords:
         self.count = words.numel()
         self.device = words.device
         self._last = [0] * self.count
-        self._streams: dict = {}  # writer -> the stream its armed scatters queue on
+        # created now, while nothing waits: creating a stream behind a queued wait may block on it
+        self._streams = [_own_stream(self.device) for _ in range(STREAMS)]
         self._release = _own_stream(self.device)
 
     def addr(self, index: int) -> int:
@@ -93,13 +96,12 @@ class LandingWords:
         self._last[index] = v
         return v
 
-    def arm(self, writer, index: int, value: int, launch) -> CopyFence:
+    def arm(self, writer: int, index: int, value: int, launch) -> CopyFence:
         """Queue ``launch`` (a prepared scatter) behind a wait for word ``index`` to equal
-        ``value``, on ``writer``'s stream; the fence ends after it. Work queued before on the
-        caller's stream (the scatter's uploads) comes first."""
-        stream = self._streams.get(writer)
-        if stream is None:
-            stream = self._streams[writer] = _own_stream(self.device)
+        ``value``, on writer rank ``writer``'s stream (shared past ``STREAMS`` writers); the
+        fence ends after it. Work queued before on the caller's stream (the scatter's uploads)
+        comes first."""
+        stream = self._streams[writer % STREAMS]
         load = getattr(launch, "load", None)
         if load is not None:  # never load a module behind a queued wait (it may synchronize the device)
             load()
@@ -121,6 +123,6 @@ class LandingWords:
 
     def close(self) -> None:
         """Give the streams back (their queued work, if any, still runs to its end)."""
-        for stream in [*self._streams.values(), self._release]:
+        for stream in [*self._streams, self._release]:
             runtime().cudaStreamDestroy(ctypes.c_void_p(stream.cuda_stream))
-        self._streams = {}
+        self._streams = []
