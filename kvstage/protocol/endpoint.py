@@ -33,8 +33,8 @@ from kvstage.probe.connect import connect_line
 from kvstage.probe.facts import collect_local, memory_facts, value
 from kvstage.protocol.wire import Connection, field
 from kvstage.staging.arena import StagingArena, choose_arena
-from kvstage.staging.landing import WORDS_PER_SLOT
 from kvstage.staging.cache import RankCache
+from kvstage.staging.landing import WORDS_PER_SLOT
 from kvstage.tp import SideSpec
 from kvstage.transports.base import Region, Transport
 
@@ -175,11 +175,10 @@ class Endpoint:
         self._kv_regions: list[Region] | None = None
         self._aborted: dict[str, tuple[str, str]] = {}  # req -> (peer, cause): aborted by a peer before this side knew it
         self._events: queue.Queue = queue.Queue()
-        self._selector = selectors.DefaultSelector()
+        self._selector = None  # epoll over the watched sockets, made only while one is past select's reach
         self._wake, self._waker = socket.socketpair()  # a byte on _waker: the queue holds an event
         for s in (self._wake, self._waker):
             s.setblocking(False)
-        self._selector.register(self._wake, selectors.EVENT_READ, None)
         self._watched: dict = {self._wake: None}  # socket -> its connection (None: the wake-up socket)
         self._socks, self._low = [self._wake], True
         self._sockets_changed()
@@ -253,7 +252,6 @@ class Endpoint:
             if kind == "call":
                 args[0]()
             elif kind == "watch" and not args[0].closed:
-                self._selector.register(args[0].sock, selectors.EVENT_READ, args[0])
                 self._watched[args[0].sock] = args[0]
                 self._sockets_changed()
                 if args[1] is not None:
@@ -311,6 +309,7 @@ class Endpoint:
         return [key.fileobj for key, _ in self._selector.select(timeout)]
 
     def _sockets_changed(self) -> None:
+        """The wait's view of ``_watched``: select(2)'s list, and past its reach an epoll set."""
         self._socks = list(self._watched)
         low = all(sock.fileno() < _SELECT_LIMIT for sock in self._socks)
         if low != self._low:
@@ -318,6 +317,14 @@ class Endpoint:
                      "below" if low else "past", _SELECT_LIMIT - 1,
                      "select(2) again" if low else "epoll (millisecond timeouts: shorter waits become sleeps)")
         self._low = low
+        if self._selector is not None:
+            self._selector.close()
+            self._selector = None
+        if not low:
+            self._selector = selectors.DefaultSelector()
+            for sock in self._socks:
+                if sock.fileno() >= 0:  # one closed by this side is swept before the next wait
+                    self._selector.register(sock, selectors.EVENT_READ)
 
     def _read(self, conn: Connection) -> None:
         """Handle every whole message ``conn`` holds now; a closed or broken connection is dropped."""
@@ -337,10 +344,6 @@ class Endpoint:
 
     def _drop(self, conn: Connection, reason: str) -> None:
         """Stop watching ``conn`` and tell the endpoint it is gone."""
-        try:
-            self._selector.unregister(conn.sock)
-        except (KeyError, ValueError):
-            pass
         if self._watched.pop(conn.sock, None) is not None:
             self._sockets_changed()
         self._first.pop(conn, None)
@@ -402,7 +405,8 @@ class Endpoint:
 
     def _shutdown(self) -> None:
         self.transport.close()
-        self._selector.close()
+        if self._selector is not None:
+            self._selector.close()
         self._wake.close()
         self._waker.close()
 
