@@ -383,6 +383,11 @@ def percentile(values, q: float) -> float:
     return s[int(k) - 1]
 
 
+def _per_request(total: int, n: int):
+    """A count over ``n`` requests in flight, per request (an int when it divides evenly)."""
+    return total / n if total % n else total // n
+
+
 def summarize(group: Group, reports: list) -> list[dict]:
     by: dict = {}
     for role, rank, pi, mode, it, data in reports:
@@ -428,13 +433,13 @@ def summarize(group: Group, reports: list) -> list[dict]:
                 "bytes": payload, "total_bytes": payload * n, "seconds": wall, "seconds_all": walls,
                 "gbps": payload * n / wall / 1e9,
                 "latency_p50_s": percentile(lat, 50), "latency_p99_s": percentile(lat, 99), "latency_samples": len(lat),
-                "descriptors": descs[mid] / n if descs[mid] % n else descs[mid] // n,
+                "descriptors": _per_request(descs[mid], n),
                 "verified": verified, "arena_bytes": sc.arena_bytes() if mode == "staged" else None,
             }
             if mode == "staged":
                 row["stages"] = stage_rows[mid]
                 # pieces per request whose scatter was queued on the GPU before they landed (staging.landing)
-                row["queued_scatters"] = queued[mid] / n if queued[mid] % n else queued[mid] // n
+                row["queued_scatters"] = _per_request(queued[mid], n)
                 row["path"] = sorted(paths)
                 row["arena"] = sorted(arenas)
             if errors:

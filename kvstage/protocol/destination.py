@@ -26,8 +26,8 @@ from kvstage.errors import IncompatibleGeometry, KVStageError, ProtocolError
 from kvstage.protocol.endpoint import Endpoint, check_pages, check_transport, md_from_wire, md_to_wire, spec_from_wire, spec_to_wire
 from kvstage.protocol.request import State, TransferHandle
 from kvstage.protocol.wire import PROTOCOL_VERSION, Connection, decode_notice, field, notice_from_message
-from kvstage.staging.copy import TokenIndex, prepare_piece_scatters, prepare_scatter, upload_pages
 from kvstage.staging import landing
+from kvstage.staging.copy import TokenIndex, prepare_piece_scatters, prepare_scatter, upload_pages
 from kvstage.staging.fence import CopyFence
 from kvstage.tp import Piece, TransferPlan, plan
 from kvstage.transports.base import Region, Spans
@@ -65,11 +65,15 @@ class Chunk:
     def scattered(self) -> bool:
         return all(f.done() for f in self.fences)
 
+    def wait(self) -> None:
+        """Until the scatters launched into this chunk's pages are done."""
+        for f in self.fences:
+            f.wait()
+
     def settle(self) -> float | None:
         """Wait for the scatters launched into this chunk's pages and hand their fences
         back; the seconds they took on the GPU (None on the CPU)."""
-        for f in self.fences:
-            f.wait()
+        self.wait()
         seconds = [f.gpu_seconds() for f in self.fences]
         for f in self.fences:
             f.release()
@@ -632,8 +636,7 @@ class Destination(Endpoint):
             chunk.settle()
         for other, chunk, _ in self._scattering:
             if other is inc:
-                for f in chunk.fences:
-                    f.wait()
+                chunk.wait()
         inc.handle._fail(peer, stage, cause)
         log.warning("dst %d: request %s failed at %s with %s: %s", self.rank, req, stage, peer, cause)
         if req in self._rr:

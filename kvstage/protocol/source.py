@@ -66,7 +66,7 @@ class Job:
     offset: int = 0
     pages: np.ndarray | None = None
     ticket: bytes = b""  # from the destination's transport.expect (two-sided transports)
-    word: tuple[int, int] | None = None  # (landing word, value) to set after gathering into a mapped arena
+    word: tuple[int, int] | None = None  # (device address, value) of the landing word to set after the gather
     queued: float = dc_field(default_factory=time.perf_counter)
 
 
@@ -378,10 +378,13 @@ class Source(Endpoint):
                 except ValueError:
                     raise ProtocolError(f"grant for {req!r} chunk {c}: ticket is not base64") from None
             if "word" in msg:  # set after the gather, when gathering into its mapped arena (else unused)
-                job.word = (field(msg, "word", int, minimum=0), field(msg, "value", int, minimum=1, maximum=2**32 - 1))
-                if target.mapped is not None and target.mapped.words is not None and job.word[0] >= target.mapped.words[1]:
-                    raise ProtocolError(f"grant for {req!r} chunk {c}: word {job.word[0]} past the "
-                                        f"{target.mapped.words[1]} words its arena shares")
+                word, value = field(msg, "word", int, minimum=0), field(msg, "value", int, minimum=1, maximum=2**32 - 1)
+                words = target.mapped.words if target.mapped is not None else None
+                if words is not None:
+                    if word >= words[1]:
+                        raise ProtocolError(f"grant for {req!r} chunk {c}: word {word} past the {words[1]} words "
+                                            "its arena shares")
+                    job.word = (target.mapped.word_addr(word), value)
             nbytes = self.plan.piece_token_bytes(target.piece) * count
             if job.offset + nbytes > target.arena.nbytes:
                 raise ProtocolError(
@@ -499,9 +502,9 @@ class Source(Endpoint):
             if slot is None:
                 gather_pieces(self.cache, idx, [(t.piece.src_offset, t.piece.heads.count, t.mapped.view(j.offset, n))
                                                 for t, j, n in zip(targets, jobs, sizes)])
-                for t, j in zip(targets, jobs):  # each destination's queued scatter of its piece starts now
-                    if j.word is not None and t.mapped.words is not None:
-                        landing.signal(self.cache.device, t.mapped.word_addr(j.word[0]), j.word[1])
+                for j in jobs:  # each destination's queued scatter of its piece starts now
+                    if j.word is not None:
+                        landing.signal(self.cache.device, *j.word)
             else:
                 piece = targets[0].piece
                 gather(self.cache, idx, piece.src_offset, piece.heads.count,

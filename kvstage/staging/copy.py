@@ -147,12 +147,16 @@ def _copier(cache: RankCache):
     return c
 
 
+def _kernel_for(cache: RankCache, idx: TokenIndex, pieces, region: torch.Tensor):
+    """The fused copier if it can run these pieces of ``region``, else None (the torch paths)."""
+    copier = _copier(cache)
+    return copier if copier is not None and copier.supports(region, pieces, idx.count) else None
+
+
 def _prepared(cache: RankCache, idx: TokenIndex, pieces, region: torch.Tensor, to_region: bool):
     """The whole chunk as one prepared kernel launch, or None to use the torch paths."""
-    copier = _copier(cache)
-    if copier is None or not copier.supports(region, pieces, idx.count):
-        return None
-    return _prepare(copier, idx, pieces, region, to_region)
+    copier = _kernel_for(cache, idx, pieces, region)
+    return None if copier is None else _prepare(copier, idx, pieces, region, to_region)
 
 
 def _prepare(copier, idx: TokenIndex, pieces, region: torch.Tensor | None, to_region: bool):
@@ -182,10 +186,8 @@ def prepare_piece_scatters(cache: RankCache, idx: TokenIndex, pieces, region: to
     the moment it lands and only the last writer's is left when the chunk is
     complete; None where the kernel does not run the chunk (the torch and numpy
     paths scatter a chunk's pieces in one pass: ``prepare_scatter``)."""
-    copier = _copier(cache)
-    if copier is None or not copier.supports(region, pieces, idx.count):
-        return None
-    return [_prepare(copier, idx, [piece], region, False) for piece in pieces]
+    copier = _kernel_for(cache, idx, pieces, region)
+    return None if copier is None else [_prepare(copier, idx, [piece], region, False) for piece in pieces]
 
 
 def _bounce(cache: RankCache, region: torch.Tensor) -> torch.Tensor | None:

@@ -102,7 +102,7 @@ _RING = 4  # pinned upload buffers in flight per copier
 _PIECE_TABLES = 64  # distinct piece lists kept on the device per copier
 
 
-def _raw_stream(device: torch.device) -> int:
+def raw_stream(device: torch.device) -> int:
     """The handle of the caller's current torch stream on ``device``: torch's raw
     getter where it has one (a pointer, no Stream object built per launch)."""
     getter = getattr(torch._C, "_cuda_getCurrentRawStream", None)
@@ -186,8 +186,7 @@ class WordCopier:
     def _launch(self, grid, params) -> None:
         """The kernel on the caller's current torch stream, in this device's context
         (made current for the launch if the thread's is another, then restored)."""
-        if self._function is None:
-            self._load()
+        self.load()
         current = ctypes.c_void_p()
         self._get_context(ctypes.byref(current))
         switch = current.value != self._context
@@ -195,16 +194,19 @@ class WordCopier:
             self._set_context(self._context)
         try:
             err = self._launch_kernel(self._function, grid[0], grid[1], grid[2], _THREADS, 1, 1, 0,
-                                      _raw_stream(self.device), params, None)
+                                      raw_stream(self.device), params, None)
         finally:
             if switch and current.value:
                 self._set_context(current.value)
         if err:
             raise RuntimeError(f"gather/scatter kernel launch on {self.device} failed: {driver_error(err)}")
 
-    def _load(self) -> None:
+    def load(self) -> None:
         """Compile (or take from CuPy's cache) the kernel for this device, loaded in the
-        device's primary context: torch's and CuPy's, made current here if no context is."""
+        device's primary context: torch's and CuPy's, made current here if no context is.
+        Once; every launch calls it."""
+        if self._function is not None:
+            return
         import cupy
 
         drv = driver()
@@ -249,8 +251,7 @@ class PreparedCopy:
     def load(self) -> None:
         """Load the kernel now if it is not yet (``staging.landing`` queues a launch behind a wait:
         loading a module then could wait for the whole device, that wait included)."""
-        if self._copier._function is None:
-            self._copier._load()
+        self._copier.load()
 
 
 class _Upload:

@@ -35,6 +35,7 @@ import ctypes
 import torch
 
 from kvstage.cudart import driver, driver_error, runtime
+from kvstage.staging.cuda_copy import raw_stream
 from kvstage.staging.fence import CopyFence
 
 WORD_BYTES = 4
@@ -57,8 +58,7 @@ def supported() -> str | None:
 def signal(device: torch.device, addr: int, value: int) -> None:
     """Set the word at device address ``addr`` to ``value`` once the work queued so far on the
     current torch stream of ``device`` is done (the writer's side, after its gather)."""
-    stream = torch.cuda.current_stream(device).cuda_stream
-    err = driver().kvstage_cuStreamWriteValue32(stream, addr, value, _WRITE_DEFAULT)
+    err = driver().kvstage_cuStreamWriteValue32(raw_stream(device), addr, value, _WRITE_DEFAULT)
     if err:
         raise RuntimeError(f"cuStreamWriteValue32 at {addr:#x} failed: {driver_error(err)}")
 
