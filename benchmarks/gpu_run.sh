@@ -3,8 +3,8 @@
 # kernels beside a d2d copy, staged vs bulk vs per-slice on one GPU, the same
 # across two GPUs when there are two, the byte-exact GPU suite.
 #   run with .whl/ carried (NIXL wheels, ../shared/notes/gpu-machine.md); outputs in $OUT
-#   PARTS="kernels x2 long one mps trace spy pytest ab" (the default: all but ab, smoke, tracex2, x2slots and prearm) picks parts;
-#   spy needs .whl-spy/ (the py-spy wheel) carried too. ab: the same one-GPU runs for this
+#   PARTS="kernels x2 long one mps trace spy pytest ab" (the default: all but ab, smoke, tracex2, trace1g, x2slots, spy128 and prearm) picks parts;
+#   spy and spy128 need .whl-spy/ (the py-spy wheel) carried too. ab: the same one-GPU runs for this
 #   tree and for every other tree under ab/NAME/kvstage (untracked copies, e.g. from
 #   `git archive`), alternating (AB_ROUNDS rounds, 2), so a change is measured against its base in one run;
 #   AB_CASES picks its cases (default "4to1-128 4to1-8k-big"; also 1to4-128, 1to4-8k-big, 4to1-8k-1g:
@@ -12,7 +12,8 @@
 #   sources gather straight into the destination's arena over CUDA IPC) and =off (a NIXL write per
 #   chunk), alternating (AB_ROUNDS rounds); mappedx2: =on (auto maps no other GPU's arena) against
 #   =off across two GPUs. slots: 4->1 8k with 512 MiB and 1 GiB slots
-#   (fewer, larger chunks). BENCH_TIMEOUT (120) and PYTEST_TIMEOUT (300) bound each step, in seconds.
+#   (fewer, larger chunks). BENCH_TIMEOUT (120) and PYTEST_TIMEOUT (300) bound each step, in seconds;
+#   PYTEST_K narrows the pytest part (a -k expression, e.g. "across_two_gpus").
 set -uo pipefail
 FINAL=${OUT:-/tmp/kvstage-out}
 OUT=$(mktemp -d)  # everything lands here and travels back as one archive (the device tool returns few files)
@@ -145,16 +146,25 @@ want tracex2 && [ "$GPUS" -ge 2 ] && {
 trace trace-x2-2to1-8k --tokens 8192 --src-tp 2 --dst-tp 1 --src-gpu 0 --dst-gpu 1 --iters 3 $BIG
 trace trace-x2-1to2-8k --tokens 8192 --src-tp 1 --dst-tp 2 --src-gpu 0 --dst-gpu 1 --iters 3 $BIG
 }
+# trace1g: one-chunk 8k requests (1 GiB slots), scatters launched on `landed` and queued ahead (prearm)
+want trace1g && for pa in 0 1; do
+  KVSTAGE_PREARM=$pa trace "trace-4to1-8k-1g-prearm$pa" --tokens 8192 --iters 3 --arena-mb 2048 --slot-mb 1024
+done
 # where the endpoints' host time goes: py-spy samples every rank (no pauses) over a longer run
-want spy && python3 -m pip install -q --no-index --no-deps --target /tmp/spy .whl-spy/*.whl && {
+{ want spy || want spy128; } && python3 -m pip install -q --no-index --no-deps --target /tmp/spy .whl-spy/*.whl && {
 spy() { local name=$1; shift; step "spy $name: $*"
   timeout 150 /tmp/spy/bin/py-spy record --nonblocking --subprocesses -r 400 -f raw -o "$OUT/$name.txt" -- \
     python3 -m kvstage.cli bench --device cuda --no-progress --mode staged "$@" 2>&1 | grep -E "^│|py-spy>" | tee "$OUT/$name.log"; }
+want spy && {
 spy spy-4to1-8k-big --tokens 8192 --iters 20 $BIG
 [ "$GPUS" -ge 2 ] && spy spy-x2-1to2-32k --tokens 32768 --src-tp 1 --dst-tp 2 --src-gpu 0 --dst-gpu 1 --iters 8 $BIG
 }
+# spy128: the same for small requests, where host work is the latency (one GPU)
+want spy128 && spy spy-1to4-128 --tokens 128 --src-tp 1 --dst-tp 4 --iters 400 --warmup 5
+}
 # -k "not ucx": the ucx cases need UCXX's wheels, which travel in a run of their own (gpu_ucx.sh)
-want pytest && step pytest && timeout "${PYTEST_TIMEOUT:-300}" python3 -m pytest -m gpu -k "not ucx" -q -p no:cacheprovider -o faulthandler_timeout=60 \
+want pytest && step pytest && timeout "${PYTEST_TIMEOUT:-300}" python3 -m pytest -m gpu -k "not ucx${PYTEST_K:+ and ($PYTEST_K)}" -v \
+  --durations=10 -p no:cacheprovider -o faulthandler_timeout=60 \
   tests/test_cuda_copy.py tests/test_fence.py tests/test_landing.py tests/test_mapped.py tests/test_transfer.py 2>&1 \
   | tee "$OUT/pytest-gpu.log"
 # one GPU under CUDA MPS (a private daemon, its pipe in a temp dir; quit at the end): the five
@@ -167,6 +177,8 @@ if want mps; then
     bench mps-4to1-8k --tokens 8192 --mode staged,bulk --iters 5
     bench mps-1to4-8k-big --tokens 8192 --src-tp 1 --dst-tp 4 --mode staged,bulk --iters 5 $BIG
     bench mps-4to1-128 --tokens 128 --mode staged,bulk --iters 30 --warmup 3
+    bench mps-4to1-8k-1g --tokens 8192 --mode staged,bulk --iters 5 --arena-mb 2048 --slot-mb 1024
+    bench mps-1to4-128 --tokens 128 --src-tp 1 --dst-tp 4 --mode staged,bulk --iters 30 --warmup 3
     echo quit | nvidia-cuda-mps-control
     cp -r "$CUDA_MPS_LOG_DIRECTORY" "$OUT/mps-log"
   else

@@ -76,6 +76,36 @@ def test_upload_pages_refuses_page_ids_outside_the_cache(gpu):
     gpu_cache = _random_cache(SideSpec(GEO, 1, PageLayout(4)), 10, 4, "cuda")
     with pytest.raises(IndexError, match=r"page ids must lie in \[0, 10\); got 0\.\.12"):
         upload_pages(gpu_cache, np.array([0, 12]))
+    with pytest.raises(IndexError, match=r"page ids must lie in \[0, 10\); got 0\.\.12"):
+        TokenIndex(gpu_cache, np.array([0, 12]), 0, 8)  # a chunk's own page ids (not uploaded): checked too
+
+
+@pytest.mark.gpu
+def test_ten_one_head_pieces_in_one_launch_each_way(gpu):
+    """A slot of ten one-head writers (a wide model, many source ranks), laid out in
+    reverse head order: one gather launch into ten regions and one scatter launch
+    of the slot copy what the host copies do."""
+    n = 10
+    geo = KVGeometry(2, n, 64, "bfloat16")
+    spec = SideSpec(geo, 1, PageLayout(16))
+    start, count, pages = 3, 70, 40
+    ids = np.random.default_rng(14).permutation(pages)[: pages_needed(start + count, 16)]
+    dev = _random_cache(spec, pages, 15, "cuda")
+    host = RankCache(spec, 0, [b.cpu() for b in dev.buffers])
+    size = region_bytes(host, count, 1)
+    regions = [torch.zeros(size, dtype=torch.uint8, device="cuda") for _ in range(n)]
+    gather_pieces(dev, TokenIndex(dev, ids, start, count), [(h, 1, r) for h, r in zip(range(n), regions)])
+    torch.cuda.synchronize()
+    for h, r in enumerate(regions):
+        want = torch.empty(size, dtype=torch.uint8)
+        gather(host, TokenIndex(host, ids, start, count), h, 1, want)
+        assert torch.equal(r.cpu(), want), h
+    slot = torch.randint(0, 256, (n * size,), dtype=torch.uint8, generator=torch.Generator().manual_seed(16))
+    parts = [(h, 1, (n - 1 - h) * size) for h in range(n)]  # writers laid out in reverse head order
+    scatter_chunk(host, TokenIndex(host, ids, start, count), parts, slot)
+    prepare_scatter(dev, TokenIndex(dev, ids, start, count), parts, slot.cuda())()
+    torch.cuda.synchronize()
+    assert all(torch.equal(a.cpu().view(torch.uint8), b.view(torch.uint8)) for a, b in zip(dev.buffers, host.buffers))
 
 
 @pytest.mark.gpu

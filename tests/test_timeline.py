@@ -47,5 +47,9 @@ def test_debug_events_trace_every_hop_of_a_request(tmp_path):
             assert said.count(("dst0", what)) == 1, (what, said)
     for who in ("src0", "src1"):
         assert ("dst0", f"ready from source rank {who[-1]}") in said
+        # the caller's send() is an event too: once, before the source's loop takes the request
+        assert said.count((who, "sent by the caller, 1100 tokens")) == 1, (who, said)
+        first_grant = said.index((who, f"chunk {min(chunks)} granted by destination rank 0"))
+        assert said.index((who, "sent by the caller, 1100 tokens")) < first_grant
     done = said.index(("dst0", "transferring -> done"))
     assert all(said.index(("dst0", f"chunk {c} scattered")) < done for c in chunks)

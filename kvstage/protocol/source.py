@@ -145,6 +145,7 @@ class Source(Endpoint):
             raise ValueError(f"req={req!r}: must be a non-empty string of at most 256 characters")
         pages = check_pages(self.cache, page_ids, tokens)
         handle = TransferHandle(req, "src", int(tokens))
+        log.debug("src %d: %s sent by the caller, %d tokens", self.rank, req, tokens)  # its thread; the loop takes it next
         handle._abort = lambda reason: self._post("call", lambda: self._fail(req, "local", "abort", reason, tell=True))
         self._call(lambda: self._add(handle, pages))
         return handle
