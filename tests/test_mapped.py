@@ -99,6 +99,20 @@ def test_landing_words_of_a_description_are_checked():
             _words(bad, 4096)
 
 
+def test_a_landing_word_is_addressed_only_inside_the_shared_count():
+    """A grant's word reaches the source as an index; ``word_addr`` is the one check that it
+    lies among the words the arena shares (the source turns its refusal into a ProtocolError)."""
+    from kvstage.transports.mapped import MappedArena
+
+    arena = MappedArena(torch.zeros(16, dtype=torch.uint8), "cuda_ipc", None, None, (1 << 20, 64))
+    assert arena.word_addr(0) == 1 << 20 and arena.word_addr(63) == (1 << 20) + 4 * 63
+    for bad in (64, -1):
+        with pytest.raises(IndexError, match="this mapped arena has 64 words"):
+            arena.word_addr(bad)
+    with pytest.raises(IndexError, match="this mapped arena has 0 words"):
+        MappedArena(torch.zeros(16, dtype=torch.uint8), "cuda_ipc", None).word_addr(0)
+
+
 @pytest.fixture
 def mapped_pair():
     dst = _destination("on")

@@ -380,12 +380,11 @@ class Source(Endpoint):
                     raise ProtocolError(f"grant for {req!r} chunk {c}: ticket is not base64") from None
             if "word" in msg:  # set after the gather, when gathering into its mapped arena (else unused)
                 word, value = field(msg, "word", int, minimum=0), field(msg, "value", int, minimum=1, maximum=2**32 - 1)
-                words = target.mapped.words if target.mapped is not None else None
-                if words is not None:
-                    if word >= words[1]:
-                        raise ProtocolError(f"grant for {req!r} chunk {c}: word {word} past the {words[1]} words "
-                                            "its arena shares")
-                    job.word = (target.mapped.word_addr(word), value)
+                if target.mapped is not None and target.mapped.words is not None:
+                    try:  # word_addr checks it against the words the arena shares
+                        job.word = (target.mapped.word_addr(word), value)
+                    except IndexError as e:
+                        raise ProtocolError(f"grant for {req!r} chunk {c}: {e}") from None
             nbytes = self.plan.piece_token_bytes(target.piece) * count
             if job.offset + nbytes > target.arena.nbytes:
                 raise ProtocolError(
