@@ -4,7 +4,7 @@
 # across two GPUs when there are two, the byte-exact GPU suite.
 #   run with .whl/ carried (NIXL wheels, ../shared/notes/gpu-machine.md); outputs in $OUT
 #   PARTS="kernels x2 long one mps trace spy pytest ab" (the default: all but ab, smoke, tracex2, trace1g, x2slots, spy128 and prearm) picks parts;
-#   spy and spy128 need .whl-spy/ (the py-spy wheel) carried too. ab: the same one-GPU runs for this
+#   spy and spy128 need .whl-spy/ (the py-spy wheel) carried too; peer needs .peer/ (benchmarks/fetch_peer.sh). ab: the same one-GPU runs for this
 #   tree and for every other tree under ab/NAME/kvstage (untracked copies, e.g. from
 #   `git archive`), alternating (AB_ROUNDS rounds, 2), so a change is measured against its base in one run;
 #   AB_CASES picks its cases (default "4to1-128 4to1-8k-big"; also 1to4-128, 1to4-8k-big, 4to1-8k-1g:
@@ -90,6 +90,9 @@ if want prearm; then
     done
   done
 fi
+# peer: SGLang 0.5.23's staging kernels beside kvstage's, same buffers and pages (needs .peer/ carried:
+# benchmarks/fetch_peer.sh), 4->1 and 1->4 at 128 and 8k tokens
+want peer && step peer && timeout 200 python3 benchmarks/peer_kernels.py --json "$OUT/peer.json" 2>&1 | tee "$OUT/peer.log"
 want kernels && step kernels && timeout 150 python3 benchmarks/gpu_kernels.py --json "$OUT/kernels.json" 2>&1 | tee "$OUT/kernels.log"
 if want x2 && [ "$GPUS" -ge 2 ]; then  # sources on GPU 0, destinations on GPU 1: NVLink (the multi-GPU issue)
   X="--src-gpu 0 --dst-gpu 1 --mode staged,bulk"

@@ -5,7 +5,8 @@ Covers the paths the endpoints take: page ids uploaded once per request
 (``prepare_scatter``), each writer's piece scattered on its own as it lands
 (``prepare_piece_scatters``), one launch gathering into several regions
 (``gather_pieces``: a 1->N source's mapped destinations), chunks that start
-mid-page, several writers per slot, a launch from a thread with no CUDA context.
+mid-page, several writers per slot, a launch from a thread with no CUDA context,
+gathers launched at once from two threads.
 """
 
 import itertools
@@ -171,6 +172,48 @@ def test_a_prepared_copy_launches_from_a_thread_with_no_cuda_context(gpu):
     assert errors == [None]
     torch.cuda.synchronize()
     assert torch.equal(got.cpu(), want)
+
+
+@pytest.mark.gpu
+def test_gathers_launched_at_once_from_two_threads_keep_their_own_arguments(gpu):
+    """A gather is launched at once from the calling thread's own argument block
+    (``WordCopier.launch``): two threads launching into the same cache, with
+    different heads, tokens and regions, each get exactly their own copies."""
+    spec = SideSpec(GEO, 1, PageLayout(16))
+    ids = np.random.default_rng(11).permutation(40)[:20]
+    dev = _random_cache(spec, 40, 12, "cuda")
+    host = RankCache(spec, 0, [b.cpu() for b in dev.buffers])
+    dev_ids = upload_pages(dev, ids)
+    jobs = {"a": (0, 2, 0, 37), "b": (2, 2, 16, 200)}  # head_lo, heads, start, count
+    reps = 100
+    want, got = {}, {}
+    for name, (lo, n, start, count) in jobs.items():
+        want[name] = torch.empty(region_bytes(host, count, n), dtype=torch.uint8)
+        gather(host, TokenIndex(host, ids, start, count), lo, n, want[name])
+        got[name] = torch.zeros(reps, want[name].numel(), dtype=torch.uint8, device="cuda")
+    torch.cuda.synchronize()
+    blocks, errors = {}, []
+
+    def work(name):
+        lo, n, start, count = jobs[name]
+        try:
+            for k in range(reps):
+                gather(dev, TokenIndex(dev, ids, start, count, dev_ids), lo, n, got[name][k])
+            blocks[name] = dev._copier._blocks.block
+            torch.cuda.synchronize()
+        except Exception as e:  # the assertion below names it
+            errors.append(e)
+
+    threads = [threading.Thread(target=work, args=(name,)) for name in jobs]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+    assert blocks["a"] is not blocks["b"]
+    for name in jobs:
+        for k in range(reps):
+            assert torch.equal(got[name][k].cpu(), want[name]), (name, k)
 
 
 def _run(launch):

@@ -49,11 +49,11 @@ class TokenIndex:
         if device_pages is None:
             self.chunk_pages, _ = chunk_pages(page_ids, P, start, count)
             _check_bounds(cache, self.chunk_pages)
-        elif len(device_pages) != len(page_ids):  # checked against the cache when uploaded
-            raise ValueError(f"device_pages holds {len(device_pages)} page ids, page_ids {len(page_ids)}")
+        elif device_pages.numel() != len(page_ids):  # checked against the cache when uploaded
+            raise ValueError(f"device_pages holds {device_pages.numel()} page ids, page_ids {len(page_ids)}")
         self.page_ids, self.start, self.count = page_ids, start, count
         self._cache = cache
-        if cache.device.type == "cuda" and _copier(cache) is not None:
+        if _copier(cache) is not None:
             return  # the kernel path: the token arrays below are built only if a torch path asks
         self._positions()
 
@@ -136,13 +136,13 @@ def region_bytes(cache: RankCache, count: int, heads: int) -> int:
 
 def _copier(cache: RankCache):
     """The fused CUDA copier for this cache, or None where it does not apply."""
-    if cache.device.type != "cuda":
-        return None
-    c = getattr(cache, "_copier", False)
+    c = getattr(cache, "_copier", False)  # decided once per cache: this is on every chunk's launch path
     if c is False:
-        from kvstage.staging import cuda_copy
+        c = None
+        if cache.device.type == "cuda":
+            from kvstage.staging import cuda_copy
 
-        c = cuda_copy.WordCopier(cache.spec, cache.buffers) if cuda_copy.available() else None
+            c = cuda_copy.WordCopier(cache.spec, cache.buffers) if cuda_copy.available() else None
         cache._copier = c
     return c
 
@@ -159,18 +159,20 @@ def _prepared(cache: RankCache, idx: TokenIndex, pieces, region: torch.Tensor, t
     return None if copier is None else _prepare(copier, idx, pieces, region, to_region)
 
 
-def _prepare(copier, idx: TokenIndex, pieces, region: torch.Tensor | None, to_region: bool):
+def _prepare(copier, idx: TokenIndex, pieces, region: torch.Tensor | None, to_region: bool, now: bool = False):
+    """The chunk's kernel launch, prepared (``now`` False) or launched at once."""
+    run = copier.launch if now else copier.prepare
     if idx.device_pages is None:
-        return copier.prepare(idx.chunk_pages, idx.first, idx.count, pieces, region, to_region)
-    return copier.prepare(idx.device_pages, idx.first, idx.count, pieces, region, to_region, idx.first_page)
+        return run(idx.chunk_pages, idx.first, idx.count, pieces, region, to_region)
+    return run(idx.device_pages, idx.first, idx.count, pieces, region, to_region, idx.first_page)
 
 
 def _fused(cache: RankCache, idx: TokenIndex, pieces, region: torch.Tensor, to_region: bool) -> bool:
     """Run the whole chunk as one kernel launch if possible; False to fall back."""
-    launch = _prepared(cache, idx, pieces, region, to_region)
-    if launch is not None:
-        launch()
-    return launch is not None
+    copier = _kernel_for(cache, idx, pieces, region)
+    if copier is not None:
+        _prepare(copier, idx, pieces, region, to_region, now=True)
+    return copier is not None
 
 
 def prepare_scatter(cache: RankCache, idx: TokenIndex, pieces, region: torch.Tensor):
@@ -273,7 +275,7 @@ def gather_pieces(cache: RankCache, idx: TokenIndex, pieces) -> None:
     ``gather`` per piece."""
     copier = _copier(cache)
     if copier is not None and all(copier.supports(r, [(lo, n, 0)], idx.count) for lo, n, r in pieces):
-        return _prepare(copier, idx, [(lo, n, r.data_ptr()) for lo, n, r in pieces], None, True)()
+        return _prepare(copier, idx, [(lo, n, r.data_ptr()) for lo, n, r in pieces], None, True, now=True)
     for lo, n, r in pieces:
         gather(cache, idx, lo, n, r)
 

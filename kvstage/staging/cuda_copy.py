@@ -11,10 +11,12 @@ destination does it at grant time, before the chunk's bytes land).
 Compiled at first use with CuPy's NVRTC (RawKernel): the copy is a pure byte
 move, so explicit ``uint4`` loads and stores are the whole kernel. Launched
 with the driver's ``cuLaunchKernel`` on arguments packed once per prepared
-copy: CuPy's own call converts every argument and enters a device and a
-stream context each time, ~15 µs of host time per launch, which is most of a
-small chunk's copy. The region may be device memory or pinned host memory
-(mapped into the GPU's address space: the pinned-host arena); with no region
+copy (a copy launched at once, a source's gather, fills its thread's own
+argument block instead): CuPy's own call converts every argument and enters
+a device and a stream context each time, ~15 µs of host time per launch,
+which is most of a small chunk's copy. The region may be device memory or
+pinned host memory (mapped into the GPU's address space: the pinned-host
+arena); with no region
 (``None``) each piece's base is an absolute address, so one launch can fill
 several regions (a 1→N source's pieces of one chunk, each in its own
 destination's mapped arena).
@@ -23,6 +25,7 @@ destination's mapped arena).
 from __future__ import annotations
 
 import ctypes
+import threading
 
 import numpy as np
 import torch
@@ -97,17 +100,25 @@ class _KernelArgs(ctypes.Structure):
 _ARG_OFFSETS = tuple(getattr(_KernelArgs, name).offset for name, _ in _KernelArgs._fields_)
 _ArgPointers = ctypes.c_void_p * len(_ARG_OFFSETS)
 
+
+def _pointers(args: _KernelArgs):
+    """``cuLaunchKernel``'s parameter array: a pointer to each field of ``args``."""
+    at = ctypes.addressof(args)
+    return _ArgPointers(*(at + o for o in _ARG_OFFSETS))
+
 _kernel = None
 _RING = 4  # pinned upload buffers in flight per copier
 _PIECE_TABLES = 64  # distinct piece lists kept on the device per copier
 
 
+_RAW_STREAM = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+
+
 def raw_stream(device: torch.device) -> int:
     """The handle of the caller's current torch stream on ``device``: torch's raw
     getter where it has one (a pointer, no Stream object built per launch)."""
-    getter = getattr(torch._C, "_cuda_getCurrentRawStream", None)
-    if getter is not None:
-        return getter(device.index if device.index is not None else torch.cuda.current_device())
+    if _RAW_STREAM is not None:
+        return _RAW_STREAM(device.index if device.index is not None else torch.cuda.current_device())
     return torch.cuda.current_stream(device).cuda_stream
 
 
@@ -136,6 +147,8 @@ class WordCopier:
         self.device = buffers[0].device
         self.geometry = WordGeometry.of(spec, 16)
         self.table = torch.tensor([b.data_ptr() for b in buffers], dtype=torch.int64, device=self.device)
+        self._table_addr = self.table.data_ptr()
+        self._blocks = threading.local()  # each launching thread's argument block (``launch``)
         self.nbuf = len(buffers)
         self.aligned = all(b.data_ptr() % 16 == 0 for b in buffers)
         self._ring = [_Upload() for _ in range(_RING)]
@@ -166,6 +179,26 @@ class WordCopier:
         chunk's page ids on the host (uploaded now), or a request's from ``upload_pages``
         with the chunk's first page at ``page_offset``. ``region`` None: each ``base`` is
         an absolute address (checked by ``supports`` against that piece's own region)."""
+        args = _KernelArgs()
+        grid, keep = self._fill(args, pages, first, count, pieces, region, to_region, page_offset)
+        return PreparedCopy(self, grid, _pointers(args), (*keep, args))
+
+    def launch(self, pages, first: int, count: int, pieces, region: torch.Tensor | None, to_region: bool,
+               page_offset: int = 0) -> None:
+        """``prepare(...)()`` for a copy launched at once (a source's gather): the arguments
+        go in this thread's own block, which ``cuLaunchKernel`` copies when called, so no
+        argument block or ``PreparedCopy`` is built per chunk. The tensors it reads need
+        no keeping: an upload made here is freed into torch's pool for this stream,
+        reused only by work queued after the kernel."""
+        block = getattr(self._blocks, "block", None)
+        if block is None:
+            args = _KernelArgs()
+            block = self._blocks.block = (args, _pointers(args))
+        grid, _ = self._fill(block[0], pages, first, count, pieces, region, to_region, page_offset)
+        self._launch(grid, block[1])
+
+    def _fill(self, args: "_KernelArgs", pages, first, count, pieces, region, to_region, page_offset):
+        """Write one copy's arguments into ``args``; its grid and the tensors the kernel reads."""
         if not isinstance(pages, torch.Tensor):
             pages = self._upload(np.asarray(pages, dtype=np.int64))
         key = tuple(map(tuple, pieces))
@@ -176,12 +209,12 @@ class WordCopier:
                 self._pieces.pop(next(iter(self._pieces)))
             self._pieces[key] = meta
         most = max(n for _, n, _ in pieces) * count * self.geometry.head_words
-        grid = (-(-most // (_THREADS * _UNROLL)), self.nbuf, len(pieces))
-        args = _KernelArgs(self.table.data_ptr(), 0 if region is None else region.data_ptr(), meta.data_ptr(),
-                           pages.data_ptr() + 8 * page_offset, count, first, *self._fixed, int(to_region))
-        at = ctypes.addressof(args)
-        params = _ArgPointers(*(at + o for o in _ARG_OFFSETS))
-        return PreparedCopy(self, grid, params, (pages, meta, region, args))
+        args.table_addr, args.meta_addr = self._table_addr, meta.data_ptr()
+        args.region_addr = 0 if region is None else region.data_ptr()
+        args.pages_addr = pages.data_ptr() + 8 * page_offset
+        args.count, args.first, args.to_region = count, first, int(to_region)
+        args.page_size, args.nheads, args.head_words, args.hnd = self._fixed
+        return (-(-most // (_THREADS * _UNROLL)), self.nbuf, len(pieces)), (pages, meta, region)
 
     def _launch(self, grid, params) -> None:
         """The kernel on the caller's current torch stream, in this device's context
