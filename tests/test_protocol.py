@@ -243,6 +243,20 @@ def test_early_grants_are_held_until_the_request_is_sent(fake_dst):
     assert f.held() == 0 and h.path == "staged"
 
 
+def test_the_start_stage_runs_from_send_to_the_first_copy(fake_dst):
+    """A source's ``start`` stage covers ``send`` up to its first copy, so a request
+    whose first grant is late says so: here the grant comes 0.3 s after ``send``."""
+    f = fake_dst
+    h = f.src.send("s", np.arange(3), 10)
+    assert f.recv() == {"type": "ready", "req": "s", "tokens": 10}
+    time.sleep(0.3)
+    f.conn.send(GOOD | {"req": "s"})
+    assert f.landed(1) == [0]
+    h.wait(10)
+    assert 0.3 <= h.stages["start"] < h.seconds
+    assert h.stages["gather"] < h.seconds - 0.3  # the wait is the start's, not the gather's
+
+
 def test_held_grants_end_with_an_abort_or_a_disconnect_and_are_bounded(monkeypatch):
     """An abort voids a held grant and is acknowledged at once (nothing of the
     request can land); a destination that goes away takes its grants along;

@@ -105,6 +105,7 @@ def test_equal_tp_uses_direct_page_runs(device):
     # one descriptor per run of consecutive pages per buffer, at most one run per page
     assert row["descriptors"] <= 2 * sc.geometry.buffers * pages
     assert [r["verified"] for r in result["results"]] == [True, True]
+    assert 0 < row["stages"]["start"] < 2 * row["seconds"]  # each source's send to its first direct write, summed
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -28,7 +28,9 @@ class TransferHandle:
     """What ``Source.send`` and ``Destination.expect`` return.
 
     ``stages`` holds seconds spent per stage on this rank (gather, write,
-    scatter, slot_wait) so a slow request says where its time went."""
+    scatter, slot_wait) so a slow request says where its time went; a source
+    adds ``start``, from ``send`` to its first copy (a gather launched or a
+    direct write posted), which includes any wait for the first grant."""
 
     def __init__(self, req: str, role: str, tokens: int):
         self.req, self.role, self.tokens = req, role, tokens

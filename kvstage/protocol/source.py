@@ -496,6 +496,7 @@ class Source(Endpoint):
             return self._fail(job.req, f"destination rank {gone}", "write", "not connected", tell=False)
         sizes = [self.plan.piece_token_bytes(t.piece) * j.count for t, j in zip(targets, jobs)]
         t0 = time.perf_counter()
+        out.handle.stages.setdefault("start", t0 - out.handle.created)  # send() to its first copy (see request.py)
         try:
             fence = CopyFence(self.cache.device)
             idx = TokenIndex(self.cache, out.pages, job.start, job.count, out.device_pages)
@@ -586,6 +587,7 @@ class Source(Endpoint):
         remote = Spans(tuple(target.kv), index, np.tile(dst[starts], nbuf) * pb, np.tile(runs, nbuf) * pb)
         nbytes = int(local.lengths.sum())
         t = time.perf_counter()
+        out.handle.stages.setdefault("start", t - out.handle.created)
         try:
             write = self.transport.prepare_write(target.agent, local, remote,
                                                  encode_notice(job.req, job.chunk, self.rank, None, nbytes), job.ticket)
