@@ -1,6 +1,7 @@
 """The CUDA runtime and driver libraries, through ctypes: for the few calls
 torch does not expose (a dedicated cudaMalloc, CUDA IPC handles, a kernel
-launch with its arguments packed once)."""
+launch with its arguments packed once) or exposes at a cost on a request's
+critical path (a page-id upload: torch's stream, copy and event calls)."""
 
 from __future__ import annotations
 
@@ -36,6 +37,11 @@ def driver() -> ctypes.CDLL:
     lib.cuDeviceGet.argtypes = [ctypes.POINTER(ctypes.c_int), ctypes.c_int]
     lib.cuDevicePrimaryCtxRetain.argtypes = [ctypes.POINTER(p), ctypes.c_int]
     lib.cuGetErrorName.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_char_p)]
+    lib.cuMemcpyHtoDAsync_v2.argtypes = [ctypes.c_uint64, p, ctypes.c_size_t, p]
+    lib.cuEventCreate.argtypes = [ctypes.POINTER(p), u]
+    lib.cuEventRecord.argtypes = [p, p]
+    lib.cuEventSynchronize.argtypes = [p]
+    lib.cuEventDestroy_v2.argtypes = [p]
     for name in ("cuStreamWaitValue32", "cuStreamWriteValue32"):  # the v2 calls: on by default since CUDA 11.7
         fn = getattr(lib, name + "_v2", None) or getattr(lib, name, None)
         if fn is not None:  # bound as kvstage_<name>; absent from a driver without them

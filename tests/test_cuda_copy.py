@@ -82,6 +82,25 @@ def test_upload_pages_refuses_page_ids_outside_the_cache(gpu):
 
 
 @pytest.mark.gpu
+def test_uploads_wait_for_their_pinned_buffer_while_the_stream_is_busy(gpu):
+    """Page-id uploads go through a ring of four pinned buffers (``cuda_copy._Upload``):
+    with the stream held up by a long kernel, the fifth upload must wait until the
+    first copy has read its buffer. Every uploaded tensor holds its own ids."""
+    spec = SideSpec(GEO, 1, PageLayout(16))
+    dev = RankCache.allocate(spec, 0, 600, "cuda")
+    rng = np.random.default_rng(14)
+    want = [rng.integers(0, 600, n) for n in (5, 17, 3, 4100, 8, 8, 5000, 1, 2, 9, 4097, 6)]
+    for ids in want:  # first: the kernel loaded, pinned buffers grown, device blocks cached (any may synchronize)
+        upload_pages(dev, ids)
+    torch.cuda.synchronize()
+    torch.cuda._sleep(200_000_000)  # ~0.1 s of GPU time ahead of every copy on this stream
+    got = [upload_pages(dev, ids) for ids in want]
+    torch.cuda.synchronize()
+    for k, (g, w) in enumerate(zip(got, want)):
+        assert np.array_equal(g.cpu().numpy(), w), k
+
+
+@pytest.mark.gpu
 def test_ten_one_head_pieces_in_one_launch_each_way(gpu):
     """A slot of ten one-head writers (a wide model, many source ranks), laid out in
     reverse head order: one gather launch into ten regions and one scatter launch

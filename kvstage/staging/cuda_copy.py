@@ -109,6 +109,7 @@ def _pointers(args: _KernelArgs):
 _kernel = None
 _RING = 4  # pinned upload buffers in flight per copier
 _PIECE_TABLES = 64  # distinct piece lists kept on the device per copier
+_EVENT_DISABLE_TIMING = 0x2  # CU_EVENT_DISABLE_TIMING
 
 
 _RAW_STREAM = getattr(torch._C, "_cuda_getCurrentRawStream", None)
@@ -217,8 +218,15 @@ class WordCopier:
         return (-(-most // (_THREADS * _UNROLL)), self.nbuf, len(pieces)), (pages, meta, region)
 
     def _launch(self, grid, params) -> None:
-        """The kernel on the caller's current torch stream, in this device's context
-        (made current for the launch if the thread's is another, then restored)."""
+        """The kernel on the caller's current torch stream."""
+        err = self._in_context(self._launch_kernel, self._function, grid[0], grid[1], grid[2], _THREADS, 1, 1, 0,
+                               raw_stream(self.device), params, None)
+        if err:
+            raise RuntimeError(f"gather/scatter kernel launch on {self.device} failed: {driver_error(err)}")
+
+    def _in_context(self, call, *args):
+        """``call(*args)`` (a driver call) in this device's context: made current for the
+        call if the thread's is another, then restored."""
         self.load()
         current = ctypes.c_void_p()
         self._get_context(ctypes.byref(current))
@@ -226,13 +234,10 @@ class WordCopier:
         if switch:
             self._set_context(self._context)
         try:
-            err = self._launch_kernel(self._function, grid[0], grid[1], grid[2], _THREADS, 1, 1, 0,
-                                      raw_stream(self.device), params, None)
+            return call(*args)
         finally:
             if switch and current.value:
                 self._set_context(current.value)
-        if err:
-            raise RuntimeError(f"gather/scatter kernel launch on {self.device} failed: {driver_error(err)}")
 
     def load(self) -> None:
         """Compile (or take from CuPy's cache) the kernel for this device, loaded in the
@@ -262,12 +267,16 @@ class WordCopier:
         self._function, self._context = function, context.value
 
     def _upload(self, values: np.ndarray) -> torch.Tensor:
-        """``values`` on the device, through the next pinned buffer of the ring."""
+        """``values`` on the device, through the next pinned buffer of the ring, copied on
+        the caller's current stream. Driver calls, not torch's: torch's stream object,
+        ``copy_`` and event record took ~130 µs of a request's ~250 µs upload in place
+        on the H200 (docs/benchmarks.md, session 9)."""
         up = self._ring[self._next]
         self._next = (self._next + 1) % _RING
-        stream = torch.cuda.current_stream(self.device)
         dev = torch.empty(len(values), dtype=torch.int64, device=self.device)
-        up.load(values, dev, stream)
+        err = self._in_context(up.load, values, dev.data_ptr(), raw_stream(self.device))
+        if err:
+            raise RuntimeError(f"page id upload to {self.device} failed: {driver_error(err)}")
         return dev
 
 
@@ -290,20 +299,41 @@ class PreparedCopy:
 class _Upload:
     """One slot of the upload ring: a pinned host buffer and an event after the
     copy that read it. A slot is refilled only once that copy is done (with four
-    slots, in practice never a wait); pinned memory is allocated only to grow."""
+    slots, in practice never a wait); pinned memory is allocated only to grow.
+    ``load`` runs in the copier's context (the event is made there at first use)."""
 
     def __init__(self):
         self.host: torch.Tensor | None = None
-        self.used = torch.cuda.Event()
+        self._view: np.ndarray | None = None  # the pinned buffer as numpy, made once per buffer
+        self._event = None  # CUevent
         self._recorded = False
 
-    def load(self, values: np.ndarray, dev: torch.Tensor, stream) -> None:
+    def load(self, values: np.ndarray, dst: int, stream: int) -> int:
+        """Copy ``values`` to device address ``dst`` on ``stream``; the driver's result code."""
+        drv = driver()
         n = len(values)
-        if self._recorded:
-            self.used.synchronize()
+        if self._event is None:
+            event = ctypes.c_void_p()
+            err = drv.cuEventCreate(ctypes.byref(event), _EVENT_DISABLE_TIMING)
+            if err:
+                return err
+            self._event = event
+        elif self._recorded:
+            err = drv.cuEventSynchronize(self._event)
+            if err:
+                return err
         if self.host is None or self.host.numel() < n:
             self.host = torch.empty(max(n, 4096), dtype=torch.int64).pin_memory()
-        self.host.numpy()[:n] = values
-        dev.copy_(self.host[:n], non_blocking=True)
-        self.used.record(stream)
-        self._recorded = True
+            self._view = self.host.numpy()
+        self._view[:n] = values
+        err = (drv.cuMemcpyHtoDAsync_v2(dst, self.host.data_ptr(), 8 * n, stream)
+               or drv.cuEventRecord(self._event, stream))
+        self._recorded = not err
+        return err
+
+    def __del__(self):
+        if self._event is not None:
+            try:
+                driver().cuEventDestroy_v2(self._event)
+            except Exception:  # the driver may be gone at interpreter exit
+                pass
