@@ -219,6 +219,7 @@ class WordCopier:
 
     def _launch(self, grid, params) -> None:
         """The kernel on the caller's current torch stream."""
+        self.load()  # before its function and the launch call are read below
         err = self._in_context(self._launch_kernel, self._function, grid[0], grid[1], grid[2], _THREADS, 1, 1, 0,
                                raw_stream(self.device), params, None)
         if err:
