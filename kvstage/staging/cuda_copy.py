@@ -219,7 +219,7 @@ class WordCopier:
 
     def _launch(self, grid, params) -> None:
         """The kernel on the caller's current torch stream."""
-        self.load()  # before its function and the launch call are read below
+        self.load()  # its function and the bound driver calls exist from here on
         err = self._in_context(self._launch_kernel, self._function, grid[0], grid[1], grid[2], _THREADS, 1, 1, 0,
                                raw_stream(self.device), params, None)
         if err:
@@ -227,8 +227,7 @@ class WordCopier:
 
     def _in_context(self, call, *args):
         """``call(*args)`` (a driver call) in this device's context: made current for the
-        call if the thread's is another, then restored."""
-        self.load()
+        call if the thread's is another, then restored. The caller has called ``load``."""
         current = ctypes.c_void_p()
         self._get_context(ctypes.byref(current))
         switch = current.value != self._context
@@ -275,6 +274,7 @@ class WordCopier:
         up = self._ring[self._next]
         self._next = (self._next + 1) % _RING
         dev = torch.empty(len(values), dtype=torch.int64, device=self.device)
+        self.load()
         err = self._in_context(up.load, values, dev.data_ptr(), raw_stream(self.device))
         if err:
             raise RuntimeError(f"page id upload to {self.device} failed: {driver_error(err)}")
