@@ -168,7 +168,7 @@ want spy128 && spy spy-1to4-128 --tokens 128 --src-tp 1 --dst-tp 4 --iters 400 -
 # -k "not ucx": the ucx cases need UCXX's wheels, which travel in a run of their own (gpu_ucx.sh)
 want pytest && step pytest && timeout "${PYTEST_TIMEOUT:-300}" python3 -m pytest -m gpu -k "not ucx${PYTEST_K:+ and ($PYTEST_K)}" -v \
   --durations=10 -p no:cacheprovider -o faulthandler_timeout=60 \
-  tests/test_cuda_copy.py tests/test_fence.py tests/test_landing.py tests/test_mapped.py tests/test_transfer.py 2>&1 \
+  tests/test_cuda_copy.py tests/test_endpoint.py tests/test_fence.py tests/test_landing.py tests/test_mapped.py tests/test_transfer.py 2>&1 \
   | tee "$OUT/pytest-gpu.log"
 # one GPU under CUDA MPS (a private daemon, its pipe in a temp dir; quit at the end): the five
 # ranks' kernels and copies run side by side instead of in time slices of one context each

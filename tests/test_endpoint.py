@@ -6,12 +6,16 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
+import time
 
 import numpy as np
+import pytest
 
 import fault_ranks as fr
 from kvstage.bench.reference import check_shard, fill_shard
 from kvstage.config import Settings
+from kvstage.errors import TransportError
 from kvstage.layout import pages_needed
 from kvstage.protocol.destination import Destination
 from kvstage.protocol.source import Source
@@ -65,3 +69,108 @@ def test_below_descriptor_1024_the_loop_waits_with_select():
         src.close()
     finally:
         dst.close()
+
+
+def test_send_runs_on_the_callers_thread_holding_the_state_lock(monkeypatch):
+    """``send`` does a request's first steps on the caller's thread (awake already),
+    not by a hand-off to the loop, and only while the loop is not handling anything:
+    while a loop call holds the state lock, ``send`` waits for it."""
+    dst = Destination(RankCache.allocate(fr.dst_spec(), 0, 8), Settings(**fr.SETTINGS))
+    src = Source(RankCache.allocate(fr.src_spec(1), 0, 8), Settings(**fr.SETTINGS))
+    try:
+        src.connect([dst.address])
+        ran_on, add = [], Source._add
+        monkeypatch.setattr(Source, "_add", lambda self, *a: (ran_on.append(threading.get_ident()), add(self, *a))[1])
+        inside, release = threading.Event(), threading.Event()
+        src._post("call", lambda: (inside.set(), release.wait(10)))  # the loop holds the lock until released
+        assert inside.wait(10)
+        sent = []
+        caller = threading.Thread(target=lambda: sent.append(src.send("r", [0], 4)))
+        caller.start()
+        caller.join(0.3)
+        assert caller.is_alive() and not sent, "send ran while the loop held the state lock"
+        release.set()
+        caller.join(10)
+        assert sent and ran_on == [caller.ident]
+        sent[0].abort("test over")
+    finally:
+        src.close()
+        dst.close()
+
+
+def test_send_after_close_is_refused_at_once():
+    dst = Destination(RankCache.allocate(fr.dst_spec(), 0, 8), Settings(**fr.SETTINGS))
+    src = Source(RankCache.allocate(fr.src_spec(1), 0, 8), Settings(**fr.SETTINGS))
+    src.connect([dst.address])
+    src.close()
+    dst.close()
+    t = time.monotonic()
+    with pytest.raises(TransportError, match="src rank 0: the endpoint is closed"):
+        src.send("r", [0], 4)
+    assert time.monotonic() - t < 1
+
+
+def test_sends_from_many_threads_at_once_are_byte_exact():
+    """Eight callers per source send their own requests at the same moment while
+    the loops handle grants and notices: every request lands exactly."""
+    n, tokens = 8, 40
+    dcache = RankCache.allocate(fr.dst_spec(), 0, n * pages_needed(tokens, 4) + 4)
+    dst = Destination(dcache, Settings(**fr.SETTINGS))
+    srcs = []
+    for rank in range(2):
+        cache = RankCache.allocate(fr.src_spec(2), rank, n * pages_needed(tokens, 16) + 2)
+        srcs.append(Source(cache, Settings(**fr.SETTINGS)))
+        srcs[-1].connect([dst.address])
+    try:
+        rng = np.random.default_rng(7)
+        dpages = rng.permutation(dcache.pages)[: n * pages_needed(tokens, 4)].reshape(n, -1)
+        spages = [rng.permutation(s.cache.pages)[: n * pages_needed(tokens, 16)].reshape(n, -1) for s in srcs]
+        for k in range(n):
+            for s, p in zip(srcs, spages):
+                fill_shard(s.cache, 100 + k, p[k], tokens)
+        hd = [dst.expect(f"r{k}", dpages[k], tokens) for k in range(n)]
+        go, hs, errors = threading.Barrier(2 * n), [], []
+
+        def caller(s, p, k):
+            go.wait(10)
+            try:
+                hs.append(s.send(f"r{k}", p[k], tokens))
+            except Exception as e:  # reported below
+                errors.append(e)
+
+        threads = [threading.Thread(target=caller, args=(s, p, k)) for s, p in zip(srcs, spages) for k in range(n)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(30)
+        assert not errors and len(hs) == 2 * n
+        for h in hs + hd:
+            h.wait(30)
+        for k in range(n):
+            assert check_shard(dcache, 100 + k, dpages[k], tokens, written=dpages) == [], f"request r{k}"
+    finally:
+        for s in srcs:
+            s.close()
+        dst.close()
+
+
+@pytest.mark.gpu
+def test_a_send_from_a_side_stream_copies_on_the_default_stream():
+    """An engine may call ``send`` with its own stream current. The request's page ids
+    are uploaded there on the caller's thread and read by copies the loop launches
+    later, on its thread's default stream: both must be on the same stream."""
+    import torch
+
+    from kvstage.staging.cuda_copy import raw_stream
+
+    dev = torch.device("cuda", 0)
+    src = Source(RankCache.allocate(fr.src_spec(1), 0, 8, dev), Settings(**fr.SETTINGS))
+    try:
+        default, side = torch.cuda.default_stream(dev).cuda_stream, torch.cuda.Stream(dev)
+        assert src._here(lambda: raw_stream(dev)) == default
+        with torch.cuda.stream(side):
+            assert raw_stream(dev) == side.cuda_stream != default
+            assert src._here(lambda: raw_stream(dev)) == default
+            assert raw_stream(dev) == side.cuda_stream  # the caller's stream is its own again
+    finally:
+        src.close()

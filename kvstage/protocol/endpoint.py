@@ -1,12 +1,16 @@
 """What source and destination endpoints share: the transport, the staging
 arena, the control connections and the single thread that drives them all.
 
-One loop thread per endpoint owns every piece of mutable state and reads
+One loop thread per endpoint drives every piece of mutable state and reads
 every control connection itself: it waits on the sockets (``select``, without
 the GIL) and handles a message the moment it arrives, with no reader thread to
-hand it over. Other threads (the caller's, the listener's) only post events
-to its queue and wake it. That keeps the state machines free of locks and
-makes the order of events the order they are handled in.
+hand it over. Other threads (the listener's, most of the caller's calls) post
+events to its queue and wake it. A request's first steps (``Source.send``,
+``Destination.expect``) run on the caller's own thread instead, holding the
+state lock the loop holds whenever it handles anything: the caller is awake
+already, and handing the request over would wait for the loop's wake-up. The
+state machines stay single-threaded (one holder of the lock at a time), and
+the order of events is the order they are handled in.
 """
 
 from __future__ import annotations
@@ -27,13 +31,14 @@ import numpy as np
 import torch
 
 from kvstage.config import PING_INTERVAL_S, Settings
-from kvstage.errors import ConfigError, KVStageError, ProtocolError
+from kvstage.errors import ConfigError, KVStageError, ProtocolError, TransportError
 from kvstage.layout import KVGeometry, PageLayout, pages_needed
 from kvstage.probe.connect import connect_line
 from kvstage.probe.facts import collect_local, memory_facts, value
 from kvstage.protocol.wire import Connection, field
 from kvstage.staging.arena import StagingArena, choose_arena
 from kvstage.staging.cache import RankCache
+from kvstage.staging.copy import copy_stream
 from kvstage.staging.landing import WORDS_PER_SLOT
 from kvstage.tp import SideSpec
 from kvstage.transports.base import Region, Transport
@@ -187,6 +192,7 @@ class Endpoint:
         self._heard: dict = {}  # control connection -> when its peer last sent anything
         self._pinged = 0.0
         self._closing = False
+        self._state = threading.Lock()  # held while state changes: by the loop, or by a caller in ``_here``
         self._thread = threading.Thread(target=self._run, name=f"kvstage-{self.role}{self.rank}", daemon=True)
 
     def _start(self) -> None:
@@ -196,10 +202,26 @@ class Endpoint:
     # -- threads ------------------------------------------------------------
     def _post(self, kind: str, *args) -> None:
         self._events.put((kind, args))
+        self._wake_loop()
+
+    def _wake_loop(self) -> None:
         try:
             self._waker.send(b"\0")
         except OSError:  # full (the loop has bytes to read already) or closed (it stopped)
             pass
+
+    def _here(self, fn: Callable):
+        """Run ``fn`` on the caller's thread, holding the state lock, and return its
+        result (or raise its error); then wake the loop, which waits on what ``fn``
+        started (a copy, a write, a grant). Copies go on the stream the loop's own go on."""
+        try:
+            with self._state:
+                if self._closing or not self._thread.is_alive():
+                    raise TransportError(f"{self.role} rank {self.rank}: the endpoint is closed")
+                with copy_stream(self.cache.device):
+                    return fn()
+        finally:
+            self._wake_loop()
 
     def _call(self, fn: Callable, timeout: float = 30.0):
         """Run ``fn`` on the loop thread and return its result (or raise its error)."""
@@ -233,13 +255,21 @@ class Endpoint:
                     break
             except Exception:  # a bug must not kill the loop silently
                 log.exception("%s %d: loop error", self.role, self.rank)
-        self._shutdown()
+        with self._state:
+            self._shutdown()
 
     def _turn(self) -> bool:
-        """Wait for something to do, do all of it, move the transfers on. False: stop."""
-        for conn in [c for c in self._watched.values() if c is not None and c.closed]:
-            self._drop(conn, "closed by this side")  # a refused hello, a replaced peer: before a new socket takes its number
-        readable = self._wait()
+        """Wait for something to do, do all of it, move the transfers on. False: stop.
+        The state lock is held except while waiting."""
+        with self._state:
+            for conn in [c for c in self._watched.values() if c is not None and c.closed]:
+                self._drop(conn, "closed by this side")  # a refused hello, a replaced peer: before a new socket takes its number
+            fence, busy = self._copying(), self._busy()
+        readable = self._wait(fence, busy)
+        with self._state:
+            return self._handle(readable)
+
+    def _handle(self, readable: list[Connection]) -> bool:
         for conn in readable:  # first: what had arrived before a call posted since was made
             self._read(conn)
         while True:
@@ -268,12 +298,12 @@ class Endpoint:
         self._check_stalls(now)
         return True
 
-    def _wait(self) -> list[Connection]:
+    def _wait(self, fence, busy: bool) -> list[Connection]:
         """The connections with bytes to read, once something is to be done: a message,
-        a posted event, a device copy's end, or (while a transfer is near) the poll interval."""
-        fence = self._copying()
+        a posted event, a device copy's end (``fence``), or (while a transfer is near,
+        ``busy``) the poll interval."""
         if fence is None:  # the transport is polled every _busy_wait while a transfer is near; a message ends the wait
-            ready = self._ready(self._busy_wait if self._busy() else _IDLE_WAIT)
+            ready = self._ready(self._busy_wait if busy else _IDLE_WAIT)
         else:  # messages first; then the copy's end wakes the loop, with no thread in between
             ready = self._ready(0)
             if not ready:

@@ -145,9 +145,9 @@ class Source(Endpoint):
             raise ValueError(f"req={req!r}: must be a non-empty string of at most 256 characters")
         pages = check_pages(self.cache, page_ids, tokens)
         handle = TransferHandle(req, "src", int(tokens))
-        log.debug("src %d: %s sent by the caller, %d tokens", self.rank, req, tokens)  # its thread; the loop takes it next
+        log.debug("src %d: %s sent by the caller, %d tokens", self.rank, req, tokens)
         handle._abort = lambda reason: self._post("call", lambda: self._fail(req, "local", "abort", reason, tell=True))
-        self._call(lambda: self._add(handle, pages))
+        self._here(lambda: self._add(handle, pages))  # on this thread: it is awake, the loop may not be
         return handle
 
     # -- handshake (caller's thread; state changes go to the loop) -------------
@@ -270,6 +270,9 @@ class Source(Endpoint):
             target.mapped.close()
 
     def _add(self, handle: TransferHandle, pages: np.ndarray) -> None:
+        """A sent request (caller's thread, state lock held): announce it, apply the grants
+        held for it and launch the gathers they allow. Writes, slots and the transport's
+        polls stay the loop's."""
         if handle.req in self.requests:
             raise ValueError(f"request {handle.req!r} is already in flight on source rank {self.rank}")
         if self.plan is None:
@@ -307,7 +310,7 @@ class Source(Endpoint):
                 self._apply_grant(out, job, chunks, tokens)
         if launch_first:
             out.unannounced = ready  # sent once the gathers are launched, and before any of them is reported
-            self._progress()
+            self._launch_mapped()
             if handle.state is not State.FAILED:  # DONE already still needs them; FAILED: an abort went instead
                 self._announce(out)
 
@@ -465,6 +468,17 @@ class Source(Endpoint):
             out.handle.stages["slot_wait"] += time.perf_counter() - job.queued
             self._write_staged(out, [job], slot)
 
+    def _launch_mapped(self) -> None:
+        """Launch the queued gathers into mapped arenas, and nothing else (``_add``, on the
+        caller's thread); the loop takes the queue from the first job that needs a slot, a
+        write or the transport."""
+        while self._jobs and self._mapped(self._jobs[0]):
+            out = self.requests.get(self._jobs[0].req)
+            if out is None or out.handle.done():
+                self._jobs.popleft()
+                continue
+            self._write_staged(out, self._take_mapped(), None, poll=False)
+
     def _mapped(self, job: Job) -> bool:
         target = self.targets.get(job.dst)
         return job.pages is None and target is not None and target.mapped is not None
@@ -483,10 +497,11 @@ class Source(Endpoint):
             jobs.append(self._jobs.popleft())
         return jobs
 
-    def _write_staged(self, out: Outgoing, jobs: list[Job], slot: int | None) -> None:
+    def _write_staged(self, out: Outgoing, jobs: list[Job], slot: int | None, poll: bool = True) -> None:
         """Gather the chunk into ``slot`` of this arena and make its write ready; ``slot``
         None: gather straight into the granted slots of the destinations' mapped arenas
-        (``jobs``: the same tokens for each of them, one launch)."""
+        (``jobs``: the same tokens for each of them, one launch; ``poll`` False: the loop
+        reports them landed, on its next turn)."""
         job = jobs[0]
         targets = [self.targets.get(j.dst) for j in jobs]
         if None in targets:
@@ -521,7 +536,9 @@ class Source(Endpoint):
         g = Gathering(fence, out, jobs, slot, sizes, t0)
         self._gathering.append(g)
         if slot is None:
-            return self._poll_gathers()
+            if poll:
+                self._poll_gathers()
+            return
         try:  # the write's descriptors and transfer request, made while the GPU gathers
             g.write = self.transport.prepare_write(
                 targets[0].agent, Spans.single(self.arena_region, [self.arena.offset(slot)], [sizes[0]]),

@@ -12,12 +12,29 @@ are torch/numpy ops.
 
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
 import torch
 
 from kvstage.layout import token_major, token_positions
 from kvstage.staging.cache import RankCache
 from kvstage.staging.words import chunk_pages
+
+
+def copy_stream(device: torch.device):
+    """Where a rank's copies go, whichever thread launches them: the device's default
+    stream (a fresh thread's current one). A request's page ids are uploaded on it and
+    read by its later chunks' copies, so every copy of the rank must be on the same
+    stream. A context that is empty when the caller is on it already."""
+    if device.type != "cuda":
+        return contextlib.nullcontext()
+    from kvstage.staging.cuda_copy import default_stream, raw_stream
+
+    default = default_stream(device)
+    if raw_stream(device) == default.cuda_stream:
+        return contextlib.nullcontext()
+    return torch.cuda.stream(default)
 
 
 def upload_pages(cache: RankCache, page_ids: np.ndarray) -> torch.Tensor | None:

@@ -123,6 +123,18 @@ def raw_stream(device: torch.device) -> int:
     return torch.cuda.current_stream(device).cuda_stream
 
 
+_DEFAULT_STREAMS: dict = {}  # CUDA device index -> its default torch stream, built once
+
+
+def default_stream(device: torch.device) -> torch.cuda.Stream:
+    """The device's default torch stream: where every endpoint copy goes (``copy.copy_stream``)."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    stream = _DEFAULT_STREAMS.get(index)
+    if stream is None:
+        stream = _DEFAULT_STREAMS[index] = torch.cuda.default_stream(index)
+    return stream
+
+
 def available() -> bool:
     try:
         import cupy  # noqa: F401
