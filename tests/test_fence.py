@@ -39,3 +39,24 @@ def test_released_events_serve_the_next_fence_and_still_fence():
     second.wait()
     assert second.done() and second.gpu_seconds() > took
     assert bool((b == 1).all())
+
+
+@pytest.mark.gpu
+def test_a_fence_marks_the_stream_current_when_it_is_made_and_closed():
+    """Copies on the default stream are fenced there (its Stream object built once);
+    copies on another current stream are fenced on that one."""
+    from kvstage.staging.cuda_copy import current_stream, default_stream
+
+    dev = torch.device("cuda", 0)
+    assert current_stream(dev) is default_stream(dev) is current_stream(dev)
+    side = torch.cuda.Stream(dev)
+    with torch.cuda.stream(side):
+        assert current_stream(dev).cuda_stream == side.cuda_stream
+        fence = CopyFence(dev)
+        torch.cuda._sleep(50_000_000)  # the side stream is busy; the default stream is not
+        fence.close()
+    assert not fence.done()
+    torch.cuda.default_stream(dev).synchronize()
+    assert not fence.done()  # fenced on the side stream, not on the default one
+    fence.wait()
+    assert fence.done()

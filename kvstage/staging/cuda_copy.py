@@ -135,6 +135,14 @@ def default_stream(device: torch.device) -> torch.cuda.Stream:
     return stream
 
 
+def current_stream(device: torch.device) -> torch.cuda.Stream:
+    """The caller's current torch stream on ``device``. When that is the default stream
+    (an endpoint's copies always are), the one built once: ``torch.cuda.current_stream``
+    builds a new Stream object per call, two of them per fenced copy."""
+    stream = default_stream(device)
+    return stream if raw_stream(device) == stream.cuda_stream else torch.cuda.current_stream(device)
+
+
 def available() -> bool:
     try:
         import cupy  # noqa: F401

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import torch
 
+from kvstage.staging.cuda_copy import current_stream
+
 
 _SPARE: dict = {}  # CUDA device -> event pairs of released fences, recorded again by the next ones
 
@@ -27,13 +29,13 @@ class CopyFence:
             else:
                 self._start = torch.cuda.Event(enable_timing=True)
                 self._end = torch.cuda.Event(enable_timing=True)
-            self._start.record(torch.cuda.current_stream(device))
+            self._start.record(current_stream(device))
         self._device = device
 
     def close(self) -> "CopyFence":
         """Mark the end of the copies launched since the fence was made."""
         if self._cuda:
-            self._end.record(torch.cuda.current_stream(self._device))
+            self._end.record(current_stream(self._device))
         return self
 
     def done(self) -> bool:
