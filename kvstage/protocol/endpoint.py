@@ -4,13 +4,13 @@ arena, the control connections and the single thread that drives them all.
 One loop thread per endpoint drives every piece of mutable state and reads
 every control connection itself: it waits on the sockets (``select``, without
 the GIL) and handles a message the moment it arrives, with no reader thread to
-hand it over. Other threads (the listener's, most of the caller's calls) post
-events to its queue and wake it. A request's first steps (``Source.send``,
-``Destination.expect``) run on the caller's own thread instead, holding the
-state lock the loop holds whenever it handles anything: the caller is awake
-already, and handing the request over would wait for the loop's wake-up. The
-state machines stay single-threaded (one holder of the lock at a time), and
-the order of events is the order they are handled in.
+hand it over. Other threads (the listener's, the caller's) post events to its
+queue and wake it, with one exception: a sent request's first steps
+(``Source.send``) run on the caller's own thread, holding the state lock the
+loop holds whenever it handles anything. The caller is awake already, and
+handing the request over would wait for the loop's wake-up. The state machines
+stay single-threaded (one holder of the lock at a time), and the order of
+events is the order they are handled in.
 """
 
 from __future__ import annotations
