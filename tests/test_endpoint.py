@@ -98,15 +98,22 @@ def test_send_runs_on_the_callers_thread_holding_the_state_lock(monkeypatch):
         dst.close()
 
 
-def test_send_after_close_is_refused_at_once():
+def test_calls_after_close_are_refused_at_once():
+    """``send`` (caller's thread) and ``expect``, ``slots_free`` (handed to the loop) on a
+    closed endpoint fail with a clear error, not after the loop's 30 s timeout."""
     dst = Destination(RankCache.allocate(fr.dst_spec(), 0, 8), Settings(**fr.SETTINGS))
     src = Source(RankCache.allocate(fr.src_spec(1), 0, 8), Settings(**fr.SETTINGS))
     src.connect([dst.address])
+    address = dst.address
     src.close()
     dst.close()
     t = time.monotonic()
     with pytest.raises(TransportError, match="src rank 0: the endpoint is closed"):
         src.send("r", [0], 4)
+    with pytest.raises(TransportError, match="dst rank 0: the endpoint is closed"):
+        dst.expect("r", [0], 4)
+    with pytest.raises(TransportError, match="dst rank 0: the endpoint is closed"):
+        dst.slots_free()
     assert time.monotonic() - t < 1
 
 

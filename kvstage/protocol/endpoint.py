@@ -216,15 +216,20 @@ class Endpoint:
         started (a copy, a write, a grant). Copies go on the stream the loop's own go on."""
         try:
             with self._state:
-                if self._closing or not self._thread.is_alive():
-                    raise TransportError(f"{self.role} rank {self.rank}: the endpoint is closed")
+                self._check_open()
                 with copy_stream(self.cache.device):
                     return fn()
         finally:
             self._wake_loop()
 
+    def _check_open(self) -> None:
+        """A call on a closed endpoint fails at once, instead of waiting for a loop that is gone."""
+        if self._closing or not self._thread.is_alive():
+            raise TransportError(f"{self.role} rank {self.rank}: the endpoint is closed")
+
     def _call(self, fn: Callable, timeout: float = 30.0):
         """Run ``fn`` on the loop thread and return its result (or raise its error)."""
+        self._check_open()
         box: dict = {}
         done = threading.Event()
 
