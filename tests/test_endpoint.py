@@ -15,7 +15,7 @@ import pytest
 import fault_ranks as fr
 from kvstage.bench.reference import check_shard, fill_shard
 from kvstage.config import Settings
-from kvstage.errors import TransportError
+from kvstage.errors import TransferFailed, TransportError
 from kvstage.layout import pages_needed
 from kvstage.protocol.destination import Destination
 from kvstage.protocol.source import Source
@@ -115,6 +115,21 @@ def test_calls_after_close_are_refused_at_once():
     with pytest.raises(TransportError, match="dst rank 0: the endpoint is closed"):
         dst.slots_free()
     assert time.monotonic() - t < 1
+
+
+def test_a_destination_tracks_a_request_until_nothing_of_it_can_land():
+    """``tracks`` (what the vLLM connector asks before it lets a failed request's pages
+    go): an expected request is held; one failed with no writer owing it is not."""
+    dst = Destination(RankCache.allocate(fr.dst_spec(), 0, 8), Settings(**fr.SETTINGS))
+    try:
+        h = dst.expect("r", [0], 4)
+        assert dst.tracks("r") and not dst.tracks("other")
+        h.abort("test over")
+        with pytest.raises(TransferFailed, match="test over"):
+            h.wait(10)
+        assert not dst.tracks("r")
+    finally:
+        dst.close()
 
 
 def test_sends_from_many_threads_at_once_are_byte_exact():

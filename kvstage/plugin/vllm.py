@@ -521,7 +521,7 @@ class _Worker:
         its pages: vLLM must not reuse them before the destination forgot it."""
         if ld.handle.state is not State.FAILED or ld.handle.path != "direct":
             return False
-        return bool(ld.dst._call(lambda: ld.kvreq in ld.dst.requests))
+        return ld.dst.tracks(ld.kvreq)
 
     # -- prefill: sending ----------------------------------------------------------------------
     def after_forward(self, meta: KVStageMeta) -> None:

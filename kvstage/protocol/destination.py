@@ -155,6 +155,11 @@ class Destination(Endpoint):
     def slots_free(self) -> int:
         return self._call(lambda: self.arena.allocator.free)
 
+    def tracks(self, req: str) -> bool:
+        """Whether this rank still holds request ``req``: a failed request is held until
+        no write of it can still land (its pages must not be reused before then)."""
+        return bool(self._call(lambda: req in self.requests))
+
     # -- loop thread -----------------------------------------------------------
     def _add(self, handle: TransferHandle, pages: np.ndarray) -> None:
         if handle.req in self.requests:
