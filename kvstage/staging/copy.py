@@ -29,10 +29,10 @@ def copy_stream(device: torch.device):
     stream. A context that is empty when the caller is on it already."""
     if device.type != "cuda":
         return contextlib.nullcontext()
-    from kvstage.staging.cuda_copy import default_stream, raw_stream
+    from kvstage.staging.cuda_copy import current_stream, default_stream
 
     default = default_stream(device)
-    if raw_stream(device) == default.cuda_stream:
+    if current_stream(device) is default:
         return contextlib.nullcontext()
     return torch.cuda.stream(default)
 

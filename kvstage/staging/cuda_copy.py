@@ -115,11 +115,15 @@ _EVENT_DISABLE_TIMING = 0x2  # CU_EVENT_DISABLE_TIMING
 _RAW_STREAM = getattr(torch._C, "_cuda_getCurrentRawStream", None)
 
 
+def _index(device: torch.device) -> int:
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
 def raw_stream(device: torch.device) -> int:
     """The handle of the caller's current torch stream on ``device``: torch's raw
     getter where it has one (a pointer, no Stream object built per launch)."""
     if _RAW_STREAM is not None:
-        return _RAW_STREAM(device.index if device.index is not None else torch.cuda.current_device())
+        return _RAW_STREAM(_index(device))
     return torch.cuda.current_stream(device).cuda_stream
 
 
@@ -128,7 +132,7 @@ _DEFAULT_STREAMS: dict = {}  # CUDA device index -> its default torch stream, bu
 
 def default_stream(device: torch.device) -> torch.cuda.Stream:
     """The device's default torch stream: where every endpoint copy goes (``copy.copy_stream``)."""
-    index = device.index if device.index is not None else torch.cuda.current_device()
+    index = _index(device)
     stream = _DEFAULT_STREAMS.get(index)
     if stream is None:
         stream = _DEFAULT_STREAMS[index] = torch.cuda.default_stream(index)
