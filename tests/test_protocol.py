@@ -257,6 +257,30 @@ def test_the_start_stage_runs_from_send_to_the_first_copy(fake_dst):
     assert h.stages["gather"] < h.seconds - 0.3  # the wait is the start's, not the gather's
 
 
+@pytest.mark.parametrize("arena_mb", [0.25, 0.0625])
+def test_slot_wait_counts_only_a_full_arena_and_queued_the_chunks_ahead(arena_mb):
+    """Two chunks granted before ``send`` are queued together. With four slots the
+    second waits only behind the first (``queued``) and ``slot_wait`` stays zero;
+    with one slot it also waits for the first's write to free the slot."""
+    f = FakeDestination(SRC, arena_mb=arena_mb)
+    try:
+        first = GOOD | {"req": "w", "chunks": 2, "count": 5}
+        f.conn.send(first)
+        f.conn.send(first | {"chunk": 1, "start": 5, "offset": PIECE_BYTES // 2})
+        assert f.held(2) == 2
+        h = f.src.send("w", np.arange(3), 10)
+        assert f.landed(2) == [0, 1]
+        h.wait(10)
+        assert h.stages["queued"] > 0
+        if arena_mb == 0.25:
+            assert h.stages["slot_wait"] == 0.0
+        else:
+            assert h.stages["slot_wait"] > 0
+        assert bool((f.arena[:PIECE_BYTES] == 7).all())
+    finally:
+        f.close()
+
+
 def test_held_grants_end_with_an_abort_or_a_disconnect_and_are_bounded(monkeypatch):
     """An abort voids a held grant and is acknowledged at once (nothing of the
     request can land); a destination that goes away takes its grants along;

@@ -16,7 +16,7 @@ from kvstage.bench.scenario import MODES
 CSV_COLUMNS = (
     "mode", "src_tp", "dst_tp", "tokens", "concurrency", "bytes", "total_bytes", "seconds", "gbps",
     "latency_p50_ms", "latency_p99_ms", "latency_samples", "descriptors_per_request", "arena_bytes",
-    "ratio_to_bulk", "verified", "path", "start_s", "gather_s", "write_s", "slot_wait_s", "scatter_s",
+    "ratio_to_bulk", "verified", "path", "start_s", "gather_s", "write_s", "queued_s", "slot_wait_s", "scatter_s",
     "gather_gpu_s", "scatter_gpu_s", "stage_overlap", "arena",
     "layers", "kv_heads", "head_dim", "dtype", "mla", "device", "src_page_size", "src_layout",
     "dst_page_size", "dst_layout", "iters", "warmup",
@@ -159,7 +159,7 @@ def csv_rows(result: dict) -> list[dict]:
             "descriptors_per_request": r["descriptors"], "path": "+".join(r.get("path") or []),
             "arena": "+".join(r.get("arena") or []),
             "start_s": st.get("start"), "gather_s": st.get("gather"), "write_s": st.get("write"),
-            "slot_wait_s": st.get("slot_wait"),
+            "queued_s": st.get("queued"), "slot_wait_s": st.get("slot_wait"),
             "scatter_s": st.get("scatter"), "gather_gpu_s": st.get("gather_gpu"),
             "scatter_gpu_s": st.get("scatter_gpu"), "stage_overlap": st.get("overlap"),
             "layers": g["layers"], "kv_heads": g["kv_heads"], "head_dim": g["head_dim"], "dtype": g["dtype"],

@@ -409,7 +409,7 @@ def summarize(group: Group, reports: list) -> list[dict]:
                 queued.append(sum(d.get("queued_scatters", 0) for d in dsts))
                 for k in range(n):
                     lat.append(max(d["done"][k] for d in dsts) - min(d["sent"][k] for d in srcs))
-                st = {k: sum(d["stages"].get(k, 0.0) for d in srcs) for k in ("gather", "write", "slot_wait")}
+                st = {k: sum(d["stages"].get(k, 0.0) for d in srcs) for k in ("gather", "write", "queued", "slot_wait")}
                 st["scatter"] = sum(d["stages"].get("scatter", 0.0) for d in dsts)
                 for k, side in (("start", srcs), ("gather_gpu", srcs), ("scatter_gpu", dsts)):
                     if any(k in d["stages"] for d in side):

@@ -28,9 +28,12 @@ class TransferHandle:
     """What ``Source.send`` and ``Destination.expect`` return.
 
     ``stages`` holds seconds spent per stage on this rank (gather, write,
-    scatter, slot_wait) so a slow request says where its time went; a source
-    adds ``start``, from ``send`` to its first copy (a gather launched or a
-    direct write posted), which includes any wait for the first grant."""
+    scatter, queued, slot_wait) so a slow request says where its time went.
+    On a source, ``queued`` is a granted chunk waiting for the rank's earlier
+    chunks (one loop gathers them in turn) and ``slot_wait`` only the time the
+    arena had no free slot for it; ``start`` runs from ``send`` to its first copy
+    (a gather launched or a direct write posted), including any wait for the
+    first grant."""
 
     def __init__(self, req: str, role: str, tokens: int):
         self.req, self.role, self.tokens = req, role, tokens
@@ -42,7 +45,7 @@ class TransferHandle:
         self.queued_scatters = 0  # destination: pieces whose scatter was queued before they landed (staging.landing)
         self.created = time.perf_counter()
         self.finished: float | None = None
-        self.stages = {"gather": 0.0, "write": 0.0, "scatter": 0.0, "slot_wait": 0.0}
+        self.stages = {"gather": 0.0, "write": 0.0, "scatter": 0.0, "queued": 0.0, "slot_wait": 0.0}
         self._done = threading.Event()
         self._abort = None  # set by the endpoint: callable(reason)
 

@@ -67,7 +67,8 @@ class Job:
     pages: np.ndarray | None = None
     ticket: bytes = b""  # from the destination's transport.expect (two-sided transports)
     word: tuple[int, int] | None = None  # (device address, value) of the landing word to set after the gather
-    queued: float = dc_field(default_factory=time.perf_counter)
+    queued: float = dc_field(default_factory=time.perf_counter)  # granted (or sent, for a held grant)
+    blocked: float | None = None  # when it first found no free slot in this arena
 
 
 @dataclass
@@ -462,10 +463,13 @@ class Source(Endpoint):
                 self._write_staged(out, self._take_mapped(), None)
                 continue
             slot = self.arena.allocator.acquire()
-            if slot is None:
-                return  # back-pressure: wait for a write to finish
+            if slot is None:  # back-pressure: wait for a write to finish
+                if job.blocked is None:
+                    job.blocked = time.perf_counter()
+                return
             self._jobs.popleft()
-            out.handle.stages["slot_wait"] += time.perf_counter() - job.queued
+            if job.blocked is not None:
+                out.handle.stages["slot_wait"] += time.perf_counter() - job.blocked
             self._write_staged(out, [job], slot)
 
     def _launch_mapped(self) -> None:
@@ -511,7 +515,10 @@ class Source(Endpoint):
             return self._fail(job.req, f"destination rank {gone}", "write", "not connected", tell=False)
         sizes = [self.plan.piece_token_bytes(t.piece) * j.count for t, j in zip(targets, jobs)]
         t0 = time.perf_counter()
-        out.handle.stages.setdefault("start", t0 - out.handle.created)  # send() to its first copy (see request.py)
+        stages = out.handle.stages
+        stages.setdefault("start", t0 - out.handle.created)  # send() to its first copy (see request.py)
+        # granted to gathered, less any wait for a slot: behind this rank's earlier chunks (one loop copies them in turn)
+        stages["queued"] += max(0.0, (job.blocked if job.blocked is not None else t0) - job.queued)
         try:
             fence = CopyFence(self.cache.device)
             idx = TokenIndex(self.cache, out.pages, job.start, job.count, out.device_pages)
