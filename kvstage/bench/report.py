@@ -201,6 +201,12 @@ def write_plot(result: dict, path: str, title: str | None = None) -> None:
     import matplotlib.pyplot as plt
     import matplotlib.ticker
 
+    class _PlainLog(matplotlib.ticker.LogFormatterSciNotation):
+        """The ticks matplotlib labels on a log axis, written as plain numbers."""
+
+        def __call__(self, x, pos=None):
+            return f"{x:g}" if super().__call__(x, pos) else ""
+
     rows = result["results"]
     pairs = list(dict.fromkeys((r["src_tp"], r["dst_tp"]) for r in rows))
     tokens = sorted({r["tokens"] for r in rows})
@@ -230,6 +236,8 @@ def write_plot(result: dict, path: str, title: str | None = None) -> None:
         ax.set_xticks(ticks, [str(t) for t in ticks])
         ax.xaxis.set_minor_locator(matplotlib.ticker.NullLocator())
         ax.set_yscale("log")
+        for axis_set in (ax.yaxis.set_major_formatter, ax.yaxis.set_minor_formatter):  # 0.3, 6, 20; not 6x10^0
+            axis_set(_PlainLog(labelOnlyBase=False))
         ax.set_title(f"TP {s} \u2192 {d}" + (f", {tokens[0]} tokens per request" if by_conc else ""))
         ax.set_xlabel("requests in flight" if by_conc else "tokens per request")
         ax.grid(True, which="both", alpha=0.3)
