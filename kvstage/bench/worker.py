@@ -108,6 +108,19 @@ def _stages(handles) -> dict:
     return out
 
 
+def _bulk_buffer(g: Group, token_bytes: int, dev, base) -> tuple:
+    """The registered buffer bulk writes leave from or land in, sized for the largest bulk point.
+    Zeroed now, as the arena is (``allocate_arena``): a first write into untouched host memory
+    page-faults inside bulk's first timed write, which ``--warmup 0`` would then report."""
+    nbytes = max((p.concurrency * p.tokens for p in g.points if "bulk" in p.modes), default=0) * token_bytes
+    if not nbytes:
+        return None, None
+    import torch
+
+    bulk = torch.zeros(nbytes, dtype=torch.uint8, device=dev)
+    return bulk, base.register(bulk)
+
+
 def dst_main(link: Link, g: Group, rank: int, listen_host: str) -> None:
     import torch
 
@@ -128,9 +141,7 @@ def dst_main(link: Link, g: Group, rank: int, listen_host: str) -> None:
     plan = b.plan
     writers = plan.writers_of(rank)
     kv = [base.register(t) for t in cache.buffers] if "per-slice" in b.modes else []
-    bulk_bytes = max((p.concurrency * p.tokens for p in g.points if "bulk" in p.modes), default=0) * plan.dst_token_bytes()
-    bulk = torch.empty(bulk_bytes, dtype=torch.uint8, device=dev) if bulk_bytes else None
-    bulk_region = base.register(bulk) if bulk is not None else None
+    bulk, bulk_region = _bulk_buffer(g, plan.dst_token_bytes(), dev, base)
     link.send({"type": "ready", "clock_error_s": link.sync_error, "info": {
         "address": list(ep.address), "metadata": base64.b64encode(base.metadata()).decode(),
         "kv": [r.to_wire() for r in kv], "bulk": bulk_region.to_wire() if bulk_region else None,
@@ -237,9 +248,7 @@ def src_main(link: Link, g: Group, rank: int) -> None:
     kv = [base.register(t) for t in cache.buffers] if "per-slice" in b.modes else []
     dkv = {d: [Region.from_wire(r) for r in info["kv"]] for d, info in dsts.items()}
     mine_tok = sum(plan.piece_token_bytes(p) for p in targets)
-    bulk_bytes = max((p.concurrency * p.tokens for p in g.points if "bulk" in p.modes), default=0) * mine_tok
-    bulk = torch.empty(bulk_bytes, dtype=torch.uint8, device=dev) if bulk_bytes else None
-    bulk_region = base.register(bulk) if bulk is not None else None
+    bulk, bulk_region = _bulk_buffer(g, mine_tok, dev, base)
     link.send({"type": "ready", "clock_error_s": link.sync_error, "agent": base.id})
     for step, (pi, mode, it) in enumerate(g.schedule()):
         msg = link.recv("prep")
