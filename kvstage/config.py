@@ -46,6 +46,9 @@ class Settings:
     ready_timeout_s: float = field(default_factory=lambda: _env("KVSTAGE_READY_TIMEOUT_S", 120.0, float))
     stall_timeout_s: float = field(default_factory=lambda: _env("KVSTAGE_STALL_TIMEOUT_S", 5.0, float))
     peer_timeout_s: float = field(default_factory=lambda: _env("KVSTAGE_PEER_TIMEOUT_S", 5.0, float))
+    #: a destination keeps the slots granted to a writer lost before they landed out of use this long,
+    #: unless the late writes' notices arrive first: bytes queued on a cut link can land once it is back
+    late_write_hold_s: float = field(default_factory=lambda: _env("KVSTAGE_LATE_WRITE_HOLD_S", 60.0, float))
     transport: str = field(default_factory=lambda: _env("KVSTAGE_TRANSPORT", "nixl", str))
     #: None: on for one-sided transports (nixl), off for two-sided ones (ucx)
     direct: bool | None = field(default_factory=lambda: _env("KVSTAGE_DIRECT", None, bool))

@@ -77,8 +77,8 @@ class FakeSource:
                 return m
             self.stash.append(m)
 
-    def grant(self, req: str, chunk: int) -> dict:
-        return self.message(lambda m: m["type"] == "grant" and m["req"] == req and m["chunk"] == chunk)
+    def grant(self, req: str, chunk: int, timeout: float = 10) -> dict:
+        return self.message(lambda m: m["type"] == "grant" and m["req"] == req and m["chunk"] == chunk, timeout)
 
     def error(self) -> str:
         m = self.message(lambda m: m["type"] == "error" and m.get("about") == "landed")

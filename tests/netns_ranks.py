@@ -9,7 +9,7 @@ clock for every process of the machine (network namespaces do not change it).
 Commands (stdin, one JSON object a line): ``expect``/``send`` {req, tokens, seed}, ``connect``,
 ``slots``, ``quit``. Events (stdout, lines starting with ``PREFIX``): ``ready``, ``progress`` (first bytes of
 a request moved), ``final`` {req, state, error: {peer, stage, cause}, t,
-corrupt}, ``slots`` {free, total}, ``connected`` / ``connect_failed``.
+corrupt}, ``slots`` {free, total, requests, held}, ``connected`` / ``connect_failed``.
 """
 
 from __future__ import annotations
@@ -79,7 +79,8 @@ def main() -> None:
             break
         if kind == "slots":
             free, live = ep._call(lambda: (ep.arena.allocator.free, len(ep.requests)))
-            emit(ev="slots", free=free, total=ep.arena.allocator.count, requests=live)
+            held = ep.late_write_holds() if role == "dst" else 0
+            emit(ev="slots", free=free, total=ep.arena.allocator.count, requests=live, held=held)
         elif kind == "connect":
             try:
                 emit(ev="connected", ranks=ep.connect([(cmd["ip"], cmd["port"])]))

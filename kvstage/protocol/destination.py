@@ -36,6 +36,9 @@ from kvstage.transports.mapped import share, unshare
 log = logging.getLogger("kvstage")
 
 MAX_EARLY = 4096  # ready messages kept for requests this side has not been told about yet
+#: how long a writer lost with writes not landed holds their slots when its host closed the connection (the link
+#: is up: what it queued arrives within round trips); when its host stopped answering, ``late_write_hold_s``
+ANSWERED_HOLD_S = 1.0
 
 
 @dataclass
@@ -55,6 +58,10 @@ class Chunk:
     count: int
     slot: int | None
     pending: set = dc_field(default_factory=set)  # writer ranks not landed yet
+    #: pending writers lost (control connection closed) before they landed: rank -> (agent, held until).
+    #: Their writes may still land (bytes queued on a cut link), so the chunk's slot stays out of use
+    #: until the write's notice arrives or the hold ends (``Destination._on_closed``).
+    lost: dict = dc_field(default_factory=dict)
     granted: float = dc_field(default_factory=time.monotonic)
     scatter: object = None  # the whole chunk's prepared scatter (``prepare_scatter``), run once every writer landed
     piece_scatters: dict | None = None  # or, on the kernel path: writer rank -> its piece's, run as that piece lands
@@ -182,7 +189,7 @@ class Destination(Endpoint):
         if self._scattering:
             return True
         for r in self.requests.values():
-            if r.quarantine:
+            if any(ch.pending - ch.lost.keys() for ch in r.quarantine.values()):  # a lost writer's notice can wait
                 return True
             if r.open and r.announced and any(not getattr(self.writers.get(w), "mapped", False)
                                               for c in r.open.values() for w in c.pending):
@@ -512,10 +519,25 @@ class Destination(Endpoint):
         if any(agent == a for _, a in self._probes.values()):
             return  # a probe's measured write into its lent slot
         notice = decode_notice(data)
+        if self._late_landing(agent, notice):
+            return
         writer = self.writers.get(notice.writer)
         if writer is None or writer.agent != agent:
             raise ProtocolError(f"notice names writer {notice.writer}, but agent {agent} is not that source rank's")
         self._on_landed(notice, writer)
+
+    def _late_landing(self, agent: str, notice) -> bool:
+        """The notice of a write from a writer lost before it landed: that write is
+        over (a notice follows its bytes), so its slot can be reused."""
+        inc = self.requests.get(notice.req)
+        chunk = inc.quarantine.get(notice.chunk) if inc is not None else None
+        lost = chunk.lost.get(notice.writer) if chunk is not None else None
+        if lost is None or lost[0] != agent:
+            return False
+        log.warning("dst %d: chunk %d of %s from lost source rank %d landed after the loss; its slot is reused",
+                    self.rank, notice.chunk, notice.req, notice.writer)
+        self._unquarantine(inc, notice.chunk, notice.writer)
+        return True
 
     def _on_landed(self, notice, writer: Writer, mapped: bool = False) -> None:
         """A writer's chunk is in its slot (its notice, or its ``landed`` message
@@ -647,8 +669,7 @@ class Destination(Endpoint):
         if req in self._rr:
             self._rr.remove(req)
         for c, chunk in list(inc.open.items()):
-            chunk.pending &= set(self.writers)  # a gone writer writes nothing more
-            if chunk.pending:
+            if chunk.pending:  # a lost writer's too (``Chunk.lost``): its write may still land
                 inc.quarantine[c] = chunk
             elif chunk.slot is not None:
                 self.arena.allocator.release(chunk.slot)
@@ -662,6 +683,7 @@ class Destination(Endpoint):
     def _unquarantine(self, inc: Incoming, c: int, rank: int) -> None:
         chunk = inc.quarantine[c]
         chunk.pending.discard(rank)
+        chunk.lost.pop(rank, None)
         if not chunk.pending:
             del inc.quarantine[c]
             if chunk.slot is not None:
@@ -677,10 +699,10 @@ class Destination(Endpoint):
         inc = self.requests.get(req)
         if inc is None:
             return
-        for c in [c for c, ch in inc.quarantine.items() if rank in ch.pending]:
-            self._unquarantine(inc, c, rank)
+        for c in [c for c, ch in inc.quarantine.items() if rank in ch.pending and rank not in ch.lost]:
+            self._unquarantine(inc, c, rank)  # a lost writer's chunks wait for their notices (``_late_landing``)
 
-    def _on_closed(self, conn: Connection, reason: str) -> None:
+    def _on_closed(self, conn: Connection, reason: str, answered: bool = True) -> None:
         writer = next((w for w in self.writers.values() if w.conn is conn), None)
         conn.close()
         probe = self._probes.pop(conn, None)
@@ -692,11 +714,28 @@ class Destination(Endpoint):
         live = [r for r, inc in self.requests.items() if not inc.handle.done()]
         (log.warning if live else log.info)("dst %d: source rank %d disconnected (%s), %d requests affected",
                                             self.rank, writer.rank, reason, len(live))
+        # a closed control connection does not end the data path: UCX keeps its own connections, and what
+        # the writer queued before the loss may still land in its granted slots. Its host answered (the
+        # link is up): that is a matter of round trips. It stopped answering: whenever the link is back
+        hold = min(ANSWERED_HOLD_S, self.settings.late_write_hold_s) if answered else self.settings.late_write_hold_s
+        until, held = time.monotonic() + hold, 0
+        for inc in self.requests.values():
+            for ch in (*inc.open.values(), *inc.quarantine.values()):
+                if writer.rank in ch.pending:
+                    ch.lost[writer.rank] = (writer.agent, until, answered)
+                    held += ch.slot is not None
+        if held:
+            log.warning("dst %d: source rank %d was lost with %d granted slots not landed; they stay out of use until "
+                        "its late writes' notices arrive or %g s pass (%s)", self.rank, writer.rank, held, hold,
+                        "its host closed the connection" if answered else "its host stopped answering: late_write_hold_s")
         for req, inc in list(self.requests.items()):
             if not inc.handle.done():
                 self._fail(req, f"source rank {writer.rank}", inc.stage, f"connection lost ({reason})", tell=True)
-            for c in [c for c, ch in inc.quarantine.items() if writer.rank in ch.pending]:
-                self._unquarantine(inc, c, writer.rank)
+
+    def late_write_holds(self) -> int:
+        """Slots held for writes of lost writers that may still land (``Chunk.lost``)."""
+        return self._call(lambda: sum(ch.slot is not None for inc in self.requests.values()
+                                      for ch in inc.quarantine.values() if ch.lost))
 
     def _peers(self) -> list:
         return [w.conn for w in self.writers.values()]
@@ -706,7 +745,21 @@ class Destination(Endpoint):
         granted chunk not landed ``stall_timeout_s`` after its grant (or after
         the last announcement, for early grants), fails; so does every request
         while a writer has been silent (no ping) for ``peer_timeout_s``.
-        Waiting for a free slot is back-pressure, never a failure."""
+        Waiting for a free slot is back-pressure, never a failure. A lost
+        writer's slots are reused when their hold ends (``_on_closed``) if no
+        notice of their writes came by then."""
+        over: dict = {}  # (rank, agent, answered) -> slots reused
+        for inc in list(self.requests.values()):
+            for c, ch in list(inc.quarantine.items()):
+                for rank, (agent, until, answered) in list(ch.lost.items()):
+                    if now > until:
+                        key = (rank, agent, answered)
+                        over[key] = over.get(key, 0) + (ch.slot is not None)
+                        self._unquarantine(inc, c, rank)
+        for (rank, agent, answered), n in over.items():
+            (log.info if answered else log.warning)(
+                "dst %d: hold over for lost source rank %d (agent %s): %d slots reused with no notice of their writes%s",
+                self.rank, rank, agent, n, "" if answered else "; one landing later would overwrite the chunk granted there")
         for rank, w in list(self.writers.items()):
             quiet = self._silent(w.conn, now)
             if quiet is None:

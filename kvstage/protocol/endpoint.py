@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import base64
 import ctypes
+import errno
 import logging
 import os
 import queue
@@ -44,6 +45,8 @@ from kvstage.tp import SideSpec
 from kvstage.transports.base import Region, Transport
 
 log = logging.getLogger("kvstage")
+#: errors of a connection whose peer's host stopped answering (a cut link, a dead host), not one it closed
+_UNANSWERED = (errno.ETIMEDOUT, errno.EHOSTUNREACH, errno.ENETUNREACH, errno.EHOSTDOWN, errno.ENETDOWN)
 
 # seconds between transport polls while writes or notices are expected: GPU hosts have
 # cores to spare and sub-millisecond chunks; on a host cache the copies are the cores' work
@@ -375,15 +378,16 @@ class Endpoint:
                 if conn.closed:
                     return
         except (ConnectionError, OSError, ProtocolError) as e:
-            self._drop(conn, str(e) or type(e).__name__)
+            self._drop(conn, str(e) or type(e).__name__, answered=getattr(e, "errno", None) not in _UNANSWERED)
 
-    def _drop(self, conn: Connection, reason: str) -> None:
-        """Stop watching ``conn`` and tell the endpoint it is gone."""
+    def _drop(self, conn: Connection, reason: str, answered: bool = True) -> None:
+        """Stop watching ``conn`` and tell the endpoint it is gone (``answered``:
+        see ``_on_closed``)."""
         if self._watched.pop(conn.sock, None) is not None:
             self._sockets_changed()
         self._first.pop(conn, None)
         self._heard.pop(conn, None)
-        self._on_closed(conn, reason)
+        self._on_closed(conn, reason, answered)
 
     def _ping(self) -> None:
         for conn in self._peers():
@@ -429,7 +433,10 @@ class Endpoint:
     def _on_message(self, conn: Connection, msg: dict) -> None:
         raise NotImplementedError
 
-    def _on_closed(self, conn: Connection, reason: str) -> None:
+    def _on_closed(self, conn: Connection, reason: str, answered: bool) -> None:
+        """``conn`` is gone. ``answered``: the peer's host ended it (end of stream,
+        reset, garbage), so the link was up; False: it stopped answering (a
+        timeout, no route), and the link may be down."""
         raise NotImplementedError
 
     def _progress(self) -> None:

@@ -1,0 +1,157 @@
+"""Writes from a source the destination has lost: its control connection closed,
+but its NIXL agent still reaches the arena (UCX keeps its own connections; a cut
+link delivers what it queued once it is back). Such a write must not land in a
+slot granted to someone else: the lost writer's slots stay out of use until the
+write's notice says it is over, or ``late_write_hold_s`` passes.
+
+A real destination and hand-driven sources (tests/fake_peers.py) with real NIXL
+agents, so the late write is a real one-sided write at its old grant's offset.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import numpy as np
+import pytest
+
+import fault_ranks as fr
+from fake_peers import FakeSource
+from kvstage.config import Settings
+from kvstage.errors import TransferFailed
+from kvstage.layout import pages_needed
+from kvstage.protocol.destination import ANSWERED_HOLD_S, Destination
+from kvstage.protocol.request import State
+from kvstage.staging.cache import RankCache
+
+TOKEN = "late-write-test"
+CHUNK = 32  # tokens per chunk: 16 KiB slots, 512 B a token (fault_ranks geometry, source TP 1)
+
+
+def _dst(hold: float) -> Destination:
+    # peer_timeout_s: the fake sources answer grants but do not ping like a real one
+    return Destination(RankCache.allocate(fr.dst_spec(), 0, 1024),
+                       Settings(**fr.SETTINGS, auth_token=TOKEN, peer_timeout_s=600, late_write_hold_s=hold))
+
+
+def _expect(dst: Destination, req: str, tokens: int, first_page: int):
+    ids = np.arange(first_page, first_page + pages_needed(tokens, 4))[::-1].copy()
+    return dst.expect(req, ids, tokens), ids
+
+
+def _until(cond, limit=10.0):
+    deadline = time.monotonic() + limit
+    while not cond():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        time.sleep(0.01)
+
+
+def _lost_with_four_grants(dst: Destination, answered: bool):
+    """A source granted all four slots for request 'old', then lost before writing
+    any; its NIXL agent stays connected. ``answered``: it closes its control
+    connection (the destination reads the end of stream). Otherwise the
+    destination drops the connection as it does when a read fails with
+    ETIMEDOUT (a cut link; tests/test_link_cut.py cuts a real one)."""
+    old = FakeSource(dst.address, TOKEN)
+    h, _ = _expect(dst, "old", 4 * CHUNK, 0)
+    old.announce("old", 4 * CHUNK, 3)
+    grants = {c: old.grant("old", c) for c in range(4)}
+    assert dst.slots_free() == 0
+    if answered:
+        old.conn.close()
+    else:
+        dst._call(lambda: dst._drop(dst.writers[0].conn, "[Errno 110] Connection timed out", answered=False))
+    with pytest.raises(TransferFailed) as err:
+        h.wait(10)
+    assert err.value.peer == "source rank 0" and "connection lost" in err.value.cause, err.value
+    return old, grants
+
+
+def test_a_lost_writers_slots_wait_for_its_late_writes(caplog):
+    dst = _dst(hold=600)
+    old = new = None
+    try:
+        old, grants = _lost_with_four_grants(dst, answered=False)
+        assert dst.slots_free() == 0 and dst.late_write_holds() == 4 and dst.tracks("old")
+        lost = [r.getMessage() for r in caplog.records if "was lost with" in r.getMessage()]
+        assert lost and "4 granted slots not landed" in lost[0] and "600 s pass" in lost[0], lost
+
+        # the same rank comes back (a new agent) with a new request: nothing can be granted yet
+        new = FakeSource(dst.address, TOKEN)
+        h2, ids2 = _expect(dst, "new", 4 * CHUNK, 200)
+        new.announce("new", 4 * CHUNK, 7)
+        with pytest.raises(TimeoutError):
+            new.grant("new", 0, timeout=0.5)
+        assert h2.state is State.TRANSFERRING
+
+        # the lost writer's write of chunk 2 lands late, at its old grant, with its notice: that slot alone is free
+        old.write("old", grants[2])
+        g0 = new.grant("new", 0)
+        assert g0["offset"] == grants[2]["offset"] and dst.late_write_holds() == 3
+        late = [r.getMessage() for r in caplog.records if "after the loss" in r.getMessage()]
+        assert late and "chunk 2 of old from lost source rank 0 landed" in late[0], late
+
+        # the new request runs through that one slot while the others wait; a late write of chunk 0 lands
+        # between new's chunks, into its own old slot, which is still held, so new stays byte-exact
+        new.write("new", g0)
+        old.write("old", grants[0])
+        for c in range(1, 4):
+            new.write("new", new.grant("new", c))
+        h2.wait(10)
+        assert fr.check(dst.cache, 7, ids2, 4 * CHUNK) == []
+        assert dst.late_write_holds() == 2 and dst.slots_free() == 2 and dst.tracks("old")
+
+        for c in (1, 3):
+            old.write("old", grants[c])
+        _until(lambda: dst.slots_free() == 4)
+        assert dst.late_write_holds() == 0 and not dst.tracks("old")
+    finally:
+        for s in (old, new):
+            if s is not None:
+                s.close()
+        dst.close()
+
+
+@pytest.mark.parametrize("answered", [False, True], ids=["stopped-answering", "closed"])
+def test_a_lost_writers_slots_come_back_when_the_hold_ends(caplog, answered):
+    """Stopped answering: ``late_write_hold_s``. Closed by its host (a killed
+    process: the link is up, what it queued arrives within round trips): about a
+    second, whatever ``late_write_hold_s`` says."""
+    caplog.set_level(logging.INFO, "kvstage")
+    dst = _dst(hold=600 if answered else 2.0)
+    old = None
+    try:
+        old, grants = _lost_with_four_grants(dst, answered)
+        t_lost = time.monotonic()  # the request failed at the loss, just before
+        assert dst.late_write_holds() == 4
+        _until(lambda: dst.slots_free() == 4, limit=10)
+        took = time.monotonic() - t_lost
+        assert dst.late_write_holds() == 0 and not dst.tracks("old")
+        hold = ANSWERED_HOLD_S if answered else 2.0
+        assert hold - 0.2 < took < hold + 3, took
+        over = [r for r in caplog.records if "hold over for lost source rank 0" in r.getMessage()]
+        assert len(over) == 1 and "4 slots reused with no notice of their writes" in over[0].getMessage(), over
+        assert over[0].levelno == (logging.INFO if answered else logging.WARNING)
+    finally:
+        if old is not None:
+            old.close()
+        dst.close()
+
+
+def test_an_abort_ack_from_a_writer_that_came_back_does_not_free_a_lost_writers_slots():
+    """The same rank reconnected says it has no write of 'old' in flight: true of
+    the new process, not of what the lost one queued."""
+    dst = _dst(hold=600)
+    old = new = None
+    try:
+        old, grants = _lost_with_four_grants(dst, answered=False)
+        new = FakeSource(dst.address, TOKEN)
+        new.conn.send({"type": "abort_ack", "req": "old"})
+        time.sleep(0.3)
+        assert dst.late_write_holds() == 4 and dst.slots_free() == 0
+    finally:
+        for s in (old, new):
+            if s is not None:
+                s.close()
+        dst.close()
