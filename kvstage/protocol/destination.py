@@ -119,7 +119,7 @@ class Destination(Endpoint):
         self.writers: dict[int, Writer] = {}
         self.requests: dict[str, Incoming] = {}
         self._early: dict[str, dict[int, int]] = {}
-        self._rr: list[str] = []  # grant order (round robin)
+        self._rr: list[str] = []  # requests waiting for grants, in arrival order (``_grant``)
         self._scattering: list = []  # (request, chunk, time its last piece landed) of chunks still scattering
         self._probes: dict[Connection, tuple[int, str]] = {}  # probe connection -> (lent slot, prober agent)
         # what a source on this host needs to map the arena and gather straight into it (None: not shared)
@@ -388,9 +388,12 @@ class Destination(Endpoint):
         return a.free - 1 >= -(-a.count // 2)
 
     def _grant(self) -> None:
-        """Hand free slots to waiting chunks, one request at a time in turn:
-        announced requests first, then early grants (at most ``early_chunks``
-        per request, see ``_early_room``)."""
+        """Hand free slots to waiting chunks: announced requests first, in arrival
+        order, then early grants (at most ``early_chunks`` per request, see
+        ``_early_room``). One pass gives each waiting request one chunk while
+        slots last; a slot that frees later goes to the earliest request still
+        waiting, so with fewer free slots than requests the one ahead finishes
+        first (FIFO, not round robin)."""
         progressed = True
         while progressed and self._rr:
             progressed = False
