@@ -270,3 +270,19 @@ def test_prefill_frees_blocks_after_lease_or_release():
             w._on_pull(dict(pull, rank=3))
     finally:
         w.close()
+
+
+def test_extra_config_carries_kvstage_settings_and_refuses_unknown_keys():
+    """kvstage ``Settings`` keys pass through ``kv_connector_extra_config``; a typo is refused by name."""
+    from types import SimpleNamespace
+
+    from kvstage.errors import ConfigError
+    from kvstage.plugin.vllm import _extra, _settings
+
+    def cfg(extra):
+        return SimpleNamespace(kv_transfer_config=SimpleNamespace(kv_connector_extra_config=extra))
+
+    s = _settings(_extra(cfg({"late_write_hold_s": 7, "stall_timeout_s": 9})))
+    assert (s.late_write_hold_s, s.stall_timeout_s) == (7, 9)
+    with pytest.raises(ConfigError, match=r"unknown keys \['late_write_hold'\]"):
+        _extra(cfg({"late_write_hold": 7}))

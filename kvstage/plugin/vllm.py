@@ -81,7 +81,8 @@ DEFAULTS = {
     "kv_cache_layout": None,  # ask vLLM for "NHD" or "HND"; None keeps the engine's choice
 }
 #: keys passed to kvstage's Settings (the KVSTAGE_* environment variables are the defaults)
-SETTINGS_KEYS = ("arena_mb", "slot_mb", "handshake_timeout_s", "ready_timeout_s", "stall_timeout_s", "direct", "mapped")
+SETTINGS_KEYS = ("arena_mb", "slot_mb", "handshake_timeout_s", "ready_timeout_s", "stall_timeout_s", "late_write_hold_s",
+                 "direct", "mapped")
 #: kvstage's own ready timeout is minutes; a decode waiting on a dead prefill should give up sooner
 READY_TIMEOUT_S = 30.0
 
