@@ -75,7 +75,7 @@ def test_a_lost_writers_slots_wait_for_its_late_writes(caplog):
         old, grants = _lost_with_four_grants(dst, answered=False)
         assert dst.slots_free() == 0 and dst.late_write_holds() == 4 and dst.tracks("old")
         lost = [r.getMessage() for r in caplog.records if "was lost with" in r.getMessage()]
-        assert lost and "4 granted slots not landed" in lost[0] and "600 s pass" in lost[0], lost
+        assert lost and "4 granted chunks not landed" in lost[0] and "600 s pass" in lost[0], lost
 
         # the same rank comes back (a new agent) with a new request: nothing can be granted yet
         new = FakeSource(dst.address, TOKEN)
@@ -133,7 +133,7 @@ def test_a_lost_writers_slots_come_back_when_the_hold_ends(caplog, answered):
         hold = ANSWERED_HOLD_S if answered else 2.0
         assert hold - 0.2 < took < hold + 3, took
         over = [r for r in caplog.records if "hold over for lost source rank 0" in r.getMessage()]
-        assert len(over) == 1 and "4 slots reused with no notice of their writes" in over[0].getMessage(), over
+        assert len(over) == 1 and "4 chunks released with no notice of their writes" in over[0].getMessage(), over
         assert over[0].levelno == (logging.INFO if answered else logging.WARNING)
     finally:
         if old is not None:

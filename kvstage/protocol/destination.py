@@ -726,11 +726,12 @@ class Destination(Endpoint):
             for ch in (*inc.open.values(), *inc.quarantine.values()):
                 if writer.rank in ch.pending:
                     ch.lost[writer.rank] = (writer.agent, until, answered)
-                    held += ch.slot is not None
-        if held:
-            log.warning("dst %d: source rank %d was lost with %d granted slots not landed; they stay out of use until "
-                        "its late writes' notices arrive or %g s pass (%s)", self.rank, writer.rank, held, hold,
-                        "its host closed the connection" if answered else "its host stopped answering: late_write_hold_s")
+                    held += 1
+        if held:  # a staged chunk holds its slot; a direct one its request's pages (``tracks``)
+            log.warning("dst %d: source rank %d was lost with %d granted chunks not landed; their slots and pages stay "
+                        "out of use until its late writes' notices arrive or %g s pass (%s)", self.rank, writer.rank,
+                        held, hold, "its host closed the connection" if answered
+                        else "its host stopped answering: late_write_hold_s")
         for req, inc in list(self.requests.items()):
             if not inc.handle.done():
                 self._fail(req, f"source rank {writer.rank}", inc.stage, f"connection lost ({reason})", tell=True)
@@ -751,18 +752,19 @@ class Destination(Endpoint):
         Waiting for a free slot is back-pressure, never a failure. A lost
         writer's slots are reused when their hold ends (``_on_closed``) if no
         notice of their writes came by then."""
-        over: dict = {}  # (rank, agent, answered) -> slots reused
+        over: dict = {}  # (rank, agent, answered) -> chunks released
         for inc in list(self.requests.values()):
             for c, ch in list(inc.quarantine.items()):
                 for rank, (agent, until, answered) in list(ch.lost.items()):
                     if now > until:
                         key = (rank, agent, answered)
-                        over[key] = over.get(key, 0) + (ch.slot is not None)
+                        over[key] = over.get(key, 0) + 1
                         self._unquarantine(inc, c, rank)
         for (rank, agent, answered), n in over.items():
             (log.info if answered else log.warning)(
-                "dst %d: hold over for lost source rank %d (agent %s): %d slots reused with no notice of their writes%s",
-                self.rank, rank, agent, n, "" if answered else "; one landing later would overwrite the chunk granted there")
+                "dst %d: hold over for lost source rank %d (agent %s): %d chunks released with no notice of their writes; "
+                "their slots and pages are reused%s", self.rank, rank, agent, n,
+                "" if answered else " (a write of them landing later would overwrite what is placed there next)")
         for rank, w in list(self.writers.items()):
             quiet = self._silent(w.conn, now)
             if quiet is None:
