@@ -29,10 +29,11 @@ from kvstage.transports.base import Region, Spans, WriteState
 from kvstage.transports.nixl import NixlTransport
 
 class FakeSource:
-    """Source rank 0 of TP 1 speaking the protocol by hand."""
+    """Source rank 0 of TP 1 speaking the protocol by hand (``spec``: another TP 1
+    layout, e.g. the destination's own paging for the direct path)."""
 
-    def __init__(self, address, token: str):
-        self.spec = fr.src_spec(1)
+    def __init__(self, address, token: str, spec=None):
+        self.spec = spec or fr.src_spec(1)
         self.cache = RankCache.allocate(self.spec, 0, 64)
         self.agent = NixlTransport("hostile-src")
         self.buf = torch.zeros(1 << 16, dtype=torch.uint8)
@@ -55,7 +56,7 @@ class FakeSource:
 
     def announce(self, req: str, tokens: int, seed: int, say: bool = True) -> None:
         """Fill the request's pages and (``say``) send its ``ready``."""
-        n = pages_needed(tokens, 16)
+        n = pages_needed(tokens, self.spec.page.page_size)
         self.pages[req] = np.arange(self.next_page, self.next_page + n)
         self.next_page = (self.next_page + n) % (self.cache.pages - n)
         fill_shard(self.cache, seed, self.pages[req], tokens)

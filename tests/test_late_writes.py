@@ -24,6 +24,7 @@ from kvstage.layout import pages_needed
 from kvstage.protocol.destination import ANSWERED_HOLD_S, Destination
 from kvstage.protocol.request import State
 from kvstage.staging.cache import RankCache
+from kvstage.tp import SideSpec
 
 TOKEN = "late-write-test"
 CHUNK = 32  # tokens per chunk: 16 KiB slots, 512 B a token (fault_ranks geometry, source TP 1)
@@ -156,4 +157,28 @@ def test_an_abort_ack_from_a_writer_that_came_back_does_not_free_a_lost_writers_
         for s in (old, new):
             if s is not None:
                 s.close()
+        dst.close()
+
+
+def test_a_lost_direct_writer_keeps_its_requests_pages_held():
+    """The direct path writes into the request's own pages, not a slot: those stay
+    held (``tracks``) until the hold ends, so an engine does not reuse them."""
+    dst = _dst(hold=2.0)
+    old = None
+    try:
+        old = FakeSource(dst.address, TOKEN, spec=SideSpec(fr.GEO, 1, fr.dst_spec().page))  # same paging: direct
+        h, _ = _expect(dst, "d", 4 * CHUNK, 0)
+        old.announce("d", 4 * CHUNK, 3)
+        g = old.grant("d", 0)
+        assert g["chunks"] == 1 and "pages" in g, g  # one direct write into the request's pages
+        dst._call(lambda: dst._drop(dst.writers[0].conn, "[Errno 110] Connection timed out", answered=False))
+        with pytest.raises(TransferFailed):
+            h.wait(10)
+        t_lost = time.monotonic()
+        assert dst.tracks("d") and dst.late_write_holds() == 0 and dst.slots_free() == 4
+        _until(lambda: not dst.tracks("d"), limit=10)
+        assert 1.8 < time.monotonic() - t_lost < 5
+    finally:
+        if old is not None:
+            old.close()
         dst.close()
