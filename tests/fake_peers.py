@@ -28,6 +28,12 @@ from kvstage.tp import SideSpec, plan
 from kvstage.transports.base import Region, Spans, WriteState
 from kvstage.transports.nixl import NixlTransport
 
+def expect_reversed(dst, req: str, tokens: int, first_page: int):
+    """``dst.expect`` of ``tokens`` into pages ``first_page..`` in reverse order (not a trivial mapping)."""
+    ids = np.arange(first_page, first_page + pages_needed(tokens, 4))[::-1].copy()
+    return dst.expect(req, ids, tokens), ids
+
+
 class FakeSource:
     """Source rank 0 of TP 1 speaking the protocol by hand (``spec``: another TP 1
     layout, e.g. the destination's own paging for the direct path)."""

@@ -24,6 +24,14 @@ def dst_spec() -> SideSpec:
     return SideSpec(GEO, 1, PageLayout(4))
 
 
+def until(cond, limit: float = 10.0) -> None:
+    """Poll ``cond`` until it holds; fail the test after ``limit`` seconds."""
+    deadline = time.monotonic() + limit
+    while not cond():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        time.sleep(0.005)
+
+
 def request_tokens(seed: int, i: int, most: int) -> int:
     return int(np.random.default_rng([seed, i]).integers(1, most + 1))
 

@@ -29,13 +29,6 @@ def _destination(tokens_pages: int) -> Destination:
     return Destination(RankCache.allocate(fr.dst_spec(), 0, tokens_pages), Settings(**fr.SETTINGS))
 
 
-def _until(cond, limit=30.0):
-    deadline = time.monotonic() + limit
-    while not cond():
-        assert time.monotonic() < deadline, "condition not reached in time"
-        time.sleep(0.005)
-
-
 # "on": the sources gather straight into the destination's arena (a memfd mapped into them), with
 # no transport write; the spawned ranks read KVSTAGE_MAPPED from the environment they inherit
 MAPPED = ["auto", "on"]
@@ -52,7 +45,7 @@ def test_source_killed_mid_transfer_then_restarted_under_the_same_rank(mapped, m
         p = CTX.Process(target=fr.send_one, args=(dst.address, 0, 1, BIG, 1, q))
         p.start()
         assert q.get(timeout=60)[0] == "sending"
-        _until(lambda: h.bytes > 0)  # chunks are landing: mid-transfer
+        fr.until(lambda: h.bytes > 0, 30)  # chunks are landing: mid-transfer
         assert h.state is State.TRANSFERRING
         t_kill = time.monotonic()
         os.kill(p.pid, signal.SIGKILL)
@@ -63,7 +56,7 @@ def test_source_killed_mid_transfer_then_restarted_under_the_same_rank(mapped, m
         print(f"\nsource kill -9: detected in {detect * 1e3:.0f} ms: {err.value}")
         assert detect < 5.0
         assert err.value.peer == "source rank 0" and "connection lost" in err.value.cause
-        _until(lambda: dst.slots_free() == 4, 5)  # no leaked slot
+        fr.until(lambda: dst.slots_free() == 4, 5)  # no leaked slot
 
         # the same rank comes back (new process, new NIXL agent, same address) and transfers again
         tokens = 300
@@ -92,7 +85,7 @@ def test_destination_killed_mid_transfer_fails_the_source_fast(mapped, monkeypat
     try:
         src.connect([tuple(address)])
         h = src.send("r3", np.arange(pages_needed(BIG, 16)), BIG)
-        _until(lambda: h.bytes > 0)
+        fr.until(lambda: h.bytes > 0, 30)
         assert h.path == ("mapped" if mapped == "on" else "staged")
         t_kill = time.monotonic()
         os.kill(p.pid, signal.SIGKILL)
@@ -102,7 +95,7 @@ def test_destination_killed_mid_transfer_fails_the_source_fast(mapped, monkeypat
         print(f"\ndestination kill -9: detected in {detect * 1e3:.0f} ms: {err.value}")
         assert detect < 5.0
         assert err.value.peer == "destination rank 0"
-        _until(lambda: src._call(lambda: src.arena.allocator.free) == 4, 5)
+        fr.until(lambda: src._call(lambda: src.arena.allocator.free) == 4, 5)
     finally:
         src.close()
         p.join(5)

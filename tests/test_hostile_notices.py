@@ -14,15 +14,13 @@ from __future__ import annotations
 
 import time
 
-import numpy as np
 import pytest
 import torch
 
 import fault_ranks as fr
-from fake_peers import FakeSource
+from fake_peers import FakeSource, expect_reversed as _expect
 from kvstage.config import Settings
 from kvstage.errors import TransferFailed
-from kvstage.layout import pages_needed
 from kvstage.protocol.destination import Destination
 from kvstage.protocol.request import State
 from kvstage.protocol.wire import encode_notice
@@ -43,11 +41,6 @@ def pair():
     yield dst, src
     src.close()
     dst.close()
-
-
-def _expect(dst: Destination, req: str, tokens: int, first_page: int):
-    ids = np.arange(first_page, first_page + pages_needed(tokens, 4))[::-1].copy()  # reversed: not a trivial mapping
-    return dst.expect(req, ids, tokens), ids
 
 
 def test_hostile_notices_are_refused_and_the_destination_keeps_serving(pair):

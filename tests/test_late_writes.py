@@ -13,14 +13,12 @@ from __future__ import annotations
 import logging
 import time
 
-import numpy as np
 import pytest
 
 import fault_ranks as fr
-from fake_peers import FakeSource
+from fake_peers import FakeSource, expect_reversed as _expect
 from kvstage.config import Settings
 from kvstage.errors import TransferFailed
-from kvstage.layout import pages_needed
 from kvstage.protocol.destination import ANSWERED_HOLD_S, Destination
 from kvstage.protocol.request import State
 from kvstage.staging.cache import RankCache
@@ -34,18 +32,6 @@ def _dst(hold: float) -> Destination:
     # peer_timeout_s: the fake sources answer grants but do not ping like a real one
     return Destination(RankCache.allocate(fr.dst_spec(), 0, 1024),
                        Settings(**fr.SETTINGS, auth_token=TOKEN, peer_timeout_s=600, late_write_hold_s=hold))
-
-
-def _expect(dst: Destination, req: str, tokens: int, first_page: int):
-    ids = np.arange(first_page, first_page + pages_needed(tokens, 4))[::-1].copy()
-    return dst.expect(req, ids, tokens), ids
-
-
-def _until(cond, limit=10.0):
-    deadline = time.monotonic() + limit
-    while not cond():
-        assert time.monotonic() < deadline, "condition not reached in time"
-        time.sleep(0.01)
 
 
 def _lost_with_four_grants(dst: Destination, answered: bool):
@@ -102,12 +88,12 @@ def test_a_lost_writers_slots_wait_for_its_late_writes(caplog):
         h2.wait(10)
         assert fr.check(dst.cache, 7, ids2, 4 * CHUNK) == []
         # old's chunk-0 notice came from another agent than new's: read in its own time, not before h2's end
-        _until(lambda: dst.late_write_holds() == 2 and dst.slots_free() == 2)
+        fr.until(lambda: dst.late_write_holds() == 2 and dst.slots_free() == 2)
         assert dst.tracks("old")
 
         for c in (1, 3):
             old.write("old", grants[c])
-        _until(lambda: dst.slots_free() == 4)
+        fr.until(lambda: dst.slots_free() == 4)
         assert dst.late_write_holds() == 0 and not dst.tracks("old")
     finally:
         for s in (old, new):
@@ -127,7 +113,7 @@ def test_a_lost_writers_slots_come_back_when_the_hold_ends(caplog, answered):
     try:
         old, grants = _lost_with_four_grants(dst, answered)
         assert dst.late_write_holds() == 4
-        _until(lambda: dst.slots_free() == 4, limit=10)
+        fr.until(lambda: dst.slots_free() == 4, limit=10)
         assert dst.late_write_holds() == 0 and not dst.tracks("old")
         lost = [r for r in caplog.records if "was lost with" in r.getMessage()]
         over = [r for r in caplog.records if "hold over for lost source rank 0" in r.getMessage()]
@@ -176,7 +162,7 @@ def test_a_lost_direct_writer_keeps_its_requests_pages_held():
             h.wait(10)
         t_lost = time.monotonic()
         assert dst.tracks("d") and dst.late_write_holds() == 0 and dst.slots_free() == 4
-        _until(lambda: not dst.tracks("d"), limit=10)
+        fr.until(lambda: not dst.tracks("d"), limit=10)
         assert 1.8 < time.monotonic() - t_lost < 5
     finally:
         if old is not None:

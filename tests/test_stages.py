@@ -37,13 +37,6 @@ def _src(tp: int = 1, rank: int = 0, **over) -> Source:
     return Source(RankCache.allocate(fr.src_spec(tp), rank, pages_needed(BIG, 16) + 4), Settings(**(fr.SETTINGS | over)))
 
 
-def _until(cond, limit=10.0):
-    deadline = time.monotonic() + limit
-    while not cond():
-        assert time.monotonic() < deadline, "condition not reached in time"
-        time.sleep(0.005)
-
-
 def _fails(h, peer: str, stage: str, cause: str, within: float = 5.0):
     with pytest.raises(TransferFailed) as err:
         h.wait(within)
@@ -95,7 +88,7 @@ def test_ready_timeout_on_both_sides():
         _fails(hs, "destination", "waiting for grant", "no grant within 0.5 s")
         assert time.monotonic() - t0 < 4.0
         # the slot granted early to "only-dst" comes back once the source confirms the abort
-        _until(lambda: dst.slots_free() == 4 and _src_free(src) == (4, 0) and src._call(lambda: src._held_count) == 0)
+        fr.until(lambda: dst.slots_free() == 4 and _src_free(src) == (4, 0) and src._call(lambda: src._held_count) == 0)
     finally:
         src.close()
         dst.close()
@@ -114,7 +107,7 @@ def test_a_frozen_source_fails_at_the_write_stage_and_its_slots_wait_for_it():
         h = dst.expect("r4", pages, BIG)
         p.start()
         assert q.get(timeout=60)[0] == "sending"
-        _until(lambda: h.bytes > 0, 30)
+        fr.until(lambda: h.bytes > 0, 30)
         t_stop = time.monotonic()
         os.kill(p.pid, signal.SIGSTOP)
         e = _fails(h, "source ranks 0", "write", "not landed 1 s after its grant", within=10)
@@ -124,7 +117,7 @@ def test_a_frozen_source_fails_at_the_write_stage_and_its_slots_wait_for_it():
         time.sleep(0.5)
         assert dst.slots_free() < 4  # quarantined while the writer could still write
         os.kill(p.pid, signal.SIGCONT)
-        _until(lambda: dst.slots_free() == 4, 10)
+        fr.until(lambda: dst.slots_free() == 4, 10)
         kind, rank, error = q.get(timeout=30)
         assert kind == "failed" and "destination aborted" in error and "not landed" in error, error
         assert dst._call(lambda: len(dst.requests)) == 0
@@ -150,7 +143,7 @@ def test_a_frozen_destination_fails_the_source_by_its_silence():
         src = _src(peer_timeout_s=2.0)
         src.connect([tuple(address)])
         h = src.send("r5", np.arange(pages_needed(BIG, 16)), BIG)
-        _until(lambda: h.bytes > 0, 30)
+        fr.until(lambda: h.bytes > 0, 30)
         t_stop = time.monotonic()
         os.kill(p.pid, signal.SIGSTOP)
         with pytest.raises(TransferFailed) as err:
@@ -161,7 +154,7 @@ def test_a_frozen_destination_fails_the_source_by_its_silence():
         assert e.peer == "destination rank 0" and "frozen or hung" in e.cause, str(e)
         assert 1.0 < detect < 2.0 + 3.0  # at least one missed ping, at most the timeout plus slack
         os.kill(p.pid, signal.SIGCONT)
-        _until(lambda: _src_free(src) == (4, 0), 15)  # every slot free, the request forgotten
+        fr.until(lambda: _src_free(src) == (4, 0), 15)  # every slot free, the request forgotten
     finally:
         if p.pid:
             os.kill(p.pid, signal.SIGCONT)
@@ -203,7 +196,7 @@ def _big_pair(dst, src, req):
 def test_abort_mid_transfer_fails_both_sides_and_frees_every_slot(linked, side):
     dst, src = linked
     hd, hs = _big_pair(dst, src, "r")
-    _until(lambda: hd.bytes > 0)
+    fr.until(lambda: hd.bytes > 0)
     assert hd.state is State.TRANSFERRING and hs.state is State.TRANSFERRING
     (hs if side == "src" else hd).abort("operator said so")
     if side == "src":
@@ -212,7 +205,7 @@ def test_abort_mid_transfer_fails_both_sides_and_frees_every_slot(linked, side):
     else:
         _fails(hd, "local", "abort", "operator said so")
         _fails(hs, "destination rank 0", "abort", "destination aborted: operator said so")
-    _until(lambda: dst.slots_free() == 4 and _src_free(src) == (4, 0))
+    fr.until(lambda: dst.slots_free() == 4 and _src_free(src) == (4, 0))
     assert dst._call(lambda: len(dst.requests)) == 0
     # both keep serving
     hd2, hs2 = _big_pair(dst, src, "next")
@@ -225,20 +218,20 @@ def test_abort_before_the_other_side_knows_the_request(linked):
     fails it the moment it is told, instead of waiting for a timeout."""
     dst, src = linked
     hs = src.send("a1", np.arange(2), 20)  # announced; the destination does not expect it yet
-    _until(lambda: dst._call(lambda: "a1" in dst._early))
+    fr.until(lambda: dst._call(lambda: "a1" in dst._early))
     hs.abort("changed my mind")
     _fails(hs, "local", "abort", "changed my mind")
-    _until(lambda: dst._call(lambda: "a1" in dst._aborted))
+    fr.until(lambda: dst._call(lambda: "a1" in dst._aborted))
     _fails(dst.expect("a1", np.arange(5), 20), "source rank 0", "abort", "source aborted: changed my mind", within=1)
 
     hd = dst.expect("a2", np.arange(5), 20)  # expected; the source has not announced it yet
     hd.abort("not needed")
     _fails(hd, "local", "abort", "not needed")
-    _until(lambda: src._call(lambda: "a2" in src._aborted))
+    fr.until(lambda: src._call(lambda: "a2" in src._aborted))
     _fails(src.send("a2", np.arange(2), 20), "destination rank 0", "abort", "destination aborted: not needed", within=1)
     # a2 took an early grant: its slot comes back when the source's abort_ack (sent after "a2" entered its
     # _aborted) reaches the destination, which may be a moment after the check above
-    _until(lambda: dst.slots_free() == 4 and _src_free(src) == (4, 0))
+    fr.until(lambda: dst.slots_free() == 4 and _src_free(src) == (4, 0))
 
 
 def test_abort_while_the_destination_waits_for_a_second_writer():
@@ -258,7 +251,7 @@ def test_abort_while_the_destination_waits_for_a_second_writer():
         assert hd.state is State.PENDING and h0.state is State.TRANSFERRING
         h0.abort("rank 0 gives up")
         _fails(hd, "source rank 0", "abort", "rank 0 gives up")
-        _until(lambda: s1._call(lambda: "p1" in s1._aborted))
+        fr.until(lambda: s1._call(lambda: "p1" in s1._aborted))
         _fails(s1.send("p1", np.arange(8), tokens), "destination rank 0", "abort", "rank 0 gives up", within=1)
 
         hd = dst.expect("p2", np.arange(32), tokens)
@@ -266,7 +259,7 @@ def test_abort_while_the_destination_waits_for_a_second_writer():
         time.sleep(0.2)
         hd.abort("decode gives up")
         _fails(h0, "destination rank 0", "abort", "destination aborted: decode gives up")
-        _until(lambda: dst.slots_free() == 4 and _src_free(s0) == (4, 0) and _src_free(s1) == (4, 0))
+        fr.until(lambda: dst.slots_free() == 4 and _src_free(s0) == (4, 0) and _src_free(s1) == (4, 0))
     finally:
         s0.close()
         s1.close()
