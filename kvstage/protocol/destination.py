@@ -162,6 +162,11 @@ class Destination(Endpoint):
     def slots_free(self) -> int:
         return self._call(lambda: self.arena.allocator.free)
 
+    def late_write_holds(self) -> int:
+        """Slots held for writes of lost writers that may still land (``Chunk.lost``)."""
+        return self._call(lambda: sum(ch.slot is not None for inc in self.requests.values()
+                                      for ch in inc.quarantine.values() if ch.lost))
+
     def tracks(self, req: str) -> bool:
         """Whether this rank still holds request ``req``: a failed request is held until
         no write of it can still land (its pages must not be reused before then)."""
@@ -705,7 +710,7 @@ class Destination(Endpoint):
         for c in [c for c, ch in inc.quarantine.items() if rank in ch.pending and rank not in ch.lost]:
             self._unquarantine(inc, c, rank)  # a lost writer's chunks wait for their notices (``_late_landing``)
 
-    def _on_closed(self, conn: Connection, reason: str, answered: bool = True) -> None:
+    def _on_closed(self, conn: Connection, reason: str, answered: bool) -> None:
         writer = next((w for w in self.writers.values() if w.conn is conn), None)
         conn.close()
         probe = self._probes.pop(conn, None)
@@ -735,11 +740,6 @@ class Destination(Endpoint):
         for req, inc in list(self.requests.items()):
             if not inc.handle.done():
                 self._fail(req, f"source rank {writer.rank}", inc.stage, f"connection lost ({reason})", tell=True)
-
-    def late_write_holds(self) -> int:
-        """Slots held for writes of lost writers that may still land (``Chunk.lost``)."""
-        return self._call(lambda: sum(ch.slot is not None for inc in self.requests.values()
-                                      for ch in inc.quarantine.values() if ch.lost))
 
     def _peers(self) -> list:
         return [w.conn for w in self.writers.values()]

@@ -700,7 +700,7 @@ class Source(Endpoint):
             except OSError as e:
                 log.debug("src %d: send to destination rank %d failed: %s", self.rank, rank, e)
 
-    def _on_closed(self, conn: Connection, reason: str, answered: bool = True) -> None:
+    def _on_closed(self, conn: Connection, reason: str, answered: bool) -> None:
         target = next((t for t in self.targets.values() if t.conn is conn), None)
         conn.close()
         if target is None:
