@@ -8,7 +8,8 @@
 #   tree and for every other tree under ab/NAME/kvstage (untracked copies, e.g. from
 #   `git archive`), alternating (AB_ROUNDS rounds, 2), so a change is measured against its base in one run;
 #   AB_CASES picks its cases (default "4to1-128 4to1-8k-big"; also 1to4-128, 1to4-8k-big, 4to1-8k-1g:
-#   1 GiB slots, one chunk per request). mapped: one-GPU runs with KVSTAGE_MAPPED=auto (the
+#   1 GiB slots, one chunk per request; 4to1-8k-1g-long and 1to4-128-long: the same with 20 and 100
+#   iterations, so each row's median rests on more samples). mapped: one-GPU runs with KVSTAGE_MAPPED=auto (the
 #   sources gather straight into the destination's arena over CUDA IPC) and =off (a NIXL write per
 #   chunk), alternating (AB_ROUNDS rounds); mappedx2: =on (auto maps no other GPU's arena) against
 #   =off across two GPUs. slots: 4->1 8k with 512 MiB and 1 GiB slots
@@ -39,6 +40,8 @@ abcase() { case $1 in
   4to1-8k-big) echo "--tokens 8192 --iters 5 $BIG" ;;
   1to4-8k-big) echo "--tokens 8192 --src-tp 1 --dst-tp 4 --iters 5 $BIG" ;;
   4to1-8k-1g) echo "--tokens 8192 --iters 5 --arena-mb 2048 --slot-mb 1024" ;;
+  4to1-8k-1g-long) echo "--tokens 8192 --iters 20 --warmup 2 --arena-mb 2048 --slot-mb 1024" ;;
+  1to4-128-long) echo "--tokens 128 --src-tp 1 --dst-tp 4 --iters 100 --warmup 5" ;;
   *) echo "unknown ab case $1" >&2; return 1 ;;
 esac; }
 if want ab; then  # python -m puts the working directory first on sys.path: each tree runs from its own
