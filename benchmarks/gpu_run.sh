@@ -3,7 +3,7 @@
 # kernels beside a d2d copy, staged vs bulk vs per-slice on one GPU, the same
 # across two GPUs when there are two, the byte-exact GPU suite.
 #   run with .whl/ carried (NIXL wheels, ../shared/notes/gpu-machine.md); outputs in $OUT
-#   PARTS="kernels x2 long one mps trace spy pytest ab" (the default: all but ab, smoke, tracex2, trace1g, x2slots, spy128, prearm, peer, host and turns) picks parts;
+#   PARTS="kernels x2 long one mps trace spy pytest ab" (the default: all but ab, smoke, tracex2, trace1g, x2slots, spy128, prearm, peer, host, turns and chain) picks parts;
 #   spy and spy128 need .whl-spy/ (the py-spy wheel) carried too; peer needs .peer/ (benchmarks/fetch_peer.sh). ab: the same one-GPU runs for this
 #   tree and for every other tree under ab/NAME/kvstage (untracked copies, e.g. from
 #   `git archive`), alternating (AB_ROUNDS rounds, 2), so a change is measured against its base in one run;
@@ -95,6 +95,9 @@ if want prearm; then
 fi
 # turns: a small copy in each of 1 or 4 processes sharing the GPU, as a kernel and as a memcpy (benchmarks/context_turns.py)
 want turns && step turns && timeout 150 python3 benchmarks/context_turns.py --json "$OUT/context_turns.json" 2>&1 | tee "$OUT/context_turns.log"
+# chain: a 1->4 source's gather to its four destinations' scatters, by a message per destination (as kvstage
+# does) or by a word in shared host memory that the source's stream sets (benchmarks/landing_chain.py)
+want chain && step chain && timeout 150 python3 benchmarks/landing_chain.py --json "$OUT/landing_chain.json" 2>&1 | tee "$OUT/landing_chain.log"
 # host: what waking a sleeping thread or process costs on this host (no GPU work; docs/benchmarks.md, session 10)
 want host && step host && timeout 120 python3 benchmarks/host_wakeup.py --json "$OUT/host_wakeup.json" 2>&1 | tee "$OUT/host_wakeup.log"
 # peer: SGLang 0.5.23's staging kernels beside kvstage's, same buffers and pages (needs .peer/ carried:
