@@ -58,7 +58,8 @@ class Chunk:
     count: int
     slot: int | None
     pending: set = dc_field(default_factory=set)  # writer ranks not landed yet
-    #: pending writers lost (control connection closed) before they landed: rank -> (agent, held until).
+    #: pending writers lost (control connection closed) before they landed: rank -> (agent, held until,
+    #: whether its host answered: the hold's length and how its end is logged).
     #: Their writes may still land (bytes queued on a cut link), so the chunk's slot stays out of use
     #: until the write's notice arrives or the hold ends (``Destination._on_closed``).
     lost: dict = dc_field(default_factory=dict)
