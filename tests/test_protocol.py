@@ -137,8 +137,10 @@ def test_source_killed_mid_request_fails_destination_and_frees_slots(dst):
 @pytest.mark.parametrize("tokens,pages,needle", [
     (0, [0], "tokens=0"),
     (9, [0, 1], "page size 4 need 3"),
-    (4, [40], r"\[0, 32\)"),
+    (4, [40], r"\[0, 32\); got 40\.\.40"),
+    (8, [-1, 3], r"\[0, 32\); got -1\.\.3"),
     (8, [1, 1], "appears twice"),
+    (12, [5, 2, 5], "appears twice"),
 ])
 def test_bad_request_arguments_are_refused_before_anything_moves(dst, tokens, pages, needle):
     with pytest.raises(ValueError, match=needle):

@@ -182,7 +182,7 @@ class Destination(Endpoint):
             for p in self.plan.writers_of(self.rank) if self.plan else []:
                 self._send(p.src_rank, {"type": "abort", "req": handle.req, "reason": handle.error.cause})
             return
-        inc = Incoming(handle, pages, device_pages=upload_pages(self.cache, pages))
+        inc = Incoming(handle, pages, device_pages=upload_pages(self.cache, pages, checked=True))
         self.requests[handle.req] = inc
         for w, tokens in self._early.pop(handle.req, {}).items():
             self._on_ready_tokens(inc, w, tokens)

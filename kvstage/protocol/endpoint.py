@@ -105,7 +105,11 @@ def md_from_wire(s: str) -> bytes:
 
 
 def check_pages(cache: RankCache, page_ids, tokens: int) -> np.ndarray:
-    """Validate a request's page list against this rank's cache (caller's thread)."""
+    """Validate a request's page list against this rank's cache (caller's thread).
+
+    On a request's critical path, which runs cold (its thread just woke): the checks
+    work on a Python list, about half the time of numpy's reductions and ``unique``
+    on such a path, and faster for long lists too (docs/benchmarks.md, session 14)."""
     if not isinstance(tokens, (int, np.integer)) or tokens < 1:
         raise ConfigError(f"tokens={tokens!r}: must be a positive integer")
     ids = np.asarray(page_ids, dtype=np.int64).reshape(-1)
@@ -115,9 +119,11 @@ def check_pages(cache: RankCache, page_ids, tokens: int) -> np.ndarray:
             f"page_ids: {len(ids)} pages given, {tokens} tokens of page size {cache.spec.page.page_size} need {need}"
         )
     ids = ids[:need]
-    if ids.min() < 0 or ids.max() >= cache.pages:
-        raise ConfigError(f"page_ids: values must lie in [0, {cache.pages}); got {ids.min()}..{ids.max()}")
-    if len(np.unique(ids)) != len(ids):
+    values = ids.tolist()
+    low, high = min(values), max(values)
+    if low < 0 or high >= cache.pages:
+        raise ConfigError(f"page_ids: values must lie in [0, {cache.pages}); got {low}..{high}")
+    if len(set(values)) != len(values):
         raise ConfigError("page_ids: a page appears twice; each token needs its own place")
     return ids
 

@@ -305,7 +305,7 @@ class Source(Endpoint):
             if not launch_first:  # a send that fails here fails the request when the loop sees the closed connection
                 self._send(d, ready)
         if not all(self.targets[d].kv for d in want):
-            out.device_pages = upload_pages(self.cache, pages)
+            out.device_pages = upload_pages(self.cache, pages, checked=True)
         for job, chunks, tokens in sorted(held.values(), key=lambda g: (g[0].chunk, g[0].dst)):
             if not handle.done():  # a grant naming other tokens fails it
                 self._apply_grant(out, job, chunks, tokens)
@@ -566,14 +566,22 @@ class Source(Endpoint):
             out, job = g.out, g.jobs[0]
             log.debug("src %d: %s chunk %d gathered", self.rank, job.req, job.chunk)
             out.inflight -= 1
+            gone = next((j.dst for j in g.jobs if j.dst not in self.targets), None)
+            mapped = g.slot is None
+            going = not (out.handle.done() or gone is not None or (g.write is None and not mapped))
+            if going:  # what the destinations wait for goes first (this path runs cold), the accounting after
+                self._announce(out)
+                if mapped:  # the gather's stores were the transfer: tell each destination they are done
+                    for j, nbytes in zip(g.jobs, g.sizes):
+                        self._send(j.dst, {"type": "landed", **notice_fields(j.req, j.chunk, self.rank, j.offset, nbytes)})
+                else:
+                    self._post_write(out, job, g.slot, g.write, g.sizes[0], 1, t1)
             out.handle.stages["gather"] += t1 - g.started
             gpu = g.fence.gpu_seconds()
             g.fence.release()
             if gpu is not None:
                 out.handle.stages["gather_gpu"] = out.handle.stages.get("gather_gpu", 0.0) + gpu
-            gone = next((j.dst for j in g.jobs if j.dst not in self.targets), None)
-            mapped = g.slot is None
-            if out.handle.done() or gone is not None or (g.write is None and not mapped):
+            if not going:
                 if g.write is not None:
                     g.write.drop()
                 if not mapped:
@@ -582,16 +590,12 @@ class Source(Endpoint):
                     self._fail(job.req, f"destination rank {gone}", "write", "not connected", tell=False)
                 self._maybe_forget(out)
                 continue
-            self._announce(out)
-            if mapped:  # the gather's stores were the transfer: tell each destination they are done
+            if mapped:
                 for j, nbytes in zip(g.jobs, g.sizes):
-                    self._send(j.dst, {"type": "landed", **notice_fields(j.req, j.chunk, self.rank, j.offset, nbytes)})
                     log.debug("src %d: %s chunk %d landed in destination rank %d's mapped arena", self.rank, j.req,
                               j.chunk, j.dst)
                     out.handle.bytes += nbytes
                     self._chunk_written(out, j)
-                continue
-            self._post_write(out, job, g.slot, g.write, g.sizes[0], 1, t1)
         self._gathering = still
 
     def _write_direct(self, out: Outgoing, job: Job) -> None:

@@ -30,6 +30,8 @@ PROTOCOL_VERSION = 6
 MAX_FRAME = 16 << 20
 MAX_ID = 256
 _LEN = struct.Struct("!I")
+# one encoder for every message: ``json.dumps`` with separators builds a new one per call, on a request's critical path
+_COMPACT = json.JSONEncoder(separators=(",", ":"))
 
 
 def field(msg: dict, name: str, kind: type | tuple, *, minimum: int | None = None, maximum: int | None = None):
@@ -66,7 +68,7 @@ def notice_fields(req: str, chunk: int, writer: int, offset: int | None, nbytes:
 
 
 def encode_notice(req: str, chunk: int, writer: int, offset: int | None, nbytes: int) -> bytes:
-    return json.dumps({"t": "landed", **notice_fields(req, chunk, writer, offset, nbytes)}, separators=(",", ":")).encode()
+    return _COMPACT.encode({"t": "landed", **notice_fields(req, chunk, writer, offset, nbytes)}).encode()
 
 
 def decode_notice(data: bytes) -> Notice:
@@ -120,7 +122,7 @@ class Connection:
         self.closed = False
 
     def send(self, msg: dict) -> None:
-        data = json.dumps(msg, separators=(",", ":")).encode()
+        data = _COMPACT.encode(msg).encode()
         with self._send_lock:
             self.sock.sendall(_LEN.pack(len(data)) + data)
 

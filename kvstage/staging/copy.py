@@ -37,15 +37,17 @@ def copy_stream(device: torch.device):
     return torch.cuda.stream(default)
 
 
-def upload_pages(cache: RankCache, page_ids: np.ndarray) -> torch.Tensor | None:
+def upload_pages(cache: RankCache, page_ids: np.ndarray, checked: bool = False) -> torch.Tensor | None:
     """A request's page ids on the cache's device, for the CUDA kernel, or None
     where the kernel does not run. Done once per request, when it is posted, so
     no chunk's copy waits for an upload or a bounds check (pass the result to
-    ``TokenIndex``)."""
+    ``TokenIndex``). ``checked``: the ids were checked against this cache already
+    (an endpoint's ``check_pages``), so the bounds are not checked twice."""
     copier = _copier(cache)
     if copier is None:
         return None
-    _check_bounds(cache, page_ids)
+    if not checked:
+        _check_bounds(cache, page_ids)
     return copier.upload_pages(page_ids)
 
 
