@@ -3,7 +3,7 @@
 # kernels beside a d2d copy, staged vs bulk vs per-slice on one GPU, the same
 # across two GPUs when there are two, the byte-exact GPU suite.
 #   run with .whl/ carried (NIXL wheels, ../shared/notes/gpu-machine.md); outputs in $OUT
-#   PARTS="kernels x2 long one mps trace spy pytest ab" (the default: all but ab, smoke, tracex2, trace1g, x2slots, spy128, prearm, peer, host, turns and chain) picks parts;
+#   PARTS="kernels x2 long one mps trace spy pytest ab" (the default: all but ab, smoke, tracex2, trace1g, x2slots, spy128, prearm, peer, host, turns, chain, contexts and stamps) picks parts;
 #   spy and spy128 need .whl-spy/ (the py-spy wheel) carried too; peer needs .peer/ (benchmarks/fetch_peer.sh). ab: the same one-GPU runs for this
 #   tree and for every other tree under ab/NAME/kvstage (untracked copies, e.g. from
 #   `git archive`), alternating (AB_ROUNDS rounds, 2), so a change is measured against its base in one run;
@@ -95,6 +95,34 @@ if want prearm; then
 fi
 # turns: a small copy in each of 1 or 4 processes sharing the GPU, as a kernel and as a memcpy (benchmarks/context_turns.py)
 want turns && step turns && timeout 150 python3 benchmarks/context_turns.py --json "$OUT/context_turns.json" 2>&1 | tee "$OUT/context_turns.log"
+# contexts: 128-token requests (100 each) by how many decode processes share one GPU: 1->1 (staged by
+# an NHD -> HND change), 1->2 and 1->4, every rank on GPU 0, and the destinations alone on GPU 1 (mapped=on:
+# the source's gather stores over NVLink; auto: NIXL writes), alternating (AB_ROUNDS rounds)
+if want contexts && [ "$GPUS" -ge 2 ]; then
+  for round in $(seq "${AB_ROUNDS:-2}"); do
+    for tp in 1 2 4; do
+      L=""; [ "$tp" = 1 ] && L="--dst-layout hnd"
+      C="--tokens 128 --src-tp 1 --dst-tp $tp $L --mode staged,bulk --iters 100 --warmup 5"
+      bench "ctx-1to$tp-gpu0-r$round" $C
+      KVSTAGE_MAPPED=on bench "ctx-1to$tp-x2on-r$round" $C --src-gpu 0 --dst-gpu 1
+      bench "ctx-1to$tp-x2auto-r$round" $C --src-gpu 0 --dst-gpu 1
+    done
+  done
+fi
+# stamps: where a 128-token request's time goes, step by step, without debug logging: a copy of this tree's
+# kvstage with benchmarks/stamps.patch applied marks each step (perf_counter, kept in memory, written at exit);
+# 1->1 (NHD -> HND) with the destination alone on GPU 1 (mapped=on), and 1->4 on GPU 0; benchmarks/stamps.py reads them
+if want stamps; then
+  S=$(mktemp -d); cp -r kvstage "$S/" && (cd "$S" && patch -p1 -s < "$OLDPWD/benchmarks/stamps.patch") || exit 1
+  stamped() { local name=$1; shift; mkdir -p "$OUT/stamps/$name"; step "stamps $name: $*"
+    (cd "$S" && KVSTAGE_STAMPS="$OUT/stamps/$name" timeout "${BENCH_TIMEOUT:-120}" python3 -m kvstage.cli bench --device cuda \
+      --no-progress --mode staged,bulk --tokens 128 --src-tp 1 --iters 100 --warmup 5 "$@" 2>&1 | tee "$OUT/stamps-$name.log"); }
+  for round in $(seq "${AB_ROUNDS:-2}"); do
+    [ "$GPUS" -ge 2 ] && KVSTAGE_MAPPED=on stamped "1to1-x2on-r$round" --dst-tp 1 --dst-layout hnd --src-gpu 0 --dst-gpu 1
+    stamped "1to4-gpu0-r$round" --dst-tp 4
+  done
+  python3 benchmarks/stamps.py "$OUT/stamps" | tee "$OUT/stamps.txt"
+fi
 # chain: a 1->4 source's gather to its four destinations' scatters, by a message per destination (as kvstage
 # does) or by a word in shared host memory that the source's stream sets (benchmarks/landing_chain.py)
 want chain && step chain && timeout 150 python3 benchmarks/landing_chain.py --json "$OUT/landing_chain.json" 2>&1 | tee "$OUT/landing_chain.log"
