@@ -9,7 +9,8 @@
 #   `git archive`), alternating (AB_ROUNDS rounds, 2), so a change is measured against its base in one run;
 #   AB_CASES picks its cases (default "4to1-128 4to1-8k-big"; also 1to4-128, 1to4-8k-big, 4to1-8k-1g:
 #   1 GiB slots, one chunk per request; 4to1-8k-1g-long and 1to4-128-long: the same with 20 and 100
-#   iterations, so each row's median rests on more samples). mapped: one-GPU runs with KVSTAGE_MAPPED=auto (the
+#   iterations, so each row's median rests on more samples; 1to2-128-long, 1to1-128-long (NHD -> HND) and
+#   1to1-128-x2on (the destination alone on GPU 1, KVSTAGE_MAPPED=on) likewise). mapped: one-GPU runs with KVSTAGE_MAPPED=auto (the
 #   sources gather straight into the destination's arena over CUDA IPC) and =off (a NIXL write per
 #   chunk), alternating (AB_ROUNDS rounds); mappedx2: =on (auto maps no other GPU's arena) against
 #   =off across two GPUs. slots: 4->1 8k with 512 MiB and 1 GiB slots
@@ -33,7 +34,7 @@ want() { [[ " $PARTS " == *" $1 "* ]]; }
 # smoke: the kernel's and the landing words' GPU tests alone, first, so a broken launch shows before any bench
 # faulthandler_timeout: a test stuck in a CUDA call (signals cannot interrupt it) prints every thread's stack
 want smoke && step smoke && timeout 120 python3 -m pytest -m gpu -q -p no:cacheprovider -o faulthandler_timeout=45 tests/test_cuda_copy.py \
-  tests/test_landing.py 2>&1 | tee "$OUT/pytest-smoke.log"
+  tests/test_landing.py tests/test_send_wait.py 2>&1 | tee "$OUT/pytest-smoke.log"
 abcase() { case $1 in
   4to1-128) echo "--tokens 128 --iters 30 --warmup 3" ;;
   1to4-128) echo "--tokens 128 --src-tp 1 --dst-tp 4 --iters 30 --warmup 3" ;;
@@ -42,8 +43,12 @@ abcase() { case $1 in
   4to1-8k-1g) echo "--tokens 8192 --iters 5 --arena-mb 2048 --slot-mb 1024" ;;
   4to1-8k-1g-long) echo "--tokens 8192 --iters 20 --warmup 2 --arena-mb 2048 --slot-mb 1024" ;;
   1to4-128-long) echo "--tokens 128 --src-tp 1 --dst-tp 4 --iters 100 --warmup 5" ;;
+  1to2-128-long) echo "--tokens 128 --src-tp 1 --dst-tp 2 --iters 100 --warmup 5" ;;
+  1to1-128-long) echo "--tokens 128 --src-tp 1 --dst-tp 1 --dst-layout hnd --iters 100 --warmup 5" ;;
+  1to1-128-x2on) echo "--tokens 128 --src-tp 1 --dst-tp 1 --dst-layout hnd --iters 100 --warmup 5 --src-gpu 0 --dst-gpu 1" ;;
   *) echo "unknown ab case $1" >&2; return 1 ;;
 esac; }
+abenv() { case $1 in *-x2on) echo "KVSTAGE_MAPPED=on" ;; *) echo "KVSTAGE_MAPPED=auto" ;; esac; }  # a case's settings
 if want ab; then  # python -m puts the working directory first on sys.path: each tree runs from its own
   for round in $(seq "${AB_ROUNDS:-2}"); do
     for c in ${AB_CASES:-4to1-128 4to1-8k-big}; do
@@ -51,7 +56,7 @@ if want ab; then  # python -m puts the working directory first on sys.path: each
       for tree in . ab/*/; do
         name=$(basename "$(cd "$tree" && pwd)"); [ "$tree" = . ] && name=this
         # shellcheck disable=SC2086  # the case's arguments split into words on purpose
-        (cd "$tree" && bench "ab-$name-$c-r$round" --mode staged,bulk $args)
+        (cd "$tree" && export $(abenv "$c") && bench "ab-$name-$c-r$round" --mode staged,bulk $args)
       done
     done
   done
@@ -206,7 +211,8 @@ want spy128 && spy spy-1to4-128 --tokens 128 --src-tp 1 --dst-tp 4 --iters 400 -
 # -k "not ucx": the ucx cases need UCXX's wheels, which travel in a run of their own (gpu_ucx.sh)
 want pytest && step pytest && timeout "${PYTEST_TIMEOUT:-300}" python3 -m pytest -m gpu -k "not ucx${PYTEST_K:+ and ($PYTEST_K)}" -v \
   --durations=10 -p no:cacheprovider -o faulthandler_timeout=60 \
-  tests/test_cuda_copy.py tests/test_endpoint.py tests/test_fence.py tests/test_landing.py tests/test_mapped.py tests/test_transfer.py 2>&1 \
+  tests/test_cuda_copy.py tests/test_endpoint.py tests/test_fence.py tests/test_landing.py tests/test_mapped.py tests/test_send_wait.py \
+  tests/test_transfer.py 2>&1 \
   | tee "$OUT/pytest-gpu.log"
 # one GPU under CUDA MPS (a private daemon, its pipe in a temp dir; quit at the end): the five
 # ranks' kernels and copies run side by side instead of in time slices of one context each

@@ -33,6 +33,7 @@ PING_INTERVAL_S = 1.0  # every endpoint pings each peer this often; silence past
 #: transports ``Settings.transport`` may name; the one-sided ones support the direct path
 TRANSPORTS = ("nixl", "ucx")
 ONE_SIDED = ("nixl",)
+MAX_SEND_WAIT_US = 10_000  # a send that holds its caller longer than this is no longer a send
 
 
 @dataclass
@@ -64,6 +65,10 @@ class Settings:
     #: ``landed`` is read. Off by default: no gain measured yet, and a queued wait holds back device-wide
     #: synchronizations in the decode process (docs/architecture.md, step 5)
     prearm: bool = field(default_factory=lambda: _env("KVSTAGE_PREARM", False, bool))
+    #: a CUDA source whose ``send`` gathered a whole request into mapped arenas (a small request
+    #: granted early) waits up to this long on the caller's thread for the gathers to end, and
+    #: tells the destinations from there: the loop would first have to wake. 0: never wait
+    send_wait_us: float = field(default_factory=lambda: _env("KVSTAGE_SEND_WAIT_US", 200.0, float))
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -87,6 +92,10 @@ class Settings:
                               f"(peers ping every {PING_INTERVAL_S:g} s)")
         if not isinstance(self.early_chunks, int) or isinstance(self.early_chunks, bool) or self.early_chunks < 0:
             raise ConfigError(f"early_chunks={self.early_chunks!r}: must be an integer >= 0")
+        if not (isinstance(self.send_wait_us, (int, float)) and not isinstance(self.send_wait_us, bool)
+                and 0 <= self.send_wait_us <= MAX_SEND_WAIT_US):
+            raise ConfigError(f"send_wait_us={self.send_wait_us!r}: must be a number of microseconds in "
+                              f"[0, {MAX_SEND_WAIT_US}]")
         if self.mapped not in MAPPED:
             raise ConfigError(f"mapped={self.mapped!r}: must be one of {', '.join(MAPPED)}")
         if self.mapped == "on" and self.transport not in ONE_SIDED:

@@ -87,6 +87,25 @@ def receive_one(tokens: int, seed: int, report, commands) -> None:
     h.wait(60)
 
 
+def receive_cuda(tokens: int, seed: int, report, commands) -> None:
+    """A destination on GPU 0 (its arena shared with sources on that GPU) that expects one
+    request ``r{seed}``, reports its address, then whether every byte of it arrived."""
+    from kvstage.protocol.destination import Destination
+
+    cache = RankCache.allocate(dst_spec(), 0, pages_needed(tokens, 4) + 3, "cuda:0")
+    dst = Destination(cache, Settings(**SETTINGS))
+    pages = np.random.default_rng(seed + 1).permutation(cache.pages)[: pages_needed(tokens, 4)]
+    h = dst.expect(f"r{seed}", pages, tokens)
+    report.put(("address", dst.address))
+    try:
+        h.wait(60)
+        report.put(("checked", h.path, check(cache, seed, pages, tokens)))
+    except Exception as e:
+        report.put(("failed", str(e), []))
+    commands.get(timeout=60)
+    dst.close()
+
+
 def load_source(address, rank: int, tp: int, n: int, most: int, conc: int, seed: int, report) -> None:
     """Send requests 0..n-1 (sizes from the shared schedule), ``conc`` in flight at most."""
     from kvstage.protocol.source import Source

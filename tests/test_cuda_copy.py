@@ -41,8 +41,12 @@ def gpu():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("side,rng,uploaded", list(itertools.product(SIDES, RANGES, (False, True))))
-def test_kernel_gather_and_scatter_equal_the_host_copies(gpu, side, rng, uploaded):
+@pytest.mark.parametrize("side,rng,uploaded,inline", list(itertools.product(SIDES, RANGES, (False, True), (True, False))))
+def test_kernel_gather_and_scatter_equal_the_host_copies(gpu, side, rng, uploaded, inline, monkeypatch):
+    """``uploaded``: the request's ids from ``upload_pages`` (else each chunk's own);
+    ``inline``: page ids up to ``INLINE_PAGES`` travel in the launch (else always on the device)."""
+    if not inline:
+        monkeypatch.setattr(cuda_copy, "INLINE_PAGES", 0)
     start, count = rng
     spec = SideSpec(GEO, 1, PageLayout(*side))
     pages = 400
@@ -51,6 +55,8 @@ def test_kernel_gather_and_scatter_equal_the_host_copies(gpu, side, rng, uploade
     host = RankCache(spec, 0, [b.cpu() for b in gpu.buffers])
     dev_ids = upload_pages(gpu, ids) if uploaded else None
     assert (dev_ids is not None) == uploaded
+    if uploaded:  # the host keeps them only when they fit in a launch (5..305 at page size 1 does not)
+        assert isinstance(dev_ids, torch.Tensor) == (not inline or len(ids) > cuda_copy.INLINE_PAGES)
     for lo, n in ((0, 4), (1, 2), (3, 1)):
         want = torch.empty(region_bytes(host, count, n), dtype=torch.uint8)
         gather(host, TokenIndex(host, ids, start, count), lo, n, want)
@@ -82,10 +88,11 @@ def test_upload_pages_refuses_page_ids_outside_the_cache(gpu):
 
 
 @pytest.mark.gpu
-def test_uploads_wait_for_their_pinned_buffer_while_the_stream_is_busy(gpu):
+def test_uploads_wait_for_their_pinned_buffer_while_the_stream_is_busy(gpu, monkeypatch):
     """Page-id uploads go through a ring of four pinned buffers (``cuda_copy._Upload``):
     with the stream held up by a long kernel, the fifth upload must wait until the
     first copy has read its buffer. Every uploaded tensor holds its own ids."""
+    monkeypatch.setattr(cuda_copy, "INLINE_PAGES", 0)  # every request's ids go through the ring
     spec = SideSpec(GEO, 1, PageLayout(16))
     dev = RankCache.allocate(spec, 0, 600, "cuda")
     rng = np.random.default_rng(14)

@@ -10,7 +10,7 @@ from kvstage.staging.fence import CopyFence
 
 def test_a_cpu_fence_has_passed_at_once():
     f = CopyFence(torch.device("cpu")).close()
-    assert f.done() and f.gpu_seconds() is None
+    assert f.started() and f.done() and f.gpu_seconds() is None
     f.wait()
     f.release()  # nothing to hand on
 
@@ -39,6 +39,19 @@ def test_released_events_serve_the_next_fence_and_still_fence():
     second.wait()
     assert second.done() and second.gpu_seconds() > took
     assert bool((b == 1).all())
+
+
+@pytest.mark.gpu
+def test_a_fence_has_started_only_once_the_work_queued_before_it_ran():
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    dev = torch.device("cuda", 0)
+    torch.cuda._sleep(50_000_000)  # work queued before the fence
+    f = CopyFence(dev).close()
+    assert not f.started() and not f.done()
+    f.wait()
+    assert f.started() and f.done()
+    f.release()
 
 
 @pytest.mark.gpu

@@ -147,6 +147,17 @@ def test_bad_request_arguments_are_refused_before_anything_moves(dst, tokens, pa
         dst.expect("bad", pages, tokens)
 
 
+def test_a_request_keeps_its_own_copy_of_the_page_list(dst):
+    """Engines reuse their block-table arrays: a list changed after ``send`` or ``expect``
+    returns must not change where the request's chunks are read or written later."""
+    from kvstage.protocol.endpoint import check_pages
+
+    ids = np.array([7, 3, 9], dtype=np.int64)
+    kept = check_pages(dst.cache, ids, 10)
+    ids[:] = [1, 2, 4]
+    assert kept.tolist() == [7, 3, 9]
+
+
 def test_each_side_logs_one_link_line_per_peer_and_no_warning(dst, caplog):
     caplog.set_level("DEBUG", logger="kvstage")
     src = Source(RankCache.allocate(SRC, 0, 32), Settings(arena_mb=0.25, slot_mb=0.0625, auth_token="s3cret"))

@@ -105,7 +105,7 @@ class Incoming:
     stage: str = "waiting for writers"
     touched: float = dc_field(default_factory=time.monotonic)  # expected, or the last writer announced it
     announced: float | None = None  # when the last writer announced it
-    device_pages: object = None  # the page ids on the GPU (``upload_pages``), uploaded before any chunk lands
+    kernel_pages: object = None  # the page ids where the GPU copies read them (``upload_pages``), before any chunk lands
 
 
 class Destination(Endpoint):
@@ -182,7 +182,7 @@ class Destination(Endpoint):
             for p in self.plan.writers_of(self.rank) if self.plan else []:
                 self._send(p.src_rank, {"type": "abort", "req": handle.req, "reason": handle.error.cause})
             return
-        inc = Incoming(handle, pages, device_pages=upload_pages(self.cache, pages, checked=True))
+        inc = Incoming(handle, pages, kernel_pages=upload_pages(self.cache, pages, checked=True))
         self.requests[handle.req] = inc
         for w, tokens in self._early.pop(handle.req, {}).items():
             self._on_ready_tokens(inc, w, tokens)
@@ -445,7 +445,7 @@ class Destination(Endpoint):
         except KVStageError as e:
             self.arena.allocator.release(slot)
             return self._fail(inc.handle.req, "local", "grant", f"posting receives: {e}", tell=True)
-        idx = TokenIndex(self.cache, inc.pages, start, count, inc.device_pages)
+        idx = TokenIndex(self.cache, inc.pages, start, count, inc.kernel_pages)
         writers = self.plan.writers_of(self.rank)
         pieces = [(p.dst_offset, p.heads.count, offsets[p.src_rank]) for p in writers]
         region = self.arena.view(self.arena.offset(slot), self.arena.slot_bytes)

@@ -105,14 +105,15 @@ def md_from_wire(s: str) -> bytes:
 
 
 def check_pages(cache: RankCache, page_ids, tokens: int) -> np.ndarray:
-    """Validate a request's page list against this rank's cache (caller's thread).
+    """Validate a request's page list against this rank's cache (caller's thread), and
+    keep a copy of it: a chunk's copy reads it later, on the host or in its launch.
 
     On a request's critical path, which runs cold (its thread just woke): the checks
     work on a Python list, about half the time of numpy's reductions and ``unique``
     on such a path, and faster for long lists too (docs/benchmarks.md, session 14)."""
     if not isinstance(tokens, (int, np.integer)) or tokens < 1:
         raise ConfigError(f"tokens={tokens!r}: must be a positive integer")
-    ids = np.asarray(page_ids, dtype=np.int64).reshape(-1)
+    ids = np.array(page_ids, dtype=np.int64).reshape(-1)  # a copy: the caller may reuse its list once this returns
     need = pages_needed(int(tokens), cache.spec.page.page_size)
     if len(ids) < need:
         raise ConfigError(

@@ -81,7 +81,7 @@ class Outgoing:
     inflight: int = 0
     stage: str = "waiting for grant"
     touched: float = dc_field(default_factory=time.monotonic)
-    device_pages: object = None  # the page ids on the GPU (``upload_pages``), uploaded once at ``send``
+    kernel_pages: object = None  # the page ids where the GPU copies read them (``upload_pages``), once at ``send``
     unannounced: dict | None = None  # the ``ready`` message, while it waits for the first gathers' launch
 
 
@@ -305,7 +305,7 @@ class Source(Endpoint):
             if not launch_first:  # a send that fails here fails the request when the loop sees the closed connection
                 self._send(d, ready)
         if not all(self.targets[d].kv for d in want):
-            out.device_pages = upload_pages(self.cache, pages, checked=True)
+            out.kernel_pages = upload_pages(self.cache, pages, checked=True)
         for job, chunks, tokens in sorted(held.values(), key=lambda g: (g[0].chunk, g[0].dst)):
             if not handle.done():  # a grant naming other tokens fails it
                 self._apply_grant(out, job, chunks, tokens)
@@ -314,6 +314,30 @@ class Source(Endpoint):
             self._launch_mapped()
             if handle.state is not State.FAILED:  # DONE already still needs them; FAILED: an abort went instead
                 self._announce(out)
+                self._finish_here(out)
+
+    def _finish_here(self, out: Outgoing) -> None:
+        """When ``send`` gathered every chunk of the request into mapped arenas (a small
+        request, granted early), wait for those gathers on the caller's thread, at most
+        ``send_wait_us``, and send their ``landed`` from here: the caller's thread is awake,
+        the loop would first have to wake (docs/benchmarks.md, session 15). Not when the
+        gathers have not started on the GPU (work queued before them, an engine's model
+        step, would hold the caller for the whole bound): the loop does it then."""
+        wait = self.settings.send_wait_us
+        req = out.handle.req
+        if (wait <= 0 or any(j.req == req for j in self._jobs)
+                or any(len(out.granted[d]) != out.chunks.get(d) for d in out.written)):
+            return
+        fences = [g.fence for g in self._gathering if g.out is out and g.slot is None]
+        if not fences or not all(f.started() for f in fences):
+            return
+        deadline = time.perf_counter() + wait * 1e-6
+        while not all(f.done() for f in fences):
+            if time.perf_counter() > deadline:
+                log.debug("src %d: %s gathers still running after send_wait_us=%g: the loop reports them",
+                          self.rank, req, wait)
+                return
+        self._poll_gathers()
 
     def _announce(self, out: Outgoing) -> None:
         """Send a request's held-back ``ready`` (see ``_add``): before any of its chunks is
@@ -521,7 +545,7 @@ class Source(Endpoint):
         stages["queued"] += max(0.0, (job.blocked if job.blocked is not None else t0) - job.queued)
         try:
             fence = CopyFence(self.cache.device)
-            idx = TokenIndex(self.cache, out.pages, job.start, job.count, out.device_pages)
+            idx = TokenIndex(self.cache, out.pages, job.start, job.count, out.kernel_pages)
             if slot is None:
                 gather_pieces(self.cache, idx, [(t.piece.src_offset, t.piece.heads.count, t.mapped.view(j.offset, n))
                                                 for t, j, n in zip(targets, jobs, sizes)])

@@ -37,12 +37,13 @@ def copy_stream(device: torch.device):
     return torch.cuda.stream(default)
 
 
-def upload_pages(cache: RankCache, page_ids: np.ndarray, checked: bool = False) -> torch.Tensor | None:
-    """A request's page ids on the cache's device, for the CUDA kernel, or None
-    where the kernel does not run. Done once per request, when it is posted, so
-    no chunk's copy waits for an upload or a bounds check (pass the result to
-    ``TokenIndex``). ``checked``: the ids were checked against this cache already
-    (an endpoint's ``check_pages``), so the bounds are not checked twice."""
+def upload_pages(cache: RankCache, page_ids: np.ndarray, checked: bool = False) -> torch.Tensor | np.ndarray | None:
+    """A request's page ids where the CUDA kernel reads them (on the device, or for
+    a small request on the host, passed in each launch: ``cuda_copy.INLINE_PAGES``),
+    or None where the kernel does not run. Done once per request, when it is
+    posted, so no chunk's copy waits for an upload or a bounds check (pass the
+    result to ``TokenIndex``). ``checked``: the ids were checked against this cache
+    already (an endpoint's ``check_pages``), so the bounds are not checked twice."""
     copier = _copier(cache)
     if copier is None:
         return None
@@ -58,18 +59,18 @@ def _check_bounds(cache: RankCache, pages: np.ndarray) -> None:
 
 class TokenIndex:
     """Where tokens ``start .. start+count`` of a request sit in one rank's cache.
-    ``device_pages``: the request's page ids from ``upload_pages``, if any."""
+    ``kernel_pages``: the request's page ids from ``upload_pages``, if any."""
 
     def __init__(self, cache: RankCache, page_ids: np.ndarray, start: int, count: int,
-                 device_pages: torch.Tensor | None = None):
+                 kernel_pages: torch.Tensor | np.ndarray | None = None):
         P = cache.spec.page.page_size
         # the chunk's pages and the first token's offset: all the CUDA kernel needs
-        self.device_pages, self.first_page, self.first = device_pages, start // P, start % P
-        if device_pages is None:
+        self.kernel_pages, self.first_page, self.first = kernel_pages, start // P, start % P
+        if kernel_pages is None:
             self.chunk_pages, _ = chunk_pages(page_ids, P, start, count)
             _check_bounds(cache, self.chunk_pages)
-        elif device_pages.numel() != len(page_ids):  # checked against the cache when uploaded
-            raise ValueError(f"device_pages holds {device_pages.numel()} page ids, page_ids {len(page_ids)}")
+        elif len(kernel_pages) != len(page_ids):  # checked against the cache by upload_pages or its caller
+            raise ValueError(f"kernel_pages holds {len(kernel_pages)} page ids, page_ids {len(page_ids)}")
         self.page_ids, self.start, self.count = page_ids, start, count
         self._cache = cache
         if _copier(cache) is not None:
@@ -181,9 +182,9 @@ def _prepared(cache: RankCache, idx: TokenIndex, pieces, region: torch.Tensor, t
 def _prepare(copier, idx: TokenIndex, pieces, region: torch.Tensor | None, to_region: bool, now: bool = False):
     """The chunk's kernel launch, prepared (``now`` False) or launched at once."""
     run = copier.launch if now else copier.prepare
-    if idx.device_pages is None:
+    if idx.kernel_pages is None:
         return run(idx.chunk_pages, idx.first, idx.count, pieces, region, to_region)
-    return run(idx.device_pages, idx.first, idx.count, pieces, region, to_region, idx.first_page)
+    return run(idx.kernel_pages, idx.first, idx.count, pieces, region, to_region, idx.first_page)
 
 
 def _fused(cache: RankCache, idx: TokenIndex, pieces, region: torch.Tensor, to_region: bool) -> bool:

@@ -4,11 +4,14 @@ plane) buffer and every writer's piece, with 16-byte vector loads and stores.
 Each thread finds its word's token, head and page from its index and the
 chunk's page ids (``words.word_index`` is the same arithmetic in numpy). A
 request's page ids are uploaded once, when the request is posted
-(``upload_pages``), and a piece table once per distinct piece list, so a
-chunk's copy is one launch on the caller's torch stream with no upload and no
-host synchronization; ``prepare`` builds that launch ahead of time (the
-destination does it at grant time, before the chunk's bytes land).
-Compiled at first use with CuPy's NVRTC (RawKernel): the copy is a pure byte
+(``upload_pages``), or, for a request on at most ``INLINE_PAGES`` pages, passed
+in each launch's own parameters (a second entry point of the same kernel), so
+a small request's path has no upload at all; a piece table is uploaded once
+per distinct piece list. A chunk's copy is then one launch on the caller's
+torch stream with no upload and no host synchronization; ``prepare`` builds
+that launch ahead of time (the destination does it at grant time, before the
+chunk's bytes land).
+Compiled at first use with CuPy's NVRTC (RawModule, both entry points): the copy is a pure byte
 move, so explicit ``uint4`` loads and stores are the whole kernel. Launched
 with the driver's ``cuLaunchKernel`` on arguments packed once per prepared
 copy (a copy launched at once, a source's gather, fills its thread's own
@@ -35,22 +38,27 @@ from kvstage.staging.words import WordGeometry
 
 _UNROLL = 4
 _THREADS = 256
+#: a chunk on at most this many pages passes its page ids in the launch's own parameters (2 KiB of
+#: the 4 KiB a launch may pass): no upload on its path (a 128-token request at page size 1 fits)
+INLINE_PAGES = 256
 
 _SOURCE = r"""
 // grid: x = words of the largest piece / (THREADS * UNROLL), y = buffer, z = piece.
-// meta (device, int64): npieces x (head_lo, heads, region byte offset); pages: the chunk's page ids.
+// meta (device, int64): npieces x (head_lo, heads, region byte offset); pages: the chunk's page ids,
+// in device memory (kvstage_copy_words) or in the launch's own parameters (kvstage_copy_words_inline).
 // Index arithmetic is 32-bit (the host checks a piece's words fit); only the final
 // word offset inside a buffer is 64-bit.
-extern "C" __global__ void kvstage_copy_words(
+struct PageIds { long long id[INLINE]; };
+
+__device__ __forceinline__ void copy_words(
     const unsigned long long table_addr, const unsigned long long region_addr,
-    const unsigned long long meta_addr, const unsigned long long pages_addr,
+    const unsigned long long meta_addr, const long long* pages,
     const unsigned int count, const unsigned int first,
     const unsigned int page_size, const unsigned int nheads, const unsigned int head_words, const int hnd,
     const int to_region)
 {
     const unsigned long long* table = (const unsigned long long*)table_addr;
     const long long* meta = (const long long*)meta_addr;
-    const long long* pages = (const long long*)pages_addr;
     const int p = blockIdx.z, b = blockIdx.y;
     const unsigned int head_lo = (unsigned int)meta[3 * p], heads = (unsigned int)meta[3 * p + 1];
     const long long base = meta[3 * p + 2];
@@ -85,28 +93,63 @@ extern "C" __global__ void kvstage_copy_words(
         }
     }
 }
+
+extern "C" __global__ void kvstage_copy_words(
+    const unsigned long long table_addr, const unsigned long long region_addr,
+    const unsigned long long meta_addr, const unsigned long long pages_addr,
+    const unsigned int count, const unsigned int first,
+    const unsigned int page_size, const unsigned int nheads, const unsigned int head_words, const int hnd,
+    const int to_region)
+{
+    copy_words(table_addr, region_addr, meta_addr, (const long long*)pages_addr, count, first, page_size, nheads,
+               head_words, hnd, to_region);
+}
+
+// __grid_constant__: the ids are read where the launch put them (the constant bank), not copied per thread
+extern "C" __global__ void kvstage_copy_words_inline(
+    const unsigned long long table_addr, const unsigned long long region_addr,
+    const unsigned long long meta_addr, const __grid_constant__ PageIds pages,
+    const unsigned int count, const unsigned int first,
+    const unsigned int page_size, const unsigned int nheads, const unsigned int head_words, const int hnd,
+    const int to_region)
+{
+    copy_words(table_addr, region_addr, meta_addr, pages.id, count, first, page_size, nheads, head_words, hnd,
+               to_region);
+}
 """
 
 
+_PARAMS = [("table_addr", ctypes.c_uint64), ("region_addr", ctypes.c_uint64), ("meta_addr", ctypes.c_uint64),
+           ("pages_addr", ctypes.c_uint64), ("count", ctypes.c_uint32), ("first", ctypes.c_uint32),
+           ("page_size", ctypes.c_uint32), ("nheads", ctypes.c_uint32), ("head_words", ctypes.c_uint32),
+           ("hnd", ctypes.c_int32), ("to_region", ctypes.c_int32)]
+
+
 class _KernelArgs(ctypes.Structure):
-    """The kernel's parameters in order; ``cuLaunchKernel`` reads each one through a pointer."""
+    """Both kernels' parameters in order, and the inline kernel's page ids (its fourth
+    parameter in place of ``pages_addr``); ``cuLaunchKernel`` reads each through a pointer."""
 
-    _fields_ = [("table_addr", ctypes.c_uint64), ("region_addr", ctypes.c_uint64), ("meta_addr", ctypes.c_uint64),
-                ("pages_addr", ctypes.c_uint64), ("count", ctypes.c_uint32), ("first", ctypes.c_uint32),
-                ("page_size", ctypes.c_uint32), ("nheads", ctypes.c_uint32), ("head_words", ctypes.c_uint32),
-                ("hnd", ctypes.c_int32), ("to_region", ctypes.c_int32)]
+    _fields_ = [*_PARAMS, ("page_ids", ctypes.c_int64 * INLINE_PAGES)]
 
 
-_ARG_OFFSETS = tuple(getattr(_KernelArgs, name).offset for name, _ in _KernelArgs._fields_)
+_ARG_OFFSETS = tuple(getattr(_KernelArgs, name).offset for name, _ in _PARAMS)
+_INLINE_OFFSETS = tuple(_KernelArgs.page_ids.offset if name == "pages_addr" else o
+                        for (name, _), o in zip(_PARAMS, _ARG_OFFSETS))
 _ArgPointers = ctypes.c_void_p * len(_ARG_OFFSETS)
 
 
-def _pointers(args: _KernelArgs):
-    """``cuLaunchKernel``'s parameter array: a pointer to each field of ``args``."""
-    at = ctypes.addressof(args)
-    return _ArgPointers(*(at + o for o in _ARG_OFFSETS))
+class _ArgBlock:
+    """One launch's argument storage: the packed parameters, ``cuLaunchKernel``'s pointer
+    array for each kernel, and the inline page ids as numpy (filled without a Python loop)."""
 
-_kernel = None
+    def __init__(self):
+        self.args = _KernelArgs()
+        at = ctypes.addressof(self.args)
+        self.pointers = _ArgPointers(*(at + o for o in _ARG_OFFSETS))
+        self.inline_pointers = _ArgPointers(*(at + o for o in _INLINE_OFFSETS))
+        self.ids = np.frombuffer(self.args.page_ids, dtype=np.int64)
+
+_module = None
 _RING = 4  # pinned upload buffers in flight per copier
 _PIECE_TABLES = 64  # distinct piece lists kept on the device per copier
 _EVENT_DISABLE_TIMING = 0x2  # CU_EVENT_DISABLE_TIMING
@@ -155,14 +198,17 @@ def available() -> bool:
     return torch.cuda.is_available()
 
 
-def _get_kernel():
-    global _kernel
-    if _kernel is None:
+#: the compile options the kernel source needs (its block shape and the inline ids' capacity)
+OPTIONS = (f"-DTHREADS={_THREADS}", f"-DUNROLL={_UNROLL}", f"-DINLINE={INLINE_PAGES}")
+
+
+def _get_module():
+    global _module
+    if _module is None:
         import cupy
 
-        opts = (f"-DTHREADS={_THREADS}", f"-DUNROLL={_UNROLL}")
-        _kernel = cupy.RawKernel(_SOURCE, "kvstage_copy_words", options=opts)
-    return _kernel
+        _module = cupy.RawModule(code=_SOURCE, options=OPTIONS)
+    return _module
 
 
 class WordCopier:
@@ -181,7 +227,7 @@ class WordCopier:
         self._pieces: dict = {}
         g = self.geometry
         self._fixed = None if g is None else (g.page_size, g.heads, g.head_words, int(g.hnd))
-        self._function = self._context = None  # the kernel's CUfunction and its context, at the first launch
+        self._functions = self._context = None  # the kernels' CUfunctions and their context, at the first launch
 
     def supports(self, region: torch.Tensor, pieces, count: int) -> bool:
         """16-byte words everywhere, a region the GPU can reach, and 32-bit word indices
@@ -192,21 +238,25 @@ class WordCopier:
                 and all(base % 16 == 0 for _, _, base in pieces)
                 and count * max(n for _, n, _ in pieces) * g.head_words < 2**31)
 
-    def upload_pages(self, page_ids: np.ndarray) -> torch.Tensor:
-        """A request's page ids on the device, copied on the caller's stream (so
-        before any copy launched after it there)."""
-        return self._upload(np.asarray(page_ids, dtype=np.int64))
+    def upload_pages(self, page_ids: np.ndarray) -> torch.Tensor | np.ndarray:
+        """A request's page ids where its copies read them: on the device, copied on the
+        caller's stream (so before any copy launched after it there); a request on at most
+        ``INLINE_PAGES`` pages keeps a copy of them on the host (int64 numpy), and each of its
+        copies passes its chunk's ids in the launch itself, so nothing is uploaded."""
+        ids = np.array(page_ids, dtype=np.int64)
+        return ids if len(ids) <= INLINE_PAGES else self._upload(ids)
 
     def prepare(self, pages, first: int, count: int, pieces, region: torch.Tensor | None, to_region: bool,
                 page_offset: int = 0) -> "PreparedCopy":
         """The launch copying tokens ``first .. first+count`` of the chunk's pages for every
         ``(head_lo, heads, base)`` piece; nothing runs until it is called. ``pages``: the
-        chunk's page ids on the host (uploaded now), or a request's from ``upload_pages``
-        with the chunk's first page at ``page_offset``. ``region`` None: each ``base`` is
-        an absolute address (checked by ``supports`` against that piece's own region)."""
-        args = _KernelArgs()
-        grid, keep = self._fill(args, pages, first, count, pieces, region, to_region, page_offset)
-        return PreparedCopy(self, grid, _pointers(args), (*keep, args))
+        chunk's page ids on the host (passed in the launch, or uploaded now past
+        ``INLINE_PAGES``), or a request's from ``upload_pages`` with the chunk's first page
+        at ``page_offset``. ``region`` None: each ``base`` is an absolute address (checked
+        by ``supports`` against that piece's own region)."""
+        block = _ArgBlock()
+        function, grid, params, keep = self._fill(block, pages, first, count, pieces, region, to_region, page_offset)
+        return PreparedCopy(self, function, grid, params, (*keep, block))
 
     def launch(self, pages, first: int, count: int, pieces, region: torch.Tensor | None, to_region: bool,
                page_offset: int = 0) -> None:
@@ -217,15 +267,23 @@ class WordCopier:
         reused only by work queued after the kernel."""
         block = getattr(self._blocks, "block", None)
         if block is None:
-            args = _KernelArgs()
-            block = self._blocks.block = (args, _pointers(args))
-        grid, _ = self._fill(block[0], pages, first, count, pieces, region, to_region, page_offset)
-        self._launch(grid, block[1])
+            block = self._blocks.block = _ArgBlock()
+        self._launch(*self._fill(block, pages, first, count, pieces, region, to_region, page_offset)[:3])
 
-    def _fill(self, args: "_KernelArgs", pages, first, count, pieces, region, to_region, page_offset):
-        """Write one copy's arguments into ``args``; its grid and the tensors the kernel reads."""
-        if not isinstance(pages, torch.Tensor):
-            pages = self._upload(np.asarray(pages, dtype=np.int64))
+    def _fill(self, block: _ArgBlock, pages, first, count, pieces, region, to_region, page_offset):
+        """Write one copy's arguments into ``block``: the kernel to launch, its grid, its
+        parameter array and the tensors it reads."""
+        args = block.args
+        params = block.pointers
+        if not isinstance(pages, torch.Tensor):  # ids on the host: in the launch if they fit
+            need = (first + count - 1) // self.geometry.page_size + 1
+            ids = np.asarray(pages[page_offset : page_offset + need], dtype=np.int64)
+            page_offset = 0
+            if need <= INLINE_PAGES:
+                block.ids[:need] = ids
+                params = block.inline_pointers
+            else:
+                pages = self._upload(ids)
         key = tuple(map(tuple, pieces))
         meta = self._pieces.get(key)
         if meta is None:
@@ -236,16 +294,19 @@ class WordCopier:
         most = max(n for _, n, _ in pieces) * count * self.geometry.head_words
         args.table_addr, args.meta_addr = self._table_addr, meta.data_ptr()
         args.region_addr = 0 if region is None else region.data_ptr()
-        args.pages_addr = pages.data_ptr() + 8 * page_offset
+        inline = params is block.inline_pointers
+        args.pages_addr = 0 if inline else pages.data_ptr() + 8 * page_offset
         args.count, args.first, args.to_region = count, first, int(to_region)
         args.page_size, args.nheads, args.head_words, args.hnd = self._fixed
-        return (-(-most // (_THREADS * _UNROLL)), self.nbuf, len(pieces)), (pages, meta, region)
+        grid = (-(-most // (_THREADS * _UNROLL)), self.nbuf, len(pieces))
+        return "inline" if inline else "pointer", grid, params, (None if inline else pages, meta, region)
 
-    def _launch(self, grid, params) -> None:
-        """The kernel on the caller's current torch stream."""
-        self.load()  # its function and the bound driver calls exist from here on
-        err = self._in_context(self._launch_kernel, self._function, grid[0], grid[1], grid[2], _THREADS, 1, 1, 0,
-                               raw_stream(self.device), params, None)
+    def _launch(self, function: str, grid, params) -> None:
+        """The kernel (``"inline"``: the one reading its page ids from its parameters) on
+        the caller's current torch stream."""
+        self.load()  # its functions and the bound driver calls exist from here on
+        err = self._in_context(self._launch_kernel, self._functions[function], grid[0], grid[1], grid[2], _THREADS,
+                               1, 1, 0, raw_stream(self.device), params, None)
         if err:
             raise RuntimeError(f"gather/scatter kernel launch on {self.device} failed: {driver_error(err)}")
 
@@ -264,10 +325,10 @@ class WordCopier:
                 self._set_context(current.value)
 
     def load(self) -> None:
-        """Compile (or take from CuPy's cache) the kernel for this device, loaded in the
+        """Compile (or take from CuPy's cache) the kernels for this device, loaded in the
         device's primary context: torch's and CuPy's, made current here if no context is.
         Once; every launch calls it."""
-        if self._function is not None:
+        if self._functions is not None:
             return
         import cupy
 
@@ -281,14 +342,16 @@ class WordCopier:
         drv.cuCtxSetCurrent(context)
         try:
             with cupy.cuda.Device(index):
-                function = _get_kernel().kernel.ptr
+                module = _get_module()
+                functions = {"pointer": module.get_function("kvstage_copy_words").kernel.ptr,
+                             "inline": module.get_function("kvstage_copy_words_inline").kernel.ptr}
         finally:
             if before.value and before.value != context.value:
                 drv.cuCtxSetCurrent(before)
         # bound once: the launch is on every chunk's critical path
         self._get_context, self._set_context = drv.cuCtxGetCurrent, drv.cuCtxSetCurrent
         self._launch_kernel = drv.cuLaunchKernel
-        self._function, self._context = function, context.value
+        self._functions, self._context = functions, context.value
 
     def _upload(self, values: np.ndarray) -> torch.Tensor:
         """``values`` on the device, through the next pinned buffer of the ring, copied on
@@ -309,11 +372,11 @@ class PreparedCopy:
     """One chunk's copy, ready to launch: calling it launches the kernel on the
     current stream. Holds the tensors and the packed arguments its parameters point into."""
 
-    def __init__(self, copier: WordCopier, grid, params, keep):
-        self._copier, self._grid, self._params, self._keep = copier, grid, params, keep
+    def __init__(self, copier: WordCopier, function: str, grid, params, keep):
+        self._copier, self._function, self._grid, self._params, self._keep = copier, function, grid, params, keep
 
     def __call__(self) -> None:
-        self._copier._launch(self._grid, self._params)
+        self._copier._launch(self._function, self._grid, self._params)
 
     def load(self) -> None:
         """Load the kernel now if it is not yet (``staging.landing`` queues a launch behind a wait:

@@ -38,6 +38,11 @@ class CopyFence:
             self._end.record(current_stream(self._device))
         return self
 
+    def started(self) -> bool:
+        """Whether the stream has reached the fence's start: nothing queued before the
+        copies is still running (``Source`` waits on a copy only then)."""
+        return not self._cuda or self._start.query()
+
     def done(self) -> bool:
         return not self._cuda or self._end.query()
 
