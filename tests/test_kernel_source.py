@@ -2,8 +2,8 @@
 the source compiles with the options the copier loads it with, and each entry
 point's parameters match the argument block ``cuda_copy`` packs for it (a
 mismatch would move the wrong bytes on a GPU, silently). The inline kernel reads
-its page ids where the launch put them (``__grid_constant__``): no per-thread copy
-in local memory."""
+its page ids where the launch put them, with no per-thread copy in local memory
+(``__grid_constant__`` asks for that; NVRTC 13 does it even without)."""
 
 from __future__ import annotations
 
