@@ -31,10 +31,11 @@ bench() { local name=$1; shift; step "bench $name: $*"
 BIG="--arena-mb 2048 --slot-mb 256"
 PARTS=${PARTS:-kernels x2 long one mps trace spy pytest}
 want() { [[ " $PARTS " == *" $1 "* ]]; }
-# smoke: the kernel's and the landing words' GPU tests alone, first, so a broken launch shows before any bench
+# smoke: the GPU tests of the kernel, the landing words, send's own wait and the fences alone, first, so a
+# broken launch shows before any bench
 # faulthandler_timeout: a test stuck in a CUDA call (signals cannot interrupt it) prints every thread's stack
 want smoke && step smoke && timeout 120 python3 -m pytest -m gpu -q -p no:cacheprovider -o faulthandler_timeout=45 tests/test_cuda_copy.py \
-  tests/test_landing.py tests/test_send_wait.py 2>&1 | tee "$OUT/pytest-smoke.log"
+  tests/test_landing.py tests/test_send_wait.py tests/test_fence.py 2>&1 | tee "$OUT/pytest-smoke.log"
 abcase() { case $1 in
   4to1-128) echo "--tokens 128 --iters 30 --warmup 3" ;;
   1to4-128) echo "--tokens 128 --src-tp 1 --dst-tp 4 --iters 30 --warmup 3" ;;
