@@ -266,8 +266,8 @@ def _scatter_tiled(cache: RankCache, idx: TokenIndex, lo: int, k: int, n: int, b
         if whole:  # [pages, tokens, writers] in the cache <- [writers, tokens] of the slot, transposed
             pages = buf.view(torch.uint8).numpy().reshape(-1).view(piece).reshape(cache.pages, P, k)
             pages[idx.pages_np] = pieces[:, i, :t0].T.reshape(whole, P, k)
-        rows = src[:, i].transpose(1, 0, 2, 3)  # [count, writers, heads, words]: token-major, as the pages are
-        if t0 < idx.count:
+        if t0 < idx.count:  # the tokens past the whole pages, as rows of [writers, heads, words]
+            rows = src[:, i].transpose(1, 0, 2, 3)
             _flat(buf, cache).numpy()[idx.flat_np[t0:], lo : lo + k * n] = rows[t0:].reshape(-1, k * n, hw)
 
 

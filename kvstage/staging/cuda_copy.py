@@ -274,14 +274,14 @@ class WordCopier:
         """Write one copy's arguments into ``block``: the kernel to launch, its grid, its
         parameter array and the tensors it reads."""
         args = block.args
-        params = block.pointers
+        inline = False
         if not isinstance(pages, torch.Tensor):  # ids on the host: in the launch if they fit
             need = (first + count - 1) // self.geometry.page_size + 1
             ids = np.asarray(pages[page_offset : page_offset + need], dtype=np.int64)
             page_offset = 0
-            if need <= INLINE_PAGES:
+            inline = need <= INLINE_PAGES
+            if inline:
                 block.ids[:need] = ids
-                params = block.inline_pointers
             else:
                 pages = self._upload(ids)
         key = tuple(map(tuple, pieces))
@@ -294,12 +294,13 @@ class WordCopier:
         most = max(n for _, n, _ in pieces) * count * self.geometry.head_words
         args.table_addr, args.meta_addr = self._table_addr, meta.data_ptr()
         args.region_addr = 0 if region is None else region.data_ptr()
-        inline = params is block.inline_pointers
         args.pages_addr = 0 if inline else pages.data_ptr() + 8 * page_offset
         args.count, args.first, args.to_region = count, first, int(to_region)
         args.page_size, args.nheads, args.head_words, args.hnd = self._fixed
         grid = (-(-most // (_THREADS * _UNROLL)), self.nbuf, len(pieces))
-        return "inline" if inline else "pointer", grid, params, (None if inline else pages, meta, region)
+        if inline:
+            return "inline", grid, block.inline_pointers, (None, meta, region)
+        return "pointer", grid, block.pointers, (pages, meta, region)
 
     def _launch(self, function: str, grid, params) -> None:
         """The kernel (``"inline"``: the one reading its page ids from its parameters) on
