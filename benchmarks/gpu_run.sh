@@ -3,7 +3,7 @@
 # kernels beside a d2d copy, staged vs bulk vs per-slice on one GPU, the same
 # across two GPUs when there are two, the byte-exact GPU suite.
 #   run with .whl/ carried (NIXL wheels, ../shared/notes/gpu-machine.md); outputs in $OUT
-#   PARTS="kernels x2 long one mps trace spy pytest ab" (the default: all but ab, smoke, tracex2, trace1g, x2slots, spy128, prearm, peer, host, turns, chain, contexts and stamps) picks parts;
+#   PARTS="kernels x2 long one mps trace spy pytest ab" (the default: all but ab, smoke, tracex2, trace1g, x2slots, spy128, prearm, peer, host, warmth, turns, chain, contexts and stamps) picks parts;
 #   spy and spy128 need .whl-spy/ (the py-spy wheel) carried too; peer needs .peer/ (benchmarks/fetch_peer.sh). ab: the same one-GPU runs for this
 #   tree and for every other tree under ab/NAME/kvstage (untracked copies, e.g. from
 #   `git archive`), alternating (AB_ROUNDS rounds, 2), so a change is measured against its base in one run;
@@ -134,6 +134,8 @@ fi
 want chain && step chain && timeout 150 python3 benchmarks/landing_chain.py --json "$OUT/landing_chain.json" 2>&1 | tee "$OUT/landing_chain.log"
 # host: what waking a sleeping thread or process costs on this host (no GPU work; docs/benchmarks.md, session 10)
 want host && step host && timeout 120 python3 benchmarks/host_wakeup.py --json "$OUT/host_wakeup.json" 2>&1 | tee "$OUT/host_wakeup.log"
+# warmth: a destination's per-chunk host steps after a sleep, after 20 µs polls (spin_us), after spinning (session 16)
+want warmth && step warmth && timeout 120 python3 benchmarks/step_warmth.py --json "$OUT/step_warmth.json" 2>&1 | tee "$OUT/step_warmth.log"
 # peer: SGLang 0.5.23's staging kernels beside kvstage's, same buffers and pages (needs .peer/ carried:
 # benchmarks/fetch_peer.sh), 4->1 and 1->4 at 128 and 8k tokens
 want peer && step peer && timeout 200 python3 benchmarks/peer_kernels.py --json "$OUT/peer.json" 2>&1 | tee "$OUT/peer.log"

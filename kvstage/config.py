@@ -34,10 +34,10 @@ PING_INTERVAL_S = 1.0  # every endpoint pings each peer this often; silence past
 TRANSPORTS = ("nixl", "ucx")
 ONE_SIDED = ("nixl",)
 MAX_SEND_WAIT_US = 10_000  # a send that holds its caller longer than this is no longer a send
-MAX_SPIN_US = 1_000_000  # a loop that spins a whole second after each event should not sleep at all: say so
-#: ``spin_us`` when unset: a GPU host has cores to spare and wakes a sleeping thread slowly (0.1-0.2 ms,
+MAX_POLL_US = 1_000_000  # a loop that polls a whole second after each event would hardly ever sleep
+#: ``poll_us`` when unset: a GPU host has cores to spare and wakes a sleeping thread slowly (0.1-0.2 ms,
 #: docs/benchmarks.md, session 16); on a host cache the cores do the copies
-DEFAULT_SPIN_US = {"cuda": 2000.0, "cpu": 0.0}
+DEFAULT_POLL_US = {"cuda": 50000.0, "cpu": 0.0}
 
 
 @dataclass
@@ -73,10 +73,10 @@ class Settings:
     #: granted early) waits up to this long on the caller's thread for the gathers to end, and
     #: tells the destinations from there: the loop would first have to wake. 0: never wait
     send_wait_us: float = field(default_factory=lambda: _env("KVSTAGE_SEND_WAIT_US", 200.0, float))
-    #: while an endpoint holds a request in flight, its loop checks its sockets without sleeping for
-    #: this long after each event (a message, a call, a send), instead of sleeping until the next
-    #: message. None: ``DEFAULT_SPIN_US`` for the cache's device. 0: always sleep
-    spin_us: float | None = field(default_factory=lambda: _env("KVSTAGE_SPIN_US", None, float))
+    #: while an endpoint holds a request in flight, its loop polls its sockets (every 20 µs on a GPU
+    #: host) for this long after each event (a message, a call, a send), instead of sleeping until the
+    #: next message. None: ``DEFAULT_POLL_US`` for the cache's device. 0: always sleep
+    poll_us: float | None = field(default_factory=lambda: _env("KVSTAGE_POLL_US", None, float))
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -104,9 +104,9 @@ class Settings:
                 and 0 <= self.send_wait_us <= MAX_SEND_WAIT_US):
             raise ConfigError(f"send_wait_us={self.send_wait_us!r}: must be a number of microseconds in "
                               f"[0, {MAX_SEND_WAIT_US}]")
-        if self.spin_us is not None and not (isinstance(self.spin_us, (int, float)) and not isinstance(self.spin_us, bool)
-                                             and 0 <= self.spin_us <= MAX_SPIN_US):
-            raise ConfigError(f"spin_us={self.spin_us!r}: must be a number of microseconds in [0, {MAX_SPIN_US}], "
+        if self.poll_us is not None and not (isinstance(self.poll_us, (int, float)) and not isinstance(self.poll_us, bool)
+                                            and 0 <= self.poll_us <= MAX_POLL_US):
+            raise ConfigError(f"poll_us={self.poll_us!r}: must be a number of microseconds in [0, {MAX_POLL_US}], "
                               "or unset for the device's default")
         if self.mapped not in MAPPED:
             raise ConfigError(f"mapped={self.mapped!r}: must be one of {', '.join(MAPPED)}")
@@ -120,9 +120,9 @@ class Settings:
         if self.slot_mb > self.arena_mb:
             raise ConfigError(f"slot_mb={self.slot_mb} > arena_mb={self.arena_mb}: a slot must fit in the arena")
 
-    def spin_seconds(self, device_type: str) -> float:
-        """How long a loop spins after each event, for a cache on ``device_type``."""
-        us = self.spin_us if self.spin_us is not None else DEFAULT_SPIN_US.get(device_type, 0.0)
+    def poll_seconds(self, device_type: str) -> float:
+        """How long a loop polls after each event, for a cache on ``device_type``."""
+        us = self.poll_us if self.poll_us is not None else DEFAULT_POLL_US.get(device_type, 0.0)
         return us * 1e-6
 
     @property

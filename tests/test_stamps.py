@@ -41,10 +41,11 @@ def test_a_patched_copy_stamps_every_step_of_a_staged_request(tmp_path):
     assert out.returncode == 0, out.stderr
     lines = out.stdout.splitlines()
     assert re.match(r"== case: 4 staged requests", lines[0]), lines[0]
-    steps = [re.match(r"\s*([\d.]+)  n=\s*(\d+)  (\S+) (\S+)", ln).groups() for ln in lines[1:]]
+    steps = [re.match(r"\s*(-?[\d.]+)  n=\s*(\d+)  (\S+) (\S+)", ln).groups() for ln in lines[1:]]
     at = {step: float(ms) for ms, _, _, step in steps}
     assert {who for _, _, who, _ in steps} == {"src0", "dst0"}
     assert at["b.send"] == 0.0
+    assert at["d.expect"] < 0  # the destination expects the request before the source sends it
     order = ["b.send", "s.send", "s.checked", "s.add", "s.launched", "s.gathered", "d.scattered", "d.done"]
     assert [at[s] for s in order] == sorted(at[s] for s in order), at
     assert all(int(n) == 4 for _, n, _, step in steps if step in order)

@@ -11,9 +11,9 @@ loop holds whenever it handles anything. The caller is awake already, and
 handing the request over would wait for the loop's wake-up. The state machines
 stay single-threaded (one holder of the lock at a time), and the order of
 events is the order they are handled in. While a request is in flight, the
-loop spins on its sockets for ``Settings.spin_us`` after each event instead of
-sleeping (GPU hosts: a thread that slept wakes 0.1-0.2 ms late, and runs its
-next steps slowly).
+loop polls its sockets every 20 µs (CUDA) for ``Settings.poll_us`` after each
+event instead of sleeping until the next message (GPU hosts: a thread that
+slept long wakes 0.1-0.2 ms late, and runs its next steps slowly).
 """
 
 from __future__ import annotations
@@ -202,7 +202,7 @@ class Endpoint:
         self._sockets_changed()
         self._first: dict = {}  # watched connection -> deadline of its first message
         self._busy_wait = _BUSY_WAIT["cuda" if cache.device.type == "cuda" else "cpu"]
-        self._spin = self.settings.spin_seconds(cache.device.type)
+        self._poll = self.settings.poll_seconds(cache.device.type)
         self._stirred = 0.0  # when the loop's last wait ended on a socket: a message, a call, a send (loop thread only)
         self.requests: dict = {}  # req -> the subclass's record of a request in flight
         self._heard: dict = {}  # control connection -> when its peer last sent anything
@@ -286,8 +286,8 @@ class Endpoint:
             for conn in [c for c in self._watched.values() if c is not None and c.closed]:
                 self._drop(conn, "closed by this side")  # a refused hello, a replaced peer: before a new socket takes its number
             fence, busy = self._copying(), self._busy()
-            spin_until = self._stirred + self._spin if self._spin and self.requests else 0.0
-        readable = self._wait(fence, busy, spin_until)
+            poll_until = self._stirred + self._poll if self._poll and self.requests else 0.0
+        readable = self._wait(fence, busy, poll_until)
         with self._state:
             return self._handle(readable)
 
@@ -320,14 +320,14 @@ class Endpoint:
         self._check_stalls(now)
         return True
 
-    def _wait(self, fence, busy: bool, spin_until: float = 0.0) -> list[Connection]:
+    def _wait(self, fence, busy: bool, poll_until: float = 0.0) -> list[Connection]:
         """The connections with bytes to read, once something is to be done: a message,
         a posted event, a device copy's end (``fence``), or (while a transfer is near,
-        ``busy``) the poll interval. Until ``spin_until`` (``Settings.spin_us`` after the
-        last event, while a request is in flight) a wait for messages alone spins instead
+        ``busy``) the poll interval. Until ``poll_until`` (``Settings.poll_us`` after the
+        last event, while a request is in flight) a wait for messages alone polls instead
         of sleeping: a thread that slept is slow to wake and slow for its next steps."""
-        if fence is None and not busy and time.perf_counter() < spin_until:
-            ready = self._spin_on_sockets(spin_until)
+        if fence is None and not busy and time.perf_counter() < poll_until:
+            ready = self._poll_sockets(poll_until)
             if not ready:  # the window passed quietly: back to sleeping
                 return []
         elif fence is None:  # the transport is polled every _busy_wait while a transfer is near; a message ends the wait
@@ -355,12 +355,14 @@ class Endpoint:
                     pass
         return conns
 
-    def _spin_on_sockets(self, until: float) -> list:
-        """The readable sockets, polled without sleeping until one is readable or ``until``
-        passes; the GIL is free during each poll, and the state lock is not held."""
+    def _poll_sockets(self, until: float) -> list:
+        """The readable sockets, polled every ``_busy_wait`` until one is readable or
+        ``until`` passes. Short waits keep the thread warm and wake it fast, and leave
+        the GIL (an engine's own Python thread) and the state lock free between polls."""
         while True:
-            ready = self._ready(0)
-            if ready or time.perf_counter() >= until:
+            left = until - time.perf_counter()
+            ready = self._ready(min(self._busy_wait, max(left, 0.0)))
+            if ready or left <= 0:
                 return ready
 
     def _ready(self, timeout: float) -> list:

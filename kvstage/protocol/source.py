@@ -82,7 +82,6 @@ class Outgoing:
     stage: str = "waiting for grant"
     touched: float = dc_field(default_factory=time.monotonic)
     kernel_pages: object = None  # the page ids where the GPU copies read them (``upload_pages``), once at ``send``
-    unannounced: dict | None = None  # the ``ready`` message, while it waits for the first gathers' launch
 
 
 @dataclass
@@ -294,26 +293,23 @@ class Source(Endpoint):
         out = Outgoing(handle, pages)
         self.requests[handle.req] = out
         held = self._drop_held(handle.req)
-        # On CUDA the early grants' gathers are launched before the announcements go out (a launch
-        # returns at once), so no TCP send is on their path; a host gather runs in the call, so
-        # there the announcements go first.
-        launch_first = bool(held) and self.cache.device.type == "cuda"
+        # The announcements go first: each destination handles its ``ready`` while this side
+        # gathers, instead of after (docs/benchmarks.md, session 16)
         ready = {"type": "ready", "req": handle.req, "tokens": handle.tokens}
         for d in want:
             out.written[d] = 0
             out.granted[d] = set()
-            if not launch_first:  # a send that fails here fails the request when the loop sees the closed connection
-                self._send(d, ready)
+            self._send(d, ready)  # a send that fails here fails the request when the loop sees the closed connection
         if not all(self.targets[d].kv for d in want):
             out.kernel_pages = upload_pages(self.cache, pages, checked=True)
         for job, chunks, tokens in sorted(held.values(), key=lambda g: (g[0].chunk, g[0].dst)):
             if not handle.done():  # a grant naming other tokens fails it
                 self._apply_grant(out, job, chunks, tokens)
-        if launch_first:
-            out.unannounced = ready  # sent once the gathers are launched, and before any of them is reported
+        # on CUDA the early grants' gathers into mapped arenas start here (a launch returns at once);
+        # a host gather runs in the call: the loop does those
+        if held and self.cache.device.type == "cuda":
             self._launch_mapped()
-            if handle.state is not State.FAILED:  # DONE already still needs them; FAILED: an abort went instead
-                self._announce(out)
+            if handle.state is not State.FAILED:  # FAILED: an abort went to each destination instead
                 self._finish_here(out)
 
     def _finish_here(self, out: Outgoing) -> None:
@@ -338,14 +334,6 @@ class Source(Endpoint):
                           self.rank, req, wait)
                 return
         self._poll_gathers()
-
-    def _announce(self, out: Outgoing) -> None:
-        """Send a request's held-back ``ready`` (see ``_add``): before any of its chunks is
-        reported, so a destination that sees the last chunk land knows the request is announced."""
-        if out.unannounced is not None:
-            for d in out.written:
-                self._send(d, out.unannounced)
-            out.unannounced = None
 
     def _busy(self) -> bool:
         return bool(self._inflight or self._jobs or self._gathering)
@@ -594,7 +582,6 @@ class Source(Endpoint):
             mapped = g.slot is None
             going = not (out.handle.done() or gone is not None or (g.write is None and not mapped))
             if going:  # what the destinations wait for goes first (this path runs cold), the accounting after
-                self._announce(out)
                 if mapped:  # the gather's stores were the transfer: tell each destination they are done
                     for j, nbytes in zip(g.jobs, g.sizes):
                         self._send(j.dst, {"type": "landed", **notice_fields(j.req, j.chunk, self.rank, j.offset, nbytes)})
