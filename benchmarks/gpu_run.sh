@@ -134,7 +134,7 @@ fi
 want chain && step chain && timeout 150 python3 benchmarks/landing_chain.py --json "$OUT/landing_chain.json" 2>&1 | tee "$OUT/landing_chain.log"
 # host: what waking a sleeping thread or process costs on this host (no GPU work; docs/benchmarks.md, session 10)
 want host && step host && timeout 120 python3 benchmarks/host_wakeup.py --json "$OUT/host_wakeup.json" 2>&1 | tee "$OUT/host_wakeup.log"
-# warmth: a destination's per-chunk host steps after a sleep, after 20 µs polls (spin_us), after spinning (session 16)
+# warmth: a destination's per-chunk host steps after a sleep, after 20 µs polls (poll_us), after spinning (session 16)
 want warmth && step warmth && timeout 120 python3 benchmarks/step_warmth.py --json "$OUT/step_warmth.json" 2>&1 | tee "$OUT/step_warmth.log"
 # peer: SGLang 0.5.23's staging kernels beside kvstage's, same buffers and pages (needs .peer/ carried:
 # benchmarks/fetch_peer.sh), 4->1 and 1->4 at 128 and 8k tokens

@@ -1,6 +1,6 @@
 """How long a destination's per-chunk host steps take on a thread that ran them
 back to back, slept, polled its sockets every 20 µs, or spun on them (select with
-no timeout) just before: is ``spin_us``'s polling enough to keep a loop warm?
+no timeout) just before: is ``poll_us``'s polling enough to keep a loop warm?
 
     python3 benchmarks/step_warmth.py [--json PATH]
 
