@@ -78,6 +78,25 @@ def test_a_loop_polls_after_an_event_only_while_it_holds_a_request_and_only_with
         still.close()
 
 
+def test_a_peers_pings_do_not_keep_a_loop_polling():
+    """A connected source pings its destination every second. The destination holds a
+    request that source has not sent: once the window after ``expect`` has passed, the
+    pings leave it asleep (each would otherwise open a new window)."""
+    dst = Destination(RankCache.allocate(fr.dst_spec(), 0, 8), Settings(**fr.SETTINGS, poll_us=300_000))
+    src = Source(RankCache.allocate(fr.src_spec(1), 0, 8), Settings(**fr.SETTINGS, poll_us=0))
+    try:
+        src.connect([dst.address])
+        dst.expect("r", np.arange(2), 8)
+        heard = dst._call(lambda: max(dst._heard.values()))  # a call: an event too
+        time.sleep(0.4)  # its window has passed
+        wakeups = loop_wakeups(dst, 2.5)
+        assert dst._call(lambda: max(dst._heard.values())) > heard + 1.4  # a ping came while they were counted
+        assert wakeups < 2 * SLEEPING
+    finally:
+        src.close()
+        dst.close()
+
+
 def test_polling_loops_move_requests_byte_exact_and_sleep_once_they_are_done():
     """Every loop polls (a 2->1 transfer of several chunks, callers taking the state
     lock the polling loops leave free between waits): the requests land exactly, and

@@ -203,7 +203,7 @@ class Endpoint:
         self._first: dict = {}  # watched connection -> deadline of its first message
         self._busy_wait = _BUSY_WAIT["cuda" if cache.device.type == "cuda" else "cpu"]
         self._poll = self.settings.poll_seconds(cache.device.type)
-        self._stirred = 0.0  # when the loop's last wait ended on a socket: a message, a call, a send (loop thread only)
+        self._stirred = 0.0  # the loop's last event: a message other than a ping, a call, a send (loop thread only)
         self.requests: dict = {}  # req -> the subclass's record of a request in flight
         self._heard: dict = {}  # control connection -> when its peer last sent anything
         self._pinged = 0.0
@@ -341,14 +341,13 @@ class Endpoint:
                     log.exception("%s %d: waiting for a device copy", self.role, self.rank)
                     time.sleep(self._busy_wait)
                 ready = self._ready(0)
-        if ready:
-            self._stirred = time.perf_counter()
         conns = []
         for sock in ready:
             conn = self._watched.get(sock)
             if conn is not None:
                 conns.append(conn)
-            elif sock is self._wake:
+            elif sock is self._wake:  # a call or a send: an event (``_read`` notes the messages)
+                self._stirred = time.perf_counter()
                 try:
                     self._wake.recv(4096)
                 except OSError:
@@ -402,7 +401,8 @@ class Endpoint:
             for msg in conn.feed():
                 self._first.pop(conn, None)
                 self._heard[conn] = time.monotonic()
-                if msg["type"] != "ping":
+                if msg["type"] != "ping":  # a ping is no event: the peers' pings do not keep a loop polling
+                    self._stirred = time.perf_counter()
                     try:
                         self._on_message(conn, msg)
                     except Exception:  # a bug must not kill the loop or the rest of the batch
