@@ -74,8 +74,8 @@ class Settings:
     #: tells the destinations from there: the loop would first have to wake. 0: never wait
     send_wait_us: float = field(default_factory=lambda: _env("KVSTAGE_SEND_WAIT_US", 200.0, float))
     #: while an endpoint holds a request in flight, its loop polls its sockets (every 20 µs on a GPU
-    #: host) for this long after each event (a message other than a ping, a call, a send), instead of sleeping until the
-    #: next message. None: ``DEFAULT_POLL_US`` for the cache's device. 0: always sleep
+    #: host) for this long after each event (a message other than a ping, a call, a send), instead
+    #: of sleeping until the next message. None: ``DEFAULT_POLL_US`` for the cache's device. 0: always sleep
     poll_us: float | None = field(default_factory=lambda: _env("KVSTAGE_POLL_US", None, float))
 
     def __post_init__(self) -> None:
