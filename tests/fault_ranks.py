@@ -137,5 +137,30 @@ def load_source(address, rank: int, tp: int, n: int, most: int, conc: int, seed:
     src.close()
 
 
+def two_to_one(settings: Settings, n: int, tokens: int, seed: int, content: int):
+    """A destination (TP 1, page 4) and two sources (TP 2, page 16) connected to it, in
+    this process, with random pages for ``n`` requests of ``tokens`` tokens on each side;
+    each source's pages of request k hold the reference content of seed ``content + k``.
+    Returns (destination, sources, destination pages, each source's pages), one row per
+    request; the caller closes the endpoints."""
+    from kvstage.protocol.destination import Destination
+    from kvstage.protocol.source import Source
+
+    dcache = RankCache.allocate(dst_spec(), 0, n * pages_needed(tokens, 4) + 4)
+    dst = Destination(dcache, settings)
+    srcs = []
+    for rank in range(2):
+        cache = RankCache.allocate(src_spec(2), rank, n * pages_needed(tokens, 16) + 2)
+        srcs.append(Source(cache, settings))
+        srcs[-1].connect([dst.address])
+    rng = np.random.default_rng(seed)
+    dpages = rng.permutation(dcache.pages)[: n * pages_needed(tokens, 4)].reshape(n, -1)
+    spages = [rng.permutation(s.cache.pages)[: n * pages_needed(tokens, 16)].reshape(n, -1) for s in srcs]
+    for k in range(n):
+        for s, p in zip(srcs, spages):
+            fill_shard(s.cache, content + k, p[k], tokens)
+    return dst, srcs, dpages, spages
+
+
 def check(cache, seed: int, ids, tokens: int) -> list[str]:
     return check_shard(cache, seed, ids, tokens, untouched_fill=None)

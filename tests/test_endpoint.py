@@ -136,20 +136,9 @@ def test_sends_from_many_threads_at_once_are_byte_exact():
     """Eight callers per source send their own requests at the same moment while
     the loops handle grants and notices: every request lands exactly."""
     n, tokens = 8, 40
-    dcache = RankCache.allocate(fr.dst_spec(), 0, n * pages_needed(tokens, 4) + 4)
-    dst = Destination(dcache, Settings(**fr.SETTINGS))
-    srcs = []
-    for rank in range(2):
-        cache = RankCache.allocate(fr.src_spec(2), rank, n * pages_needed(tokens, 16) + 2)
-        srcs.append(Source(cache, Settings(**fr.SETTINGS)))
-        srcs[-1].connect([dst.address])
+    dst, srcs, dpages, spages = fr.two_to_one(Settings(**fr.SETTINGS), n, tokens, seed=7, content=100)
+    dcache = dst.cache
     try:
-        rng = np.random.default_rng(7)
-        dpages = rng.permutation(dcache.pages)[: n * pages_needed(tokens, 4)].reshape(n, -1)
-        spages = [rng.permutation(s.cache.pages)[: n * pages_needed(tokens, 16)].reshape(n, -1) for s in srcs]
-        for k in range(n):
-            for s, p in zip(srcs, spages):
-                fill_shard(s.cache, 100 + k, p[k], tokens)
         hd = [dst.expect(f"r{k}", dpages[k], tokens) for k in range(n)]
         go, hs, errors = threading.Barrier(2 * n), [], []
 

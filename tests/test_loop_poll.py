@@ -11,10 +11,9 @@ import numpy as np
 import pytest
 
 import fault_ranks as fr
-from kvstage.bench.reference import check_shard, fill_shard
+from kvstage.bench.reference import check_shard
 from kvstage.config import DEFAULT_POLL_US, Settings
 from kvstage.errors import ConfigError
-from kvstage.layout import pages_needed
 from kvstage.protocol.destination import Destination
 from kvstage.protocol.source import Source
 from kvstage.staging.cache import RankCache
@@ -103,20 +102,9 @@ def test_polling_loops_move_requests_byte_exact_and_sleep_once_they_are_done():
     with nothing left in flight the loops sleep though the window is still open."""
     n, tokens = 3, 150  # 32-token slots at the destination: 5 chunks each
     settings = Settings(**fr.SETTINGS, poll_us=1_000_000)
-    dcache = RankCache.allocate(fr.dst_spec(), 0, n * pages_needed(tokens, 4) + 4)
-    dst = Destination(dcache, settings)
-    srcs = []
-    for rank in range(2):
-        cache = RankCache.allocate(fr.src_spec(2), rank, n * pages_needed(tokens, 16) + 2)
-        srcs.append(Source(cache, settings))
-        srcs[-1].connect([dst.address])
+    dst, srcs, dpages, spages = fr.two_to_one(settings, n, tokens, seed=11, content=200)
+    dcache = dst.cache
     try:
-        rng = np.random.default_rng(11)
-        dpages = rng.permutation(dcache.pages)[: n * pages_needed(tokens, 4)].reshape(n, -1)
-        spages = [rng.permutation(s.cache.pages)[: n * pages_needed(tokens, 16)].reshape(n, -1) for s in srcs]
-        for k in range(n):
-            for s, p in zip(srcs, spages):
-                fill_shard(s.cache, 200 + k, p[k], tokens)
         hd = [dst.expect(f"r{k}", dpages[k], tokens) for k in range(n)]
         hs = [s.send(f"r{k}", p[k], tokens) for k in range(n) for s, p in zip(srcs, spages)]
         for h in hs + hd:
