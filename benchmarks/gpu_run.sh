@@ -117,7 +117,7 @@ if want contexts && [ "$GPUS" -ge 2 ]; then
 fi
 # stamps: where a 128-token request's time goes, step by step, without debug logging: a copy of this tree's
 # kvstage with benchmarks/stamps.patch applied marks each step (perf_counter, kept in memory, written at exit);
-# 1->1 (NHD -> HND) with the destination alone on GPU 1 (mapped=on), and 1->4 on GPU 0; benchmarks/stamps.py reads them
+# 1->1 (NHD -> HND) with the destination alone on GPU 1 (mapped=on), 1->2 and 1->4 on GPU 0; benchmarks/stamps.py reads them
 if want stamps; then
   S=$(mktemp -d); cp -r kvstage "$S/" && (cd "$S" && patch -p1 -s < "$OLDPWD/benchmarks/stamps.patch") || exit 1
   stamped() { local name=$1; shift; mkdir -p "$OUT/stamps/$name"  # bench, run from the patched copy (as the ab trees)
@@ -125,6 +125,7 @@ if want stamps; then
       --iters 100 --warmup 5 "$@"); }
   for round in $(seq "${AB_ROUNDS:-2}"); do
     [ "$GPUS" -ge 2 ] && KVSTAGE_MAPPED=on stamped "1to1-x2on-r$round" --dst-tp 1 --dst-layout hnd --src-gpu 0 --dst-gpu 1
+    stamped "1to2-gpu0-r$round" --dst-tp 2
     stamped "1to4-gpu0-r$round" --dst-tp 4
   done
   python3 benchmarks/stamps.py "$OUT/stamps" | tee "$OUT/stamps.txt"
@@ -134,7 +135,8 @@ fi
 want chain && step chain && timeout 150 python3 benchmarks/landing_chain.py --json "$OUT/landing_chain.json" 2>&1 | tee "$OUT/landing_chain.log"
 # host: what waking a sleeping thread or process costs on this host (no GPU work; docs/benchmarks.md, session 10)
 want host && step host && timeout 120 python3 benchmarks/host_wakeup.py --json "$OUT/host_wakeup.json" 2>&1 | tee "$OUT/host_wakeup.log"
-# warmth: a destination's per-chunk host steps after a sleep, after 20 µs polls (poll_us), after spinning (session 16)
+# warmth: a destination's per-chunk host steps after a sleep, after 20 µs polls (poll_us), after spinning, after polls
+# that each touch the CUDA driver (sessions 16-17)
 want warmth && step warmth && timeout 120 python3 benchmarks/step_warmth.py --json "$OUT/step_warmth.json" 2>&1 | tee "$OUT/step_warmth.log"
 # peer: SGLang 0.5.23's staging kernels beside kvstage's, same buffers and pages (needs .peer/ carried:
 # benchmarks/fetch_peer.sh), 4->1 and 1->4 at 128 and 8k tokens
