@@ -14,6 +14,9 @@ endpoints' host steps alone. The busy thread runs, in turn:
   5 ms unless changed), with the default interval, then 1 ms and 0.1 ms;
 - small torch CPU ops back to back, which release the GIL inside each op.
 
+(kvstage's setting ``switch_interval_us`` sets the same interval while its
+endpoints are open; here it is set directly, around each case.)
+
 Latency: from the source's ``send`` to the request DONE on the side under
 test (stamped by its loop), median and max over the requests after 5. No GPU
 needed; the mechanism is the same with CUDA caches.

@@ -38,6 +38,8 @@ MAX_POLL_US = 1_000_000  # a loop that polls a whole second after each event wou
 #: ``poll_us`` when unset: a GPU host has cores to spare and wakes a sleeping thread slowly (0.1-0.2 ms,
 #: docs/benchmarks.md, session 16); on a host cache the cores do the copies
 DEFAULT_POLL_US = {"cuda": 50000.0, "cpu": 0.0}
+#: ``switch_interval_us``'s range: below 10 µs the interpreter would spend its time handing the GIL round
+SWITCH_INTERVAL_US = (10, 1_000_000)
 
 
 @dataclass
@@ -77,6 +79,9 @@ class Settings:
     #: host) for this long after each event (a message other than a ping, a call, a send), instead
     #: of sleeping until the next message. None: ``DEFAULT_POLL_US`` for the cache's device. 0: always sleep
     poll_us: float | None = field(default_factory=lambda: _env("KVSTAGE_POLL_US", None, float))
+    #: the interpreter's switch interval while this endpoint is open (``protocol.switch_interval``):
+    #: how long a thread running pure Python keeps the GIL from the endpoint's loop. None: left alone
+    switch_interval_us: float | None = field(default_factory=lambda: _env("KVSTAGE_SWITCH_INTERVAL_US", None, float))
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -108,6 +113,12 @@ class Settings:
                                             and 0 <= self.poll_us <= MAX_POLL_US):
             raise ConfigError(f"poll_us={self.poll_us!r}: must be a number of microseconds in [0, {MAX_POLL_US}], "
                               "or unset for the device's default")
+        lo, hi = SWITCH_INTERVAL_US
+        if self.switch_interval_us is not None and not (
+                isinstance(self.switch_interval_us, (int, float)) and not isinstance(self.switch_interval_us, bool)
+                and lo <= self.switch_interval_us <= hi):
+            raise ConfigError(f"switch_interval_us={self.switch_interval_us!r}: must be a number of microseconds in "
+                              f"[{lo}, {hi}], or unset to leave the interpreter's switch interval alone")
         if self.mapped not in MAPPED:
             raise ConfigError(f"mapped={self.mapped!r}: must be one of {', '.join(MAPPED)}")
         if self.mapped == "on" and self.transport not in ONE_SIDED:

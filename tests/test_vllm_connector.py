@@ -282,7 +282,7 @@ def test_extra_config_carries_kvstage_settings_and_refuses_unknown_keys():
     def cfg(extra):
         return SimpleNamespace(kv_transfer_config=SimpleNamespace(kv_connector_extra_config=extra))
 
-    s = _settings(_extra(cfg({"late_write_hold_s": 7, "stall_timeout_s": 9})))
-    assert (s.late_write_hold_s, s.stall_timeout_s) == (7, 9)
+    s = _settings(_extra(cfg({"late_write_hold_s": 7, "stall_timeout_s": 9, "switch_interval_us": 250})))
+    assert (s.late_write_hold_s, s.stall_timeout_s, s.switch_interval_us) == (7, 9, 250)
     with pytest.raises(ConfigError, match=r"unknown keys \['late_write_hold'\]"):
         _extra(cfg({"late_write_hold": 7}))

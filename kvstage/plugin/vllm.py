@@ -82,7 +82,7 @@ DEFAULTS = {
 }
 #: keys passed to kvstage's Settings (the KVSTAGE_* environment variables are the defaults)
 SETTINGS_KEYS = ("arena_mb", "slot_mb", "handshake_timeout_s", "ready_timeout_s", "stall_timeout_s", "late_write_hold_s",
-                 "direct", "mapped")
+                 "direct", "mapped", "switch_interval_us")
 #: kvstage's own ready timeout is minutes; a decode waiting on a dead prefill should give up sooner
 READY_TIMEOUT_S = 30.0
 

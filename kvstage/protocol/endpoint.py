@@ -39,6 +39,7 @@ from kvstage.errors import ConfigError, KVStageError, ProtocolError, TransportEr
 from kvstage.layout import KVGeometry, PageLayout, pages_needed
 from kvstage.probe.connect import connect_line
 from kvstage.probe.facts import collect_local, memory_facts, value
+from kvstage.protocol import switch_interval
 from kvstage.protocol.wire import Connection, field
 from kvstage.staging.arena import StagingArena, choose_arena
 from kvstage.staging.cache import RankCache
@@ -210,9 +211,13 @@ class Endpoint:
         self._closing = False
         self._state = threading.Lock()  # held while state changes: by the loop, or by a caller in ``_here``
         self._thread = threading.Thread(target=self._run, name=f"kvstage-{self.role}{self.rank}", daemon=True)
+        self._claimed_switch = False  # holds a claim on the interpreter's switch interval (settings.switch_interval_us)
 
     def _start(self) -> None:
         """Start the loop; subclasses call this last in their constructor."""
+        if self.settings.switch_interval_us is not None:  # given back when the loop ends (``_run``)
+            switch_interval.claim(self.settings.switch_interval_us, f"{self.role} {self.rank}")
+            self._claimed_switch = True
         self._thread.start()
 
     # -- threads ------------------------------------------------------------
@@ -277,7 +282,12 @@ class Endpoint:
             except Exception:  # a bug must not kill the loop silently
                 log.exception("%s %d: loop error", self.role, self.rank)
         with self._state:
-            self._shutdown()
+            try:
+                self._shutdown()
+            finally:
+                if self._claimed_switch:
+                    self._claimed_switch = False
+                    switch_interval.release(f"{self.role} {self.rank}")
 
     def _turn(self) -> bool:
         """Wait for something to do, do all of it, move the transfers on. False: stop.
