@@ -35,7 +35,7 @@ def claim(us: float, who: str) -> None:
         _ours = sys.getswitchinterval()  # as the interpreter keeps it (whole microseconds)
         if _ours != now:
             log.info("%s: the interpreter's switch interval is now %g µs (was %g µs), for every thread of this "
-                     "process, while this endpoint is open (switch_interval_us)", who, us, now * 1e6)
+                     "process, until the last endpoint that set switch_interval_us closes", who, us, now * 1e6)
 
 
 def release(who: str) -> None:
