@@ -27,6 +27,11 @@ def _env(name: str, default, kind):
         raise ConfigError(f"{name}={raw!r}: must be a {kind.__name__}") from None
 
 
+def _number_in(v, lo: float, hi: float) -> bool:
+    """``v`` is a number (not a bool) in ``[lo, hi]`` (NaN never is)."""
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and lo <= v <= hi
+
+
 ARENA_LOCATIONS = ("auto", "device", "host")
 MAPPED = ("auto", "on", "off")
 PING_INTERVAL_S = 1.0  # every endpoint pings each peer this often; silence past peer_timeout_s fails its requests
@@ -105,18 +110,14 @@ class Settings:
                               f"(peers ping every {PING_INTERVAL_S:g} s)")
         if not isinstance(self.early_chunks, int) or isinstance(self.early_chunks, bool) or self.early_chunks < 0:
             raise ConfigError(f"early_chunks={self.early_chunks!r}: must be an integer >= 0")
-        if not (isinstance(self.send_wait_us, (int, float)) and not isinstance(self.send_wait_us, bool)
-                and 0 <= self.send_wait_us <= MAX_SEND_WAIT_US):
+        if not _number_in(self.send_wait_us, 0, MAX_SEND_WAIT_US):
             raise ConfigError(f"send_wait_us={self.send_wait_us!r}: must be a number of microseconds in "
                               f"[0, {MAX_SEND_WAIT_US}]")
-        if self.poll_us is not None and not (isinstance(self.poll_us, (int, float)) and not isinstance(self.poll_us, bool)
-                                            and 0 <= self.poll_us <= MAX_POLL_US):
+        if self.poll_us is not None and not _number_in(self.poll_us, 0, MAX_POLL_US):
             raise ConfigError(f"poll_us={self.poll_us!r}: must be a number of microseconds in [0, {MAX_POLL_US}], "
                               "or unset for the device's default")
         lo, hi = SWITCH_INTERVAL_US
-        if self.switch_interval_us is not None and not (
-                isinstance(self.switch_interval_us, (int, float)) and not isinstance(self.switch_interval_us, bool)
-                and lo <= self.switch_interval_us <= hi):
+        if self.switch_interval_us is not None and not _number_in(self.switch_interval_us, lo, hi):
             raise ConfigError(f"switch_interval_us={self.switch_interval_us!r}: must be a number of microseconds in "
                               f"[{lo}, {hi}], or unset to leave the interpreter's switch interval alone")
         if self.mapped not in MAPPED:
