@@ -38,8 +38,9 @@ def _bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     p.add_argument("--src-gpu", type=int, default=0, help="CUDA device of the source ranks (--device cuda)")
     p.add_argument("--dst-gpu", type=int, default=0, help="CUDA device of the destination ranks (--device cuda)")
-    p.add_argument("--transport", choices=("nixl", "ucx"), default=None,
-                   help="nixl (one-sided writes) or ucx (UCXX tag messages, two-sided); default: KVSTAGE_TRANSPORT, else nixl")
+    p.add_argument("--transport", choices=("nixl", "ucx", "cma"), default=None,
+                   help="nixl (one-sided writes), ucx (UCXX tag messages, two-sided) or cma (one host, host memory: "
+                        "process_vm_writev); default: KVSTAGE_TRANSPORT, else nixl")
     p.add_argument("--mode", default="all", help="staged, bulk, per-slice, a comma list, or all")
     p.add_argument("--iters", type=int, default=3)
     p.add_argument("--warmup", type=int, default=1)

@@ -36,8 +36,8 @@ ARENA_LOCATIONS = ("auto", "device", "host")
 MAPPED = ("auto", "on", "off")
 PING_INTERVAL_S = 1.0  # every endpoint pings each peer this often; silence past peer_timeout_s fails its requests
 #: transports ``Settings.transport`` may name; the one-sided ones support the direct path
-TRANSPORTS = ("nixl", "ucx")
-ONE_SIDED = ("nixl",)
+TRANSPORTS = ("nixl", "ucx", "cma")
+ONE_SIDED = ("nixl", "cma")
 MAX_SEND_WAIT_US = 10_000  # a send that holds its caller longer than this is no longer a send
 MAX_POLL_US = 1_000_000  # a loop that polls a whole second after each event would hardly ever sleep
 #: ``poll_us`` when unset: a GPU host has cores to spare and wakes a sleeping thread slowly (0.1-0.2 ms,
@@ -62,7 +62,7 @@ class Settings:
     #: unless the late writes' notices arrive first: bytes queued on a cut link can land once it is back
     late_write_hold_s: float = field(default_factory=lambda: _env("KVSTAGE_LATE_WRITE_HOLD_S", 60.0, float))
     transport: str = field(default_factory=lambda: _env("KVSTAGE_TRANSPORT", "nixl", str))
-    #: None: on for one-sided transports (nixl), off for two-sided ones (ucx)
+    #: None: on for one-sided transports (nixl, cma), off for two-sided ones (ucx)
     direct: bool | None = field(default_factory=lambda: _env("KVSTAGE_DIRECT", None, bool))
     arena: str = field(default_factory=lambda: _env("KVSTAGE_ARENA", "auto", str))
     #: chunks a destination grants a request before every source announced it (0: grant only after)

@@ -164,7 +164,7 @@ def _synthetic():
             for r in range(2):
                 reports.append(("src", r, 0, mode, it, {
                     "t0": base + r * 1e-3, "sent": [base + r * 1e-3, base + 2e-3], "t_end": base + 0.01,
-                    "descriptors": 3 if mode == "staged" else 2, "stages": {"gather": 1e-3, "start": 5e-4} if mode == "staged" else {}}))
+                    "descriptors": 3 if mode == "staged" else 2, "writes": 2, "stages": {"gather": 1e-3, "start": 5e-4} if mode == "staged" else {}}))
             reports.append(("dst", 0, 0, mode, it, {
                 "t1": base + 0.01 * scale * (it + 1), "done": [base + 0.004 * scale, base + 0.01 * scale * (it + 1)],
                 "verified": True if mode == "staged" else None, "errors": [], "stages": {"scatter": 2e-3},
@@ -186,6 +186,7 @@ def test_summary_figures():
     assert s["latency_p50_s"] == pytest.approx(lats[1]) and s["latency_p99_s"] == pytest.approx(lats[3])
     assert s["descriptors"] == 3  # 6 over two sources, per request
     assert b["descriptors"] == 2
+    assert s["writes"] == b["writes"] == 2  # 4 over two sources, per request
     assert s["arena_bytes"] == 4 << 20 and b["arena_bytes"] is None
     assert s["ratio_to_bulk"] == pytest.approx(b["seconds"] / s["seconds"])
     assert s["stages"]["gather"] == pytest.approx(2e-3) and s["stages"]["scatter"] == pytest.approx(2e-3)

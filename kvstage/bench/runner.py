@@ -398,7 +398,7 @@ def summarize(group: Group, reports: list) -> list[dict]:
         payload = sc.payload_bytes()
         rows = []
         for mode in sc.modes:
-            walls, descs, stage_rows, lat, verified, errors, paths, arenas = [], [], [], [], None, [], set(), set()
+            walls, descs, writes, stage_rows, lat, verified, errors, paths, arenas = [], [], [], [], [], None, [], set(), set()
             queued = []
             for it in range(sc.warmup, sc.warmup + sc.iters):
                 got = by[(pi, mode, it)]
@@ -406,6 +406,7 @@ def summarize(group: Group, reports: list) -> list[dict]:
                 dsts = [d for role, _, d in got if role == "dst"]
                 walls.append(max(d["t1"] for d in dsts) - min(d["t0"] for d in srcs))
                 descs.append(sum(d["descriptors"] for d in srcs))
+                writes.append(sum(d["writes"] for d in srcs))
                 queued.append(sum(d.get("queued_scatters", 0) for d in dsts))
                 for k in range(n):
                     lat.append(max(d["done"][k] for d in dsts) - min(d["sent"][k] for d in srcs))
@@ -433,7 +434,7 @@ def summarize(group: Group, reports: list) -> list[dict]:
                 "bytes": payload, "total_bytes": payload * n, "seconds": wall, "seconds_all": walls,
                 "gbps": payload * n / wall / 1e9,
                 "latency_p50_s": percentile(lat, 50), "latency_p99_s": percentile(lat, 99), "latency_samples": len(lat),
-                "descriptors": _per_request(descs[mid], n),
+                "descriptors": _per_request(descs[mid], n), "writes": _per_request(writes[mid], n),
                 "verified": verified, "arena_bytes": sc.arena_bytes() if mode == "staged" else None,
             }
             if mode == "staged":

@@ -277,7 +277,7 @@ def src_main(link: Link, g: Group, rank: int) -> None:
             return base64.b64decode(tickets[str(d)][k]) if str(d) in tickets else b""
 
         t0 = link.now()
-        sent, stages, descriptors = [], {}, 0
+        sent, stages, descriptors, writes = [], {}, 0, 0
         if mode == "staged":
             hs = []
             for k in range(n):
@@ -285,7 +285,7 @@ def src_main(link: Link, g: Group, rank: int) -> None:
                 hs.append(ep.send(tag(pi, mode, it, k), reqs[k], tokens))
             for h in hs:
                 h.wait(WAIT_S)
-            stages, descriptors = _stages(hs), sum(h.descriptors for h in hs)
+            stages, descriptors, writes = _stages(hs), sum(h.descriptors for h in hs), sum(h.writes for h in hs)
         elif mode == "bulk":
             handles = []
             mine = mine_tok * tokens
@@ -301,6 +301,7 @@ def src_main(link: Link, g: Group, rank: int) -> None:
                                               f"{tag(pi, mode, it, k)}-{rank}".encode(), ticket(p.dst_rank, k)))
                     at += size
                     descriptors += 1
+            writes = len(handles)
             _wait_writes(base, handles)
         else:
             handles = []
@@ -310,11 +311,13 @@ def src_main(link: Link, g: Group, rank: int) -> None:
                     handles.append(base.write_prepared(peers[p.dst_rank], lp, idx, rp, idx,
                                                        f"{tag(pi, mode, it, k)}-{rank}".encode(), ticket(p.dst_rank, k)))
                     descriptors += len(idx)
+            writes = len(handles)
             _wait_writes(base, handles)
         _sync(dev)
         t_end = link.now()
         link.send({"type": "result", "step": step, "data": {
-            "t0": t0, "sent": sent, "t_end": t_end, "descriptors": descriptors, "stages": stages,
+            "t0": t0, "sent": sent, "t_end": t_end, "descriptors": descriptors,
+            "writes": writes, "stages": stages,
             "arena": ep.arena_location,
         }})
         del prepared

@@ -168,6 +168,10 @@ class Endpoint:
                 f"path; pass Settings(transport={transport.name!r}) (direct then defaults to off) or direct=False"
             )
         self.transport = transport
+        if transport.host_only and cache.device.type == "cuda":
+            transport.close()
+            raise ConfigError(f"transport={transport.name!r} moves host memory only; this rank's cache is on "
+                              f"{cache.device}: use nixl or ucx")
         # facts first: the arena's place follows the UCX this transport really runs
         self.facts = collect_local(agent_plugins=_plugins(self.transport))
         own = getattr(self.transport, "facts", None)

@@ -40,7 +40,8 @@ class TransferHandle:
         self.state = State.PENDING
         self.error: TransferFailed | None = None
         self.bytes = 0
-        self.descriptors = 0
+        self.descriptors = 0  # spans handed to the transport (a gathering transport takes a chunk's pages)
+        self.writes = 0  # transport writes: one per chunk and destination on the staged path
         self.path: str | None = None  # "staged" or "direct", once known
         self.queued_scatters = 0  # destination: pieces whose scatter was queued before they landed (staging.landing)
         self.created = time.perf_counter()

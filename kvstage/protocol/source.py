@@ -7,7 +7,9 @@ the bytes. Its own arena is back-pressure too: a grant waits for a free slot.
 When the destination shares its arena and this process can map it (same
 host: CUDA IPC, or shared memory with ``mapped="on"``), the gather goes
 straight into the granted slot there and a ``landed`` control message
-replaces the write and its notice.
+replaces the write and its notice. A transport that walks many spans at the
+cost of one (``Transport.gathers``: ``cma``) writes the chunk straight from
+this rank's pages into the granted slot, with no gather and no slot here.
 
 A destination grants the first chunks of a request as soon as it expects it,
 often before this side's ``send``: such grants are checked on arrival and held
@@ -35,6 +37,7 @@ from kvstage.protocol.wire import PROTOCOL_VERSION, Connection, encode_notice, f
 from kvstage.staging import landing
 from kvstage.staging.copy import TokenIndex, gather, gather_pieces, upload_pages
 from kvstage.staging.fence import CopyFence
+from kvstage.staging.spans import chunk_spans
 from kvstage.tp import Piece, TransferPlan, plan
 from kvstage.transports.base import ReadyWrite, Region, Spans, WriteState
 from kvstage.transports.mapped import MappedArena, MappingError, open_shared
@@ -124,6 +127,9 @@ class Source(Endpoint):
         self._held: dict[str, dict] = {}  # req not sent yet -> {(dst rank, chunk): (Job, chunks, tokens)}
         self._held_count = 0
         self._finished: dict[str, str] = {}  # req -> final state, oldest first
+        if self.transport.gathers:
+            log.info("src %d: %s writes each chunk straight from the KV pages into the granted slot (no gather "
+                     "into this rank's arena)", self.rank, self.transport.name)
         self._start()
 
     # -- public --------------------------------------------------------------
@@ -474,6 +480,10 @@ class Source(Endpoint):
             if self._mapped(job):  # the granted slot is the gather's output
                 self._write_staged(out, self._take_mapped(), None)
                 continue
+            if self.transport.gathers:  # the write reads the pages: no slot of this arena
+                self._jobs.popleft()
+                self._write_from_pages(out, job)
+                continue
             slot = self.arena.allocator.acquire()
             if slot is None:  # back-pressure: wait for a write to finish
                 if job.blocked is None:
@@ -609,6 +619,28 @@ class Source(Endpoint):
                     self._chunk_written(out, j)
         self._gathering = still
 
+    def _write_from_pages(self, out: Outgoing, job: Job) -> None:
+        """The chunk's head slice straight from this rank's pages into the granted slot,
+        laid out as a gather would have (``staging.spans``)."""
+        target = self.targets.get(job.dst)
+        if target is None:
+            return self._fail(job.req, f"destination rank {job.dst}", "write", "not connected", tell=False)
+        t = time.perf_counter()
+        stages = out.handle.stages
+        stages.setdefault("start", t - out.handle.created)
+        stages["queued"] += max(0.0, t - job.queued)
+        index, offsets, lengths = chunk_spans(self.cache, out.pages, job.start, job.count, target.piece.src_offset,
+                                              target.piece.heads.count)
+        local = Spans(tuple(self.kv_regions()), index, offsets, lengths)
+        remote = Spans((target.arena,), np.zeros_like(index), job.offset + np.cumsum(lengths) - lengths, lengths)
+        nbytes = int(lengths.sum())
+        try:
+            write = self.transport.prepare_write(target.agent, local, remote,
+                                                 encode_notice(job.req, job.chunk, self.rank, job.offset, nbytes), job.ticket)
+        except KVStageError as e:
+            return self._fail(job.req, f"destination rank {job.dst}", "write", str(e), tell=True)
+        self._post_write(out, job, None, write, nbytes, len(local), t)
+
     def _write_direct(self, out: Outgoing, job: Job) -> None:
         """Whole pages straight into the destination's KV, coalesced into runs."""
         target = self.targets[job.dst]
@@ -647,6 +679,7 @@ class Source(Endpoint):
         out.stage = "write"
         out.handle.bytes += nbytes
         out.handle.descriptors += descriptors
+        out.handle.writes += 1
         self._inflight.append(InFlight(h, job, slot, t))
 
     def _poll_writes(self) -> None:

@@ -1,4 +1,5 @@
-"""Transports: ``nixl`` (one-sided, NIXL/UCX) and ``ucx`` (two-sided, UCXX)."""
+"""Transports: ``nixl`` (one-sided, NIXL/UCX), ``ucx`` (two-sided, UCXX) and ``cma``
+(one-sided, same host, host memory: ``process_vm_writev``)."""
 
 
 def make_transport(name: str, label: str):
@@ -11,6 +12,10 @@ def make_transport(name: str, label: str):
         from kvstage.transports.ucx import UcxTransport
 
         return UcxTransport(label)
+    if name == "cma":
+        from kvstage.transports.cma import CmaTransport
+
+        return CmaTransport(label)
     from kvstage.errors import ConfigError
 
-    raise ConfigError(f"transport={name!r}: must be nixl or ucx")
+    raise ConfigError(f"transport={name!r}: must be nixl, ucx or cma")

@@ -112,6 +112,11 @@ class Transport(abc.ABC):
     #: True: ``write`` may target any registered span (``expect`` is a no-op).
     #: False: only spans the receiver ``expect``-ed, with the ticket it returned.
     one_sided: bool = True
+    #: True: a write of many local spans costs about what one span of their bytes costs (the
+    #: transport walks them in the copy itself), so a writer need not gather them into one first
+    gathers: bool = False
+    #: True: host memory only (``register`` refuses device memory)
+    host_only: bool = False
 
     def expect(self, peer: str, spans: Spans) -> bytes:
         """Receiver side: ``peer`` will write into ``spans`` (registered here) in

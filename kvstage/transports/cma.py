@@ -1,0 +1,361 @@
+"""Same-host transport over cross-memory attach (``process_vm_writev``).
+
+Why it exists: a NIXL write posts one UCX request per descriptor (~3 µs each
+on the CPU machine), so a list of page rows costs far more than one span of
+the same bytes, and a source must first gather its rows into one span (a
+second pass over every byte). ``process_vm_writev`` takes up to ``IOV_MAX``
+spans a side in one system call and walks them at about the speed of one
+contiguous copy: UCX's ``cma`` transport makes the same call, one span at a
+time. Here a write of any span list is a few calls, so ``gathers`` is True:
+a source can write straight from its pages.
+
+What it asks of the host: both processes on one kernel, in one PID and one
+network namespace (notifications go over an abstract Unix socket), and the
+writer allowed to ptrace the receiver (same user; under Yama's ptrace_scope 1
+every endpoint of this transport allows any process of its user, as UCX does).
+Host memory only. A write is complete when ``write`` returns; its notification
+is sent after the last byte landed, on a stream the writer opened at
+``connect`` (datagrams would do, but Linux queues only ``max_dgram_qlen``,
+often 10, of them). The receiver accepts a stream only from a process of its
+own user, and its first frame, the writer's id, must name that process (the
+kernel says who connected).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import json
+import logging
+import os
+import select
+import socket
+import struct
+import uuid
+
+import numpy as np
+
+from kvstage.errors import TransportError
+from kvstage.transports.base import ReadyWrite, Region, Spans, Transport, WriteState
+
+log = logging.getLogger(__name__)
+
+IOV_MAX = 1024  # Linux UIO_MAXIOV: spans per side in one process_vm_writev call
+_PR_SET_PTRACER = 0x59616D61
+_PR_SET_PTRACER_ANY = ctypes.c_ulong(-1)
+_MAX_NOTIFICATION = 1 << 16  # bytes of one notification (a notice is ~100)
+_SEND_TIMEOUT_S = 5.0  # a receiver that reads no notification this long is stuck
+_FORMAT = 1
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_writev = _libc.process_vm_writev
+_writev.restype = ctypes.c_ssize_t
+_writev.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_ulong, ctypes.c_void_p, ctypes.c_ulong, ctypes.c_ulong]
+_WHY = {errno.ESRCH: "its process has exited",
+        errno.EPERM: "not allowed to write into it (another user, or Yama ptrace_scope 2-3)",
+        errno.EFAULT: "a span is not mapped on one side"}
+
+
+def _host_identity() -> dict:
+    """What two processes must share for this transport: the kernel (boot id), namespaces, user."""
+    with open("/proc/sys/kernel/random/boot_id") as f:
+        boot = f.read().strip()
+    return {"boot_id": boot, "pid_ns": os.stat("/proc/self/ns/pid").st_ino,
+            "net_ns": os.stat("/proc/self/ns/net").st_ino, "uid": os.getuid()}
+
+
+def _runs(addr: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    """Per span: True where it starts a new run (it does not continue the one before in memory)."""
+    new = np.ones(len(addr), dtype=bool)
+    new[1:] = addr[1:] != addr[:-1] + lengths[:-1].astype(np.uint64)
+    return new
+
+
+def _iovecs(addr: np.ndarray, lengths: np.ndarray, new: np.ndarray) -> np.ndarray:
+    """Adjacent spans merged into ``struct iovec`` rows (base, length)."""
+    starts = np.flatnonzero(new)
+    iov = np.empty((len(starts), 2), dtype=np.uint64)
+    iov[:, 0] = addr[starts]
+    iov[:, 1] = np.add.reduceat(lengths.astype(np.uint64), starts)
+    return iov
+
+
+def plan_calls(local_addr, remote_addr, lengths) -> list[tuple[np.ndarray, np.ndarray, int]]:
+    """The system calls that write span ``i`` of ``local_addr`` to span ``i`` of ``remote_addr``:
+    ``(local iovecs, remote iovecs, bytes)`` each, adjacent spans merged, at most ``IOV_MAX`` a side."""
+    la = np.asarray(local_addr, dtype=np.uint64)
+    ra = np.asarray(remote_addr, dtype=np.uint64)
+    ln = np.asarray(lengths, dtype=np.int64)
+    nl, nr = _runs(la, ln), _runs(ra, ln)
+    cl, cr = np.cumsum(nl), np.cumsum(nr)  # runs started up to and including span i, per side
+    calls, s = [], 0
+    while s < len(ln):
+        # the call from span s ends before either side would start its (IOV_MAX+1)-th run
+        e = int(min(np.searchsorted(cl, cl[s] - 1 + IOV_MAX, side="right"),
+                    np.searchsorted(cr, cr[s] - 1 + IOV_MAX, side="right")))
+        first_l, first_r = nl[s:e].copy(), nr[s:e].copy()
+        first_l[0] = first_r[0] = True
+        calls.append((_iovecs(la[s:e], ln[s:e], first_l), _iovecs(ra[s:e], ln[s:e], first_r), int(ln[s:e].sum())))
+        s = e
+    return calls
+
+
+def _frame(payload: bytes) -> bytes:
+    return struct.pack("!I", len(payload)) + payload
+
+
+class _Peer:
+    """A receiver this side writes to: its process, its regions, the stream for notifications."""
+
+    def __init__(self, md: dict, me: bytes):
+        self.id, self.pid = str(md["id"]), int(md["pid"])
+        self.regions = [(int(a), int(n)) for a, n in md["regions"]]
+        address = str(md["address"]).encode("latin-1")
+        try:
+            self.pidfd = os.pidfd_open(self.pid)  # the very process connected to, even if its pid is reused
+        except OSError as e:
+            raise TransportError(f"cma peer {self.id}: process {self.pid} is not reachable: {e}") from e
+        self.notes = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            self.notes.settimeout(_SEND_TIMEOUT_S)
+            self.notes.connect(address)
+            self.notes.sendall(_frame(me))
+        except OSError as e:
+            self.close()
+            raise TransportError(f"cma peer {self.id}: its notification socket is not reachable ({e}); "
+                                 "is it in another network namespace?") from e
+
+    def close(self) -> None:
+        self.notes.close()
+        os.close(self.pidfd)
+
+    def gone(self) -> bool:
+        return bool(select.select([self.pidfd], [], [], 0)[0])
+
+    def holds(self, region: Region) -> bool:
+        return any(a <= region.addr and region.addr + region.nbytes <= a + n for a, n in self.regions)
+
+
+class _Inbound:
+    """A writer's stream of notifications: frames, the first one its id."""
+
+    def __init__(self, conn: socket.socket, pid: int):
+        self.conn, self.pid, self.id, self.buf = conn, pid, None, bytearray()
+
+    def frames(self) -> list[bytes]:
+        out = []
+        while len(self.buf) >= 4:
+            (n,) = struct.unpack_from("!I", self.buf)
+            if n > _MAX_NOTIFICATION:
+                raise ValueError(f"a frame of {n} bytes")
+            if len(self.buf) < 4 + n:
+                break
+            out.append(bytes(self.buf[4 : 4 + n]))
+            del self.buf[: 4 + n]
+        return out
+
+
+class _Write:
+    """A finished write: ``process_vm_writev`` returns once the bytes are in place."""
+
+    __slots__ = ("nbytes",)
+
+    def __init__(self, nbytes: int):
+        self.nbytes = nbytes
+
+
+class CmaTransport(Transport):
+    name = "cma"
+    gathers = True
+    host_only = True
+
+    def __init__(self, label: str = "kvstage"):
+        self._identity = _host_identity()
+        self._id = f"{label}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        self._address = f"\0kvstage-cma-{self._id}".encode()
+        self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            self._listener.bind(self._address)
+            self._listener.listen(socket.SOMAXCONN)
+            self._listener.setblocking(False)
+        except OSError as e:
+            self._listener.close()
+            raise TransportError(f"cma: could not open its notification socket: {e}") from e
+        # Yama ptrace_scope 1 lets a process write into another only if that one allows it (no Yama: a no-op)
+        _libc.prctl(_PR_SET_PTRACER, _PR_SET_PTRACER_ANY, 0, 0, 0)
+        self._inbound: list[_Inbound] = []
+        self._regions: list[tuple[int, int]] = []
+        self._keep: list = []
+        self._peers: dict[str, _Peer] = {}
+
+    def register(self, tensor) -> Region:
+        if tensor.is_cuda:
+            raise TransportError("cma: moves host memory only (process_vm_writev); "
+                                 f"a {tensor.nbytes}-byte tensor on {tensor.device} needs nixl or ucx")
+        if not tensor.is_contiguous():
+            raise TransportError("register: tensor must be contiguous")
+        self._keep.append(tensor)
+        self._regions.append((tensor.data_ptr(), tensor.nbytes))
+        return Region(tensor.data_ptr(), tensor.nbytes, "cpu", 0)
+
+    def metadata(self) -> bytes:
+        return json.dumps({"format": _FORMAT, "id": self._id, "pid": os.getpid(), "host": self._identity,
+                           "address": self._address.decode("latin-1"), "regions": self._regions}).encode()
+
+    def connect(self, peer_metadata: bytes) -> str:
+        try:
+            md = json.loads(peer_metadata)
+            if md.get("format") != _FORMAT:
+                raise ValueError(f"format {md.get('format')!r}, this side reads {_FORMAT}")
+            host = md["host"]
+            for key, what in (("boot_id", "kernel (boot id)"), ("pid_ns", "PID namespace"),
+                              ("net_ns", "network namespace"), ("uid", "user")):
+                if host.get(key) != self._identity[key]:
+                    raise TransportError(
+                        f"cma: peer {md.get('id')} runs under another {what} ({host.get(key)!r}, this side "
+                        f"{self._identity[key]!r}); cma moves bytes only between processes of one host, namespace "
+                        "and user: use nixl or ucx")
+            peer = _Peer(md, self._id.encode())
+        except (ValueError, TypeError, KeyError, AttributeError) as e:
+            raise TransportError(f"cma: a peer's metadata is not this transport's: {e}") from e
+        self.disconnect(peer.id)
+        self._peers[peer.id] = peer
+        return peer.id
+
+    def disconnect(self, peer: str) -> None:
+        p = self._peers.pop(peer, None)
+        if p is not None:
+            p.close()
+
+    @property
+    def id(self) -> str:
+        return self._id
+
+    def _peer(self, peer: str) -> _Peer:
+        p = self._peers.get(peer)
+        if p is None:
+            raise TransportError(f"cma: write to {peer}: not connected")
+        return p
+
+    def _checked(self, peer: str, remote: Spans) -> _Peer:
+        p = self._peer(peer)
+        stray = next((r for r in remote.regions if not p.holds(r)), None)
+        if stray is not None:
+            raise TransportError(f"cma write to {peer}: remote region at {stray.addr:#x} ({stray.nbytes} bytes) "
+                                 "is not one the peer registered before its metadata was taken")
+        return p
+
+    def _calls(self, peer: str, local: Spans, remote: Spans):
+        try:
+            Spans.check_pair(local, remote)
+            if local.device[0] != "cpu" or remote.device[0] != "cpu":
+                raise ValueError("cma moves host memory only")
+        except ValueError as e:
+            raise TransportError(f"cma write to {peer}: {e}") from e
+        return self._checked(peer, remote), plan_calls(local.addresses(), remote.addresses(), local.lengths)
+
+    def _send(self, p: _Peer, calls, notification: bytes) -> _Write:
+        if len(notification) > _MAX_NOTIFICATION:
+            raise TransportError(f"cma: a notification of {len(notification)} bytes; at most {_MAX_NOTIFICATION}")
+        if p.gone():
+            raise TransportError(f"cma write to {p.id}: its process {p.pid} has exited")
+        total = 0
+        for liov, riov, nbytes in calls:
+            n = _writev(p.pid, liov.ctypes.data, len(liov), riov.ctypes.data, len(riov), 0)
+            if n != nbytes:
+                err = ctypes.get_errno() if n < 0 else 0
+                cause = _WHY.get(err, os.strerror(err)) if n < 0 else f"wrote {n} of {nbytes} bytes (a span not mapped)"
+                raise TransportError(f"cma write to {p.id} (process {p.pid}) failed after {total} bytes: {cause}")
+            total += n
+        try:
+            p.notes.sendall(_frame(notification))
+        except OSError as e:  # a timeout: it stopped reading; EPIPE: it closed
+            raise TransportError(f"cma: notification to {p.id} not sent: {e}") from e
+        return _Write(total)
+
+    def write(self, peer, local, remote, notification, ticket=b""):
+        p, calls = self._calls(peer, local, remote)
+        return self._send(p, calls, notification)
+
+    def prepare_write(self, peer, local, remote, notification, ticket=b""):
+        p, calls = self._calls(peer, local, remote)  # the iovecs are built now, the copy at post
+        return ReadyWrite(lambda: self._send(p, calls, notification))
+
+    def prepare(self, peer, spans):
+        try:
+            spans.check("prepared spans")
+        except ValueError as e:
+            raise TransportError(f"cma: {e}") from e
+        if peer is not None:
+            self._checked(peer, spans)
+        return spans
+
+    def write_prepared(self, peer, local, local_index, remote, remote_index, notification, ticket=b""):
+        li, ri = np.asarray(local_index, dtype=np.int64), np.asarray(remote_index, dtype=np.int64)
+        if len(li) != len(ri) or np.any(local.lengths[li] != remote.lengths[ri]):
+            raise TransportError(f"cma write to {peer}: prepared spans differ in count or lengths")
+        calls = plan_calls(local.addresses()[li], remote.addresses()[ri], local.lengths[li])
+        return self._send(self._peer(peer), calls, notification)
+
+    def poll(self, handle) -> WriteState:
+        return WriteState.DONE
+
+    def release(self, handle) -> None:
+        pass
+
+    def notifications(self):
+        self._accept()
+        out = []
+        for w in list(self._inbound):
+            closed = False
+            try:
+                while True:
+                    data = w.conn.recv(1 << 16)
+                    if not data:
+                        closed = True
+                        break
+                    w.buf += data
+            except BlockingIOError:
+                pass
+            except OSError:
+                closed = True
+            try:  # what a writer sent before it went is still handed out
+                for frame in w.frames():
+                    if w.id is None:
+                        w.id = frame.decode("utf-8", "replace")
+                        parts = w.id.rsplit("-", 2)
+                        if len(parts) != 3 or parts[1] != str(w.pid):
+                            raise ValueError(f"its id {w.id[:80]!r} does not name process {w.pid}")
+                    else:
+                        out.append((w.id, frame))
+            except ValueError as e:  # not a writer of this transport
+                log.warning("cma: dropped the notification stream of process %d: %s", w.pid, e)
+                closed = True
+            if closed:
+                self._inbound.remove(w)
+                w.conn.close()
+        return out
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                conn, _ = self._listener.accept()
+            except BlockingIOError:
+                return
+            pid, uid, _ = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))
+            if uid != self._identity["uid"]:
+                log.warning("cma: refused a notification stream from process %d of user %d", pid, uid)
+                conn.close()
+                continue
+            conn.setblocking(False)
+            self._inbound.append(_Inbound(conn, pid))
+
+    def close(self) -> None:
+        for peer in list(self._peers):
+            self.disconnect(peer)
+        for w in self._inbound:
+            w.conn.close()
+        self._inbound.clear()
+        self._regions.clear()
+        self._keep.clear()
+        self._listener.close()
