@@ -43,6 +43,7 @@ MAX_POLL_US = 1_000_000  # a loop that polls a whole second after each event wou
 #: ``poll_us`` when unset: a GPU host has cores to spare and wakes a sleeping thread slowly (0.1-0.2 ms,
 #: docs/benchmarks.md, session 16); on a host cache the cores do the copies
 DEFAULT_POLL_US = {"cuda": 50000.0, "cpu": 0.0}
+MAX_SCATTER_THREADS = 64
 #: ``switch_interval_us``'s range: below 10 µs the interpreter would spend its time handing the GIL round
 SWITCH_INTERVAL_US = (10, 1_000_000)
 
@@ -87,6 +88,10 @@ class Settings:
     #: the interpreter's switch interval while this endpoint is open (``protocol.switch_interval``):
     #: how long a thread running pure Python keeps the GIL from the endpoint's loop. None: left alone
     switch_interval_us: float | None = field(default_factory=lambda: _env("KVSTAGE_SWITCH_INTERVAL_US", None, float))
+    #: threads a destination with a host cache scatters each chunk on (its loop thread is one of them).
+    #: None: 2 with a transport that gathers (cma: the sources leave a core free) on a host of 2+ cores,
+    #: else 1. A GPU cache's kernel ignores it
+    scatter_threads: int | None = field(default_factory=lambda: _env("KVSTAGE_SCATTER_THREADS", None, int))
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -117,6 +122,10 @@ class Settings:
             raise ConfigError(f"poll_us={self.poll_us!r}: must be a number of microseconds in [0, {MAX_POLL_US}], "
                               "or unset for the device's default")
         lo, hi = SWITCH_INTERVAL_US
+        if self.scatter_threads is not None and not (
+                isinstance(self.scatter_threads, int) and not isinstance(self.scatter_threads, bool)
+                and 1 <= self.scatter_threads <= MAX_SCATTER_THREADS):
+            raise ConfigError(f"scatter_threads={self.scatter_threads!r}: must be a whole number in [1, {MAX_SCATTER_THREADS}]")
         if self.switch_interval_us is not None and not _number_in(self.switch_interval_us, lo, hi):
             raise ConfigError(f"switch_interval_us={self.switch_interval_us!r}: must be a number of microseconds in "
                               f"[{lo}, {hi}], or unset to leave the interpreter's switch interval alone")

@@ -15,6 +15,7 @@ from __future__ import annotations
 import hmac
 import math
 import logging
+import os
 import socket
 import threading
 import time
@@ -27,7 +28,7 @@ from kvstage.protocol.endpoint import Endpoint, check_pages, check_transport, md
 from kvstage.protocol.request import State, TransferHandle
 from kvstage.protocol.wire import PROTOCOL_VERSION, Connection, decode_notice, field, notice_from_message
 from kvstage.staging import landing
-from kvstage.staging.copy import TokenIndex, prepare_piece_scatters, prepare_scatter, upload_pages
+from kvstage.staging.copy import CopyThreads, TokenIndex, prepare_piece_scatters, prepare_scatter, upload_pages
 from kvstage.staging.fence import CopyFence
 from kvstage.tp import Piece, TransferPlan, plan
 from kvstage.transports.base import Region, Spans
@@ -133,12 +134,28 @@ class Destination(Endpoint):
                 self._landing, self._arming = landing.LandingWords(self.arena.words), True
             else:
                 log.info("dst %d: piece scatters are launched as pieces land, not queued ahead: %s", self.rank, why)
+        self._scatter_threads = self._copy_threads()
         self._listener = socket.create_server(listen)
         self.address = self._listener.getsockname()[:2]
         self._start()
         threading.Thread(target=self._accept, name=f"kvstage-accept{self.rank}", daemon=True).start()
         log.info("dst %d: listening on %s:%d (%d slots of %d bytes)", self.rank, *self.address,
                  self.arena.allocator.count, self.arena.slot_bytes)
+
+    def _copy_threads(self) -> CopyThreads | None:
+        """The threads a host cache's scatters share (``Settings.scatter_threads``), or None for one."""
+        n, why = self.settings.scatter_threads, "scatter_threads"
+        if n is None:
+            n = 2 if self.transport.gathers and (os.cpu_count() or 1) >= 2 else 1
+            why = f"{self.transport.name}: the sources write from their pages and leave a core free"
+        if n == 1:
+            return None
+        if self.cache.device.type != "cpu":
+            log.info("dst %d: scatter_threads=%d left unused: this cache is on %s, where one kernel launch scatters",
+                     self.rank, n, self.cache.device)
+            return None
+        log.info("dst %d: host scatters on %d threads (%s)", self.rank, n, why)
+        return CopyThreads(n)
 
     def _accept(self) -> None:
         while not self._closing:
@@ -456,7 +473,7 @@ class Destination(Endpoint):
         each = (prepare_piece_scatters(self.cache, idx, pieces, region)
                 if len(pieces) > 1 or self._landing is not None else None)
         if each is None:
-            chunk.scatter = prepare_scatter(self.cache, idx, pieces, region)
+            chunk.scatter = prepare_scatter(self.cache, idx, pieces, region, self._scatter_threads)
         else:
             chunk.piece_scatters = {p.src_rank: launch for p, launch in zip(writers, each)}
             if self._landing is not None:
@@ -798,4 +815,6 @@ class Destination(Endpoint):
         if self._landing is not None:  # every queued scatter was let go by the failures above
             self._arming = False
             self._landing.close()
+        if self._scatter_threads is not None:
+            self._scatter_threads.close()
         super()._shutdown()

@@ -13,6 +13,7 @@ are torch/numpy ops.
 from __future__ import annotations
 
 import contextlib
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import torch
@@ -195,12 +196,36 @@ def _fused(cache: RankCache, idx: TokenIndex, pieces, region: torch.Tensor, to_r
     return copier is not None
 
 
-def prepare_scatter(cache: RankCache, idx: TokenIndex, pieces, region: torch.Tensor):
+class CopyThreads:
+    """Threads that take a share of a host scatter's buffers beside the caller's own:
+    numpy's copies release the GIL, so the scatter runs on ``threads`` cores. Worth it
+    only where a core is free: with ``cma`` the sources leave most of one (docs/benchmarks.md, session 18)."""
+
+    def __init__(self, threads: int):
+        self.threads = threads
+        self._pool = ThreadPoolExecutor(threads - 1, thread_name_prefix="kvstage-scatter")
+
+    def run(self, place, items: list) -> None:
+        """``place(*item)`` for every item, items dealt round-robin; the caller's share first."""
+        shares = [items[k :: self.threads] for k in range(self.threads)]
+        others = [self._pool.submit(lambda share=share: [place(*x) for x in share]) for share in shares[1:] if share]
+        try:
+            for x in shares[0]:
+                place(*x)
+        finally:
+            for f in others:
+                f.result()  # re-raises a failed share's error, after every share has stopped
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
+
+
+def prepare_scatter(cache: RankCache, idx: TokenIndex, pieces, region: torch.Tensor, threads: CopyThreads | None = None):
     """``scatter_chunk`` made ready ahead of time (when the chunk is granted): a
     callable that runs it. On CUDA all set-up happens here and the call is one
     kernel launch; elsewhere the call does the whole scatter."""
     launch = _prepared(cache, idx, pieces, region, to_region=False)
-    return launch if launch is not None else (lambda: scatter_chunk(cache, idx, pieces, region))
+    return launch if launch is not None else (lambda: scatter_chunk(cache, idx, pieces, region, threads))
 
 
 def prepare_piece_scatters(cache: RankCache, idx: TokenIndex, pieces, region: torch.Tensor) -> list | None:
@@ -218,8 +243,10 @@ def _bounce(cache: RankCache, region: torch.Tensor) -> torch.Tensor | None:
     return None if region.device == cache.device else torch.empty_like(region, device=cache.device)
 
 
-def scatter_chunk(cache: RankCache, idx: TokenIndex, pieces, region: torch.Tensor) -> None:
-    """Scatter every writer's region of a slot: ``pieces`` = [(head_lo, heads, byte offset in region)]."""
+def scatter_chunk(cache: RankCache, idx: TokenIndex, pieces, region: torch.Tensor,
+                  threads: CopyThreads | None = None) -> None:
+    """Scatter every writer's region of a slot: ``pieces`` = [(head_lo, heads, byte offset in region)].
+    ``threads``: share a host cache's tiled scatter (NHD pieces laid end to end) among them."""
     if _fused(cache, idx, pieces, region, to_region=False):
         return
     tmp = _bounce(cache, region)
@@ -228,7 +255,7 @@ def scatter_chunk(cache: RankCache, idx: TokenIndex, pieces, region: torch.Tenso
         region = tmp
     tiled = _tiling(cache, idx.count, pieces) if cache.device.type == "cpu" else None
     if tiled is not None:
-        return _scatter_tiled(cache, idx, *tiled, region)
+        return _scatter_tiled(cache, idx, *tiled, region, threads)
     for lo, n, base in pieces:
         scatter(cache, idx, lo, n, region[base : base + region_bytes(cache, idx.count, n)])
 
@@ -248,7 +275,8 @@ def _tiling(cache: RankCache, count: int, pieces) -> tuple[int, int, int, int] |
     return lo, len(pieces), n, base
 
 
-def _scatter_tiled(cache: RankCache, idx: TokenIndex, lo: int, k: int, n: int, base: int, region: torch.Tensor) -> None:
+def _scatter_tiled(cache: RankCache, idx: TokenIndex, lo: int, k: int, n: int, base: int, region: torch.Tensor,
+                   threads: CopyThreads | None = None) -> None:
     geo = cache.spec.geometry
     words, dt = _word(cache)
     hw = geo.head_bytes() // words
@@ -262,13 +290,20 @@ def _scatter_tiled(cache: RankCache, idx: TokenIndex, lo: int, k: int, n: int, b
     # interleaves the writers first (~1.3x on the Intel CPU machine; docs/benchmarks.md, session 15)
     piece = np.dtype(f"V{n * geo.head_bytes()}")
     pieces = src.reshape(-1).view(piece).reshape(k, geo.buffers, idx.count)
-    for i, buf in enumerate(cache.buffers):
+
+    def place(i: int, buf: torch.Tensor) -> None:
         if whole:  # [pages, tokens, writers] in the cache <- [writers, tokens] of the slot, transposed
             pages = buf.view(torch.uint8).numpy().reshape(-1).view(piece).reshape(cache.pages, P, k)
             pages[idx.pages_np] = pieces[:, i, :t0].T.reshape(whole, P, k)
         if t0 < idx.count:  # the tokens past the whole pages, as rows of [writers, heads, words]
             rows = src[:, i].transpose(1, 0, 2, 3)
             _flat(buf, cache).numpy()[idx.flat_np[t0:], lo : lo + k * n] = rows[t0:].reshape(-1, k * n, hw)
+
+    if threads is None:
+        for i, buf in enumerate(cache.buffers):
+            place(i, buf)
+    else:
+        threads.run(place, list(enumerate(cache.buffers)))
 
 
 def gather(cache: RankCache, idx: TokenIndex, head_lo: int, heads: int, region: torch.Tensor) -> None:
