@@ -1,4 +1,4 @@
-"""Fault suite: killed peers, a restarted peer, and load — real processes, real NIXL.
+"""Fault suite: killed peers, a restarted peer, and load — real processes, real NIXL (and cma).
 
 Figures (detection time per fault, leaked slots, corrupt bytes) are printed
 with ``-s`` and recorded in docs/reliability.md.
@@ -30,13 +30,21 @@ def _destination(tokens_pages: int) -> Destination:
 
 
 # "on": the sources gather straight into the destination's arena (a memfd mapped into them), with
-# no transport write; the spawned ranks read KVSTAGE_MAPPED from the environment they inherit
-MAPPED = ["auto", "on"]
+# no transport write; "cma": the sources write from their pages with process_vm_writev. The spawned
+# ranks read KVSTAGE_MAPPED and KVSTAGE_TRANSPORT from the environment they inherit
+MAPPED = ["auto", "on", "cma"]
+
+
+def _variant(monkeypatch, mapped: str) -> None:
+    if mapped == "cma":
+        monkeypatch.setenv("KVSTAGE_TRANSPORT", "cma")
+    else:
+        monkeypatch.setenv("KVSTAGE_MAPPED", mapped)
 
 
 @pytest.mark.parametrize("mapped", MAPPED)
 def test_source_killed_mid_transfer_then_restarted_under_the_same_rank(mapped, monkeypatch):
-    monkeypatch.setenv("KVSTAGE_MAPPED", mapped)
+    _variant(monkeypatch, mapped)
     dst = _destination(pages_needed(BIG, 4) + 8)
     try:
         pages = np.random.default_rng(0).permutation(dst.cache.pages)[: pages_needed(BIG, 4)]
@@ -75,7 +83,7 @@ def test_source_killed_mid_transfer_then_restarted_under_the_same_rank(mapped, m
 
 @pytest.mark.parametrize("mapped", MAPPED)
 def test_destination_killed_mid_transfer_fails_the_source_fast(mapped, monkeypatch):
-    monkeypatch.setenv("KVSTAGE_MAPPED", mapped)
+    _variant(monkeypatch, mapped)
     q, commands = CTX.Queue(), CTX.Queue()
     p = CTX.Process(target=fr.receive_one, args=(BIG, 3, q, commands))
     p.start()
