@@ -12,18 +12,11 @@ from kvstage.staging.cache import RankCache
 from kvstage.staging.copy import TokenIndex, gather, region_bytes
 from kvstage.staging.spans import chunk_spans
 from kvstage.tp import SideSpec
+from test_staging import _random_cache
 
 SIDES = [(16, "nhd"), (4, "hnd"), (1, "nhd"), (8, "hnd")]
 RANGES = [(0, 37), (16, 32), (5, 20), (0, 64), (63, 1)]
 HEADS = [(0, 4), (2, 2), (1, 1)]  # (first local head, heads) of a rank holding 4
-
-
-def _random_cache(spec, pages, seed):
-    c = RankCache.allocate(spec, 0, pages, fill=None)
-    g = torch.Generator().manual_seed(seed)
-    for b in c.buffers:
-        b.view(torch.uint8).copy_(torch.randint(0, 256, b.view(torch.uint8).shape, dtype=torch.uint8, generator=g))
-    return c
 
 
 def _read(cache, spans):
