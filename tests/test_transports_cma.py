@@ -254,3 +254,22 @@ def test_device_memory_is_refused_and_so_is_an_endpoint_on_a_gpu():
     spec = SideSpec(KVGeometry(2, 4, 32, "bfloat16"), 1, PageLayout(16, "nhd"))
     with pytest.raises(ConfigError, match="transport='cma' moves host memory only.*cuda"):
         Destination(RankCache.allocate(spec, 0, 8, torch.device("cuda")), Settings(transport="cma", arena_mb=1, slot_mb=0.25))
+
+
+def test_a_source_over_cma_keeps_one_page_of_arena_and_a_nixl_one_its_whole_arena():
+    """Its chunks go from its pages into the destination's slots: arena_mb would sit unused."""
+    from kvstage.config import Settings
+    from kvstage.layout import KVGeometry, PageLayout
+    from kvstage.protocol.source import Source
+    from kvstage.staging.cache import RankCache
+    from kvstage.tp import SideSpec
+
+    spec = SideSpec(KVGeometry(2, 4, 32, "bfloat16"), 1, PageLayout(16, "nhd"))
+    sizes = {}
+    for transport in ("cma", "nixl"):
+        src = Source(RankCache.allocate(spec, 0, 8), Settings(transport=transport, arena_mb=1, slot_mb=0.25))
+        try:
+            sizes[transport] = src.arena.buffer.numel()
+        finally:
+            src.close()
+    assert sizes == {"cma": 4096, "nixl": 1 << 20}

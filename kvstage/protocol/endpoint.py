@@ -186,8 +186,7 @@ class Endpoint:
         words = self.settings.slots * WORDS_PER_SLOT if (
             self.shares_arena and on_gpu and self.settings.mapped != "off" and self.settings.prearm
             and self.transport.one_sided) else 0
-        self.arena = StagingArena(self.settings.slot_bytes, self.settings.slots,
-                                  cache.device if on_gpu else torch.device("cpu"), pinned=cache.device.type == "cuda",
+        self.arena = StagingArena(*self._arena_slots(), cache.device if on_gpu else torch.device("cpu"), pinned=cache.device.type == "cuda",
                                   shared=shared, words=words)
         self.arena_location = where
         if cache.device.type == "cuda":
@@ -465,6 +464,10 @@ class Endpoint:
         if got is not None:
             handle._fail(got[0], "abort", got[1])
         return got is not None
+
+    def _arena_slots(self) -> tuple[int, int]:
+        """(bytes per slot, slots) of this endpoint's arena."""
+        return self.settings.slot_bytes, self.settings.slots
 
     def _busy(self) -> bool:
         return False

@@ -170,7 +170,7 @@ class Source(Endpoint):
                 "type": "hello", "version": PROTOCOL_VERSION, "token": self.settings.auth_token,
                 "spec": spec_to_wire(self.spec), "rank": self.rank, "agent": self.transport.id,
                 "transport": self.transport.name,
-                "metadata": md_to_wire(self.transport.metadata()), "slot_bytes": self.arena.slot_bytes,
+                "metadata": md_to_wire(self.transport.metadata()), "slot_bytes": self.settings.slot_bytes,
                 "facts": self.facts,
             })
             msg = conn.recv()
@@ -340,6 +340,12 @@ class Source(Endpoint):
                           self.rank, req, wait)
                 return
         self._poll_gathers()
+
+    def _arena_slots(self) -> tuple[int, int]:
+        """A transport that reads the pages itself (``gathers``) leaves this rank's arena unused:
+        one page keeps its shape, not ``arena_mb`` of memory. The hello announces the slot size
+        of the settings either way: the destination cuts chunks to fit it."""
+        return (4096, 1) if self.transport.gathers else super()._arena_slots()
 
     def _busy(self) -> bool:
         return bool(self._inflight or self._jobs or self._gathering)
