@@ -273,3 +273,23 @@ def test_a_source_over_cma_keeps_one_page_of_arena_and_a_nixl_one_its_whole_aren
         finally:
             src.close()
     assert sizes == {"cma": 4096, "nixl": 1 << 20}
+
+
+def test_a_peer_is_checked_alive_even_past_select_s_descriptor_limit():
+    """An engine process holds many files: the peer's pidfd then lies past 1,023."""
+    import os
+
+    a, b = CmaTransport("a"), CmaTransport("b")
+    held = [os.open(os.devnull, os.O_RDONLY) for _ in range(1100)]
+    try:
+        src, dst = torch.arange(64, dtype=torch.uint8), torch.zeros(64, dtype=torch.uint8)
+        ra, rb = a.register(src), b.register(dst)
+        peer = a.connect(b.metadata())
+        assert a._peers[peer].pidfd > 1023
+        a.write(peer, Spans.single(ra, [0], [64]), Spans.single(rb, [0], [64]), b"far")
+        assert _wait(b.notifications, "notification") == [(a.id, b"far")] and torch.equal(dst, src)
+    finally:
+        for fd in held:
+            os.close(fd)
+        a.close()
+        b.close()

@@ -130,7 +130,11 @@ class _Peer:
         os.close(self.pidfd)
 
     def gone(self) -> bool:
-        return bool(select.select([self.pidfd], [], [], 0)[0])
+        """Whether the process has exited (its pidfd turns readable). poll(2), not select(2):
+        in an engine's process a new descriptor is often past select's 1,023."""
+        p = select.poll()
+        p.register(self.pidfd, select.POLLIN)
+        return bool(p.poll(0))
 
     def holds(self, region: Region) -> bool:
         return any(a <= region.addr and region.addr + region.nbytes <= a + n for a, n in self.regions)
