@@ -293,3 +293,13 @@ def test_a_peer_is_checked_alive_even_past_select_s_descriptor_limit():
             os.close(fd)
         a.close()
         b.close()
+
+
+@pytest.mark.parametrize("scope,says", [(None, False), (0, False), (1, True), (2, False)])
+def test_only_yama_scope_1_makes_an_endpoint_open_itself_and_it_says_so(scope, says, monkeypatch, caplog):
+    import kvstage.transports.cma as cma
+
+    monkeypatch.setattr(cma, "_yama_scope", lambda: scope)
+    with caplog.at_level(logging.INFO, logger="kvstage.transports.cma"):
+        CmaTransport("a").close()
+    assert ("ptrace_scope is 1" in caplog.text) == says

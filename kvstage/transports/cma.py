@@ -12,7 +12,7 @@ a source can write straight from its pages.
 What it asks of the host: both processes on one kernel, in one PID and one
 network namespace (notifications go over an abstract Unix socket), and the
 writer allowed to ptrace the receiver (same user; under Yama's ptrace_scope 1
-every endpoint of this transport allows any process of its user, as UCX does).
+an endpoint of this transport allows any process of its user, and says so).
 Host memory only. A write is complete when ``write`` returns; its notification
 is sent after the last byte landed, on a stream the writer opened at
 ``connect`` (datagrams would do, but Linux queues only ``max_dgram_qlen``,
@@ -62,6 +62,15 @@ def _host_identity() -> dict:
         boot = f.read().strip()
     return {"boot_id": boot, "pid_ns": os.stat("/proc/self/ns/pid").st_ino,
             "net_ns": os.stat("/proc/self/ns/net").st_ino, "uid": os.getuid()}
+
+
+def _yama_scope() -> int | None:
+    """Yama's ptrace_scope, or None where Yama is not loaded."""
+    try:
+        with open("/proc/sys/kernel/yama/ptrace_scope") as f:
+            return int(f.read().strip())
+    except (OSError, ValueError):
+        return None
 
 
 def _runs(addr: np.ndarray, lengths: np.ndarray) -> np.ndarray:
@@ -185,8 +194,10 @@ class CmaTransport(Transport):
         except OSError as e:
             self._listener.close()
             raise TransportError(f"cma: could not open its notification socket: {e}") from e
-        # Yama ptrace_scope 1 lets a process write into another only if that one allows it (no Yama: a no-op)
-        _libc.prctl(_PR_SET_PTRACER, _PR_SET_PTRACER_ANY, 0, 0, 0)
+        if _yama_scope() == 1:  # only ancestors may write into this process unless it allows others
+            _libc.prctl(_PR_SET_PTRACER, _PR_SET_PTRACER_ANY, 0, 0, 0)
+            log.info("cma: Yama ptrace_scope is 1: this process lets any process of its user write into it "
+                     "(PR_SET_PTRACER_ANY), as cma peers must")
         self._inbound: list[_Inbound] = []
         self._regions: list[tuple[int, int]] = []
         self._keep: list = []
