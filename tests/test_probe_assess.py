@@ -295,6 +295,15 @@ def test_connect_line_named_transport_warns_with_fix(caplog):
     assert "queried: UCX selected tcp" in f.line()
 
 
+def test_connect_line_of_kvstage_cma_names_its_own_transport_not_ucx():
+    """cma is kvstage's own process_vm_writev: the line must not say UCX chose anything."""
+    f = connect_line(facts(pid=1), facts(pid=2), "cma", None)
+    _no_warning(f)
+    assert "queried: kvstage's cma transport (process_vm_writev, no UCX) moves the writes" in f.line()
+    assert "UCX selected" not in f.line() and "(UCX:" not in f.path
+    assert "via shared memory (kvstage's cma transport" in f.path
+
+
 def test_connect_line_low_bandwidth_on_unknown_transport():
     g = gpu_list(GPU_A)
     f = connect_line(facts(device="cuda", gpu=GPU_A, gpus=g), facts(device="cuda", gpu=GPU_A, gpus=g), "nixl", 0.4)

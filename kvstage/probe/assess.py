@@ -69,7 +69,8 @@ def _path_text(kind: str | None, selection: dict | None, ctx: LinkContext) -> st
     name = paths.kind_name(kind, ctx.gpu)
     if kind == "cuda_ipc":
         name += " (one GPU)" if ctx.same_gpu else " over NVLink" if ctx.nvlink else " over PCIe" if ctx.nvlink is False else ""
-    ucx = f" (UCX: {selection['summary']})" if selection and selection.get("summary") else ""
+    ucx = (f" ({selection['mover']})" if selection and selection.get("mover")
+           else f" (UCX: {selection['summary']})" if selection and selection.get("summary") else "")
     return f"{pair} via {name}{ucx}"
 
 
@@ -169,7 +170,8 @@ def assess(
     gpu_mem = ctx.gpu
     kind = paths.transport_kind(sel.get("transports", []), sel.get("descriptions", []), gpu_mem) if sel else None
     if sel:
-        ev.insert(0, Evidence(selection_source, f"UCX selected {sel.get('summary') or ', '.join(sel.get('transports', []))}"
+        ev.insert(0, Evidence(selection_source, f"{sel['mover']} moves the writes" if sel.get("mover") else
+                              f"UCX selected {sel.get('summary') or ', '.join(sel.get('transports', []))}"
                               + (f" for {sel['src']}->{sel['dst']} writes" if sel.get("src") else "")))
     best = expected_best(ctx)
     path = _path_text(kind, sel, ctx)

@@ -15,6 +15,8 @@ from kvstage.probe.finding import Finding
 
 # Names that say which library moves the bytes, not which UCX transport.
 _OPAQUE = {"", "nixl", "ucx", "ucxx", "auto"}
+# kvstage's own transports, whose path is known by construction (no UCX inside)
+_OWN = {"cma": "kvstage's cma transport (process_vm_writev, no UCX)"}
 
 
 def connect_line(
@@ -27,7 +29,9 @@ def connect_line(
     """Finding for one peer at connect time (see module doc)."""
     name = (transport_name or "").strip()
     selection = None
-    if name.lower() not in _OPAQUE:
+    if name.lower() in _OWN:
+        selection = {"summary": name.lower(), "transports": [name.lower()], "descriptions": [], "mover": _OWN[name.lower()]}
+    elif name.lower() not in _OPAQUE:
         tls = paths.transports_in(name)
         selection = {"summary": name, "transports": tls, "descriptions": ["software emulation"] if "emulation" in name else []}
     if peer_name is None:
