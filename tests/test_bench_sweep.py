@@ -3,6 +3,7 @@
 Nothing here starts a rank process: invalid input must be refused before any is.
 """
 
+import dataclasses
 import json
 
 import pytest
@@ -202,6 +203,9 @@ def test_table_and_csv_from_a_result(tmp_path):
     for col in ("mode", "TP", "tokens", "conc", "GB/s", "p50 ms", "p99 ms", "desc/req", "arena MiB", "vs bulk"):
         assert col in text
     assert "2->1" in text
+    assert ", nixl, median of 2" in text  # the transport beside the device: rows of two transports differ a lot
+    sc = dataclasses.replace(sc, transport="cma")
+    assert ", cma, median of 2" in render_table({"config": sc.to_dict(), "results": result["results"]})
     path = tmp_path / "r.csv"
     write_csv(result, str(path))
     import csv

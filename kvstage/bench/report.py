@@ -60,7 +60,7 @@ def _geometry_line(cfg: dict) -> str:
     if dp != sp:
         paging += f" -> page {dp['page_size']} {dp['order']}"
     return (f"{g['layers']} layers, {g['kv_heads']} KV heads x {g['head_dim']} {g['dtype']}"
-            f"{' MLA' if g['mla'] else ''}, {paging}, {cfg['device']}, median of {cfg['iters']} "
+            f"{' MLA' if g['mla'] else ''}, {paging}, {cfg['device']}, {cfg.get('transport', 'nixl')}, median of {cfg['iters']} "
             f"(+{cfg['warmup']} warm-up)")
 
 
