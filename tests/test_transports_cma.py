@@ -303,3 +303,18 @@ def test_only_yama_scope_1_makes_an_endpoint_open_itself_and_it_says_so(scope, s
     with caplog.at_level(logging.INFO, logger="kvstage.transports.cma"):
         CmaTransport("a").close()
     assert ("ptrace_scope is 1" in caplog.text) == says
+
+
+def test_no_call_moves_more_than_the_kernel_allows_in_one():
+    """Linux moves at most 2 GiB - 4 KiB a call and reports the rest only as a short count."""
+    from kvstage.transports.cma import MAX_CALL_BYTES
+
+    lengths = np.array([3 * MAX_CALL_BYTES + 5, 100, MAX_CALL_BYTES - 50, 60])
+    l_off = np.concatenate(([0], np.cumsum(lengths)[:-1])).astype(np.uint64) + (1 << 40)
+    r_off = l_off + (1 << 44)
+    calls = plan_calls(l_off, r_off, lengths)
+    # the long span in three full calls and its 5-byte tail; the next span would pass the cap after the 100
+    assert [b for _, _, b in calls] == [MAX_CALL_BYTES] * 3 + [5 + 100, MAX_CALL_BYTES - 50, 60]
+    (liov, riov, _) = calls[3]  # the tail and the 100 run on in memory on both sides: one iovec each
+    assert len(liov) == len(riov) == 1 and liov[0, 0] == (1 << 40) + 3 * MAX_CALL_BYTES
+    assert sum(int(l[:, 1].sum()) for l, _, _ in calls) == lengths.sum()

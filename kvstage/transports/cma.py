@@ -41,6 +41,7 @@ from kvstage.transports.base import ReadyWrite, Region, Spans, Transport, WriteS
 log = logging.getLogger(__name__)
 
 IOV_MAX = 1024  # Linux UIO_MAXIOV: spans per side in one process_vm_writev call
+MAX_CALL_BYTES = 1 << 30  # per call: Linux moves at most MAX_RW_COUNT (2 GiB - 4 KiB) and says so only by a short count
 _PR_SET_PTRACER = 0x59616D61
 _PR_SET_PTRACER_ANY = ctypes.c_ulong(-1)
 _MAX_NOTIFICATION = 1 << 16  # bytes of one notification (a notice is ~100)
@@ -89,19 +90,31 @@ def _iovecs(addr: np.ndarray, lengths: np.ndarray, new: np.ndarray) -> np.ndarra
     return iov
 
 
+def _split_long(la: np.ndarray, ra: np.ndarray, ln: np.ndarray):
+    """Spans longer than ``MAX_CALL_BYTES`` cut into pieces of at most that."""
+    k = -(-ln // MAX_CALL_BYTES)
+    if len(k) == 0 or k.max() <= 1:
+        return la, ra, ln
+    idx = np.repeat(np.arange(len(ln)), k)
+    off = (np.arange(len(idx)) - np.repeat(np.cumsum(k) - k, k)) * MAX_CALL_BYTES
+    return la[idx] + off.astype(np.uint64), ra[idx] + off.astype(np.uint64), np.minimum(ln[idx] - off, MAX_CALL_BYTES)
+
+
 def plan_calls(local_addr, remote_addr, lengths) -> list[tuple[np.ndarray, np.ndarray, int]]:
     """The system calls that write span ``i`` of ``local_addr`` to span ``i`` of ``remote_addr``:
-    ``(local iovecs, remote iovecs, bytes)`` each, adjacent spans merged, at most ``IOV_MAX`` a side."""
-    la = np.asarray(local_addr, dtype=np.uint64)
-    ra = np.asarray(remote_addr, dtype=np.uint64)
-    ln = np.asarray(lengths, dtype=np.int64)
+    ``(local iovecs, remote iovecs, bytes)`` each, adjacent spans merged, at most ``IOV_MAX`` a side
+    and ``MAX_CALL_BYTES`` a call."""
+    la, ra, ln = _split_long(np.asarray(local_addr, dtype=np.uint64), np.asarray(remote_addr, dtype=np.uint64),
+                             np.asarray(lengths, dtype=np.int64))
     nl, nr = _runs(la, ln), _runs(ra, ln)
     cl, cr = np.cumsum(nl), np.cumsum(nr)  # runs started up to and including span i, per side
+    cb = np.cumsum(ln)  # bytes up to and including span i
     calls, s = [], 0
     while s < len(ln):
-        # the call from span s ends before either side would start its (IOV_MAX+1)-th run
+        # the call from span s ends before either side would start its (IOV_MAX+1)-th run, or pass the byte cap
         e = int(min(np.searchsorted(cl, cl[s] - 1 + IOV_MAX, side="right"),
-                    np.searchsorted(cr, cr[s] - 1 + IOV_MAX, side="right")))
+                    np.searchsorted(cr, cr[s] - 1 + IOV_MAX, side="right"),
+                    np.searchsorted(cb, cb[s] - ln[s] + MAX_CALL_BYTES, side="right")))
         first_l, first_r = nl[s:e].copy(), nr[s:e].copy()
         first_l[0] = first_r[0] = True
         calls.append((_iovecs(la[s:e], ln[s:e], first_l), _iovecs(ra[s:e], ln[s:e], first_r), int(ln[s:e].sum())))
