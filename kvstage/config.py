@@ -5,6 +5,8 @@ docs/configuration.md lists the same table for users; keep the two in step.
 
 from __future__ import annotations
 
+import math
+
 import os
 from dataclasses import dataclass, field, fields
 
@@ -30,6 +32,11 @@ def _env(name: str, default, kind):
 def _number_in(v, lo: float, hi: float) -> bool:
     """``v`` is a number (not a bool) in ``[lo, hi]`` (NaN never is)."""
     return isinstance(v, (int, float)) and not isinstance(v, bool) and lo <= v <= hi
+
+
+def _whole_in(v, lo: float, hi: float) -> bool:
+    """``v`` is an integer (not a bool) in ``[lo, hi]``."""
+    return isinstance(v, int) and _number_in(v, lo, hi)
 
 
 ARENA_LOCATIONS = ("auto", "device", "host")
@@ -113,7 +120,7 @@ class Settings:
         if self.peer_timeout_s < 2 * PING_INTERVAL_S:
             raise ConfigError(f"peer_timeout_s={self.peer_timeout_s!r}: must be >= {2 * PING_INTERVAL_S:g} s "
                               f"(peers ping every {PING_INTERVAL_S:g} s)")
-        if not isinstance(self.early_chunks, int) or isinstance(self.early_chunks, bool) or self.early_chunks < 0:
+        if not _whole_in(self.early_chunks, 0, math.inf):
             raise ConfigError(f"early_chunks={self.early_chunks!r}: must be an integer >= 0")
         if not _number_in(self.send_wait_us, 0, MAX_SEND_WAIT_US):
             raise ConfigError(f"send_wait_us={self.send_wait_us!r}: must be a number of microseconds in "
@@ -121,11 +128,9 @@ class Settings:
         if self.poll_us is not None and not _number_in(self.poll_us, 0, MAX_POLL_US):
             raise ConfigError(f"poll_us={self.poll_us!r}: must be a number of microseconds in [0, {MAX_POLL_US}], "
                               "or unset for the device's default")
-        lo, hi = SWITCH_INTERVAL_US
-        if self.scatter_threads is not None and not (
-                isinstance(self.scatter_threads, int) and not isinstance(self.scatter_threads, bool)
-                and 1 <= self.scatter_threads <= MAX_SCATTER_THREADS):
+        if self.scatter_threads is not None and not _whole_in(self.scatter_threads, 1, MAX_SCATTER_THREADS):
             raise ConfigError(f"scatter_threads={self.scatter_threads!r}: must be a whole number in [1, {MAX_SCATTER_THREADS}]")
+        lo, hi = SWITCH_INTERVAL_US
         if self.switch_interval_us is not None and not _number_in(self.switch_interval_us, lo, hi):
             raise ConfigError(f"switch_interval_us={self.switch_interval_us!r}: must be a number of microseconds in "
                               f"[{lo}, {hi}], or unset to leave the interpreter's switch interval alone")

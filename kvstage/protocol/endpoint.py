@@ -158,7 +158,8 @@ class Endpoint:
         self.spec = cache.spec
         self.rank = cache.rank
         self.settings = settings or Settings()
-        if transport is None:
+        made = transport is None
+        if made:
             from kvstage.transports import make_transport
 
             transport = make_transport(self.settings.transport, f"kvstage-{self.role}{self.rank}")
@@ -169,7 +170,8 @@ class Endpoint:
             )
         self.transport = transport
         if transport.host_only and cache.device.type == "cuda":
-            transport.close()
+            if made:  # a transport the caller passed in stays the caller's to close
+                transport.close()
             raise ConfigError(f"transport={transport.name!r} moves host memory only; this rank's cache is on "
                               f"{cache.device}: use nixl or ucx")
         # facts first: the arena's place follows the UCX this transport really runs
@@ -186,8 +188,8 @@ class Endpoint:
         words = self.settings.slots * WORDS_PER_SLOT if (
             self.shares_arena and on_gpu and self.settings.mapped != "off" and self.settings.prearm
             and self.transport.one_sided) else 0
-        self.arena = StagingArena(*self._arena_slots(), cache.device if on_gpu else torch.device("cpu"), pinned=cache.device.type == "cuda",
-                                  shared=shared, words=words)
+        self.arena = StagingArena(*self._arena_slots(), cache.device if on_gpu else torch.device("cpu"),
+                                  pinned=cache.device.type == "cuda", shared=shared, words=words)
         self.arena_location = where
         if cache.device.type == "cuda":
             log.info("%s %d: staging arena of %d MiB in %s (%s)", self.role, self.rank,

@@ -32,6 +32,7 @@ import select
 import socket
 import struct
 import uuid
+from typing import NamedTuple
 
 import numpy as np
 
@@ -181,6 +182,13 @@ class _Inbound:
         return out
 
 
+class _Prepared(NamedTuple):
+    """Spans made ready once (``prepare``): their addresses and lengths."""
+
+    addresses: np.ndarray
+    lengths: np.ndarray
+
+
 class _Write:
     """A finished write: ``process_vm_writev`` returns once the bytes are in place."""
 
@@ -316,13 +324,13 @@ class CmaTransport(Transport):
             raise TransportError(f"cma: {e}") from e
         if peer is not None:
             self._checked(peer, spans)
-        return spans
+        return _Prepared(spans.addresses(), spans.lengths)  # the addresses once, not at every write
 
     def write_prepared(self, peer, local, local_index, remote, remote_index, notification, ticket=b""):
         li, ri = np.asarray(local_index, dtype=np.int64), np.asarray(remote_index, dtype=np.int64)
         if len(li) != len(ri) or np.any(local.lengths[li] != remote.lengths[ri]):
             raise TransportError(f"cma write to {peer}: prepared spans differ in count or lengths")
-        calls = plan_calls(local.addresses()[li], remote.addresses()[ri], local.lengths[li])
+        calls = plan_calls(local.addresses[li], remote.addresses[ri], local.lengths[li])
         return self._send(self._peer(peer), calls, notification)
 
     def poll(self, handle) -> WriteState:
