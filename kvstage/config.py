@@ -41,6 +41,9 @@ def _whole_in(v, lo: float, hi: float) -> bool:
 
 ARENA_LOCATIONS = ("auto", "device", "host")
 MAPPED = ("auto", "on", "off")
+#: how a host cache's gathers and scatters copy: auto (native streaming span copies where built, else
+#: numpy/torch), native (refuse to start where not built), numpy (numpy/torch always)
+HOST_COPIES = ("auto", "native", "numpy")
 PING_INTERVAL_S = 1.0  # every endpoint pings each peer this often; silence past peer_timeout_s fails its requests
 #: transports ``Settings.transport`` may name; the one-sided ones support the direct path
 TRANSPORTS = ("nixl", "ucx", "cma")
@@ -99,6 +102,8 @@ class Settings:
     #: None: 2 with a transport that gathers (cma: the sources leave a core free) on a host of 2+ cores,
     #: else 1. A GPU cache's kernel ignores it
     scatter_threads: int | None = field(default_factory=lambda: _env("KVSTAGE_SCATTER_THREADS", None, int))
+    #: how a host cache's gathers and scatters copy (``HOST_COPIES``; ``staging.hostcopy``)
+    host_copy: str = field(default_factory=lambda: _env("KVSTAGE_HOST_COPY", "auto", str))
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -141,6 +146,8 @@ class Settings:
                 f"mapped='on' with transport={self.transport!r}: a mapped arena replaces one-sided writes; "
                 f"{self.transport} is two-sided (its receives are posted per chunk); set KVSTAGE_MAPPED=auto or off"
             )
+        if self.host_copy not in HOST_COPIES:
+            raise ConfigError(f"host_copy={self.host_copy!r}: must be one of {', '.join(HOST_COPIES)}")
         if self.arena not in ARENA_LOCATIONS:
             raise ConfigError(f"arena={self.arena!r}: must be one of {', '.join(ARENA_LOCATIONS)}")
         if self.slot_mb > self.arena_mb:

@@ -15,6 +15,8 @@ from kvstage.staging.cache import RankCache
 from kvstage.staging.copy import CopyThreads, TokenIndex, region_bytes, scatter_chunk
 from kvstage.tp import SideSpec
 
+pytestmark = pytest.mark.usefixtures("host_copy")  # every host copy both ways: native and numpy
+
 GEO = KVGeometry(5, 4, 8, "bfloat16")  # 10 buffers: shares of 4, 3 and 3 on three threads
 
 

@@ -1,4 +1,4 @@
-"""Staging: gather/scatter (torch/numpy), the CUDA kernel's word addressing, the slot allocator."""
+"""Staging: gather/scatter (native span copies and torch/numpy), the CUDA kernel's word addressing, the slot allocator."""
 
 import itertools
 
@@ -12,6 +12,8 @@ from kvstage.staging.cache import RankCache
 from kvstage.staging.copy import TokenIndex, gather, gather_pieces, prepare_piece_scatters, region_bytes, scatter, scatter_chunk
 from kvstage.staging.words import WordGeometry, chunk_pages, word_index
 from kvstage.tp import SideSpec
+
+pytestmark = pytest.mark.usefixtures("host_copy")  # every host copy both ways: native and numpy
 
 GEO = KVGeometry(3, 4, 8, "bfloat16")
 SIDES = [(16, "nhd"), (4, "hnd"), (1, "nhd"), (8, "hnd")]

@@ -17,7 +17,7 @@ CSV_COLUMNS = (
     "mode", "src_tp", "dst_tp", "tokens", "concurrency", "bytes", "total_bytes", "seconds", "gbps",
     "latency_p50_ms", "latency_p99_ms", "latency_samples", "descriptors_per_request", "arena_bytes",
     "ratio_to_bulk", "verified", "path", "start_s", "gather_s", "write_s", "queued_s", "slot_wait_s", "scatter_s",
-    "gather_gpu_s", "scatter_gpu_s", "stage_overlap", "arena",
+    "gather_gpu_s", "scatter_gpu_s", "stage_overlap", "arena", "host_copy",
     "layers", "kv_heads", "head_dim", "dtype", "mla", "device", "src_page_size", "src_layout",
     "dst_page_size", "dst_layout", "iters", "warmup",
 )
@@ -109,6 +109,8 @@ def notes(result: dict) -> list[str]:
             parts.append("staged ms, summed over ranks: " + ", ".join(f"{k} {v * 1e3:.1f}" for k, v in ms.items()))
             if st.get("overlap"):
                 parts.append(f"stage overlap {st['overlap']:.2f}x")
+            if modes["staged"].get("host_copy"):
+                parts.append("host copies " + "+".join(modes["staged"]["host_copy"]))
             if modes["staged"].get("queued_scatters"):
                 parts.append(f"{modes['staged']['queued_scatters']} piece scatters per request queued before landing")
         if parts:
@@ -157,7 +159,7 @@ def csv_rows(result: dict) -> list[dict]:
                                       "seconds", "gbps", "latency_samples", "arena_bytes", "ratio_to_bulk", "verified")},
             "latency_p50_ms": r["latency_p50_s"] * 1e3, "latency_p99_ms": r["latency_p99_s"] * 1e3,
             "descriptors_per_request": r["descriptors"], "path": "+".join(r.get("path") or []),
-            "arena": "+".join(r.get("arena") or []),
+            "arena": "+".join(r.get("arena") or []), "host_copy": "+".join(r.get("host_copy") or []),
             "start_s": st.get("start"), "gather_s": st.get("gather"), "write_s": st.get("write"),
             "queued_s": st.get("queued"), "slot_wait_s": st.get("slot_wait"),
             "scatter_s": st.get("scatter"), "gather_gpu_s": st.get("gather_gpu"),

@@ -399,7 +399,7 @@ def summarize(group: Group, reports: list) -> list[dict]:
         rows = []
         for mode in sc.modes:
             walls, descs, writes, stage_rows, lat, verified, errors, paths, arenas = [], [], [], [], [], None, [], set(), set()
-            queued = []
+            queued, copies = [], set()
             for it in range(sc.warmup, sc.warmup + sc.iters):
                 got = by[(pi, mode, it)]
                 srcs = [d for role, _, d in got if role == "src"]
@@ -421,6 +421,7 @@ def summarize(group: Group, reports: list) -> list[dict]:
                           + st["scatter"] / len(dsts))
                 st["overlap"] = serial / walls[-1] if walls[-1] > 0 else None
                 arenas |= {d.get("arena") for d in srcs + dsts if d.get("arena")}
+                copies |= {d.get("host_copy") for d in srcs + dsts if d.get("host_copy")}
                 stage_rows.append(st)
                 paths |= {d["path"] for d in dsts if d.get("path")}
                 flags = [d["verified"] for d in dsts if d["verified"] is not None]
@@ -443,6 +444,7 @@ def summarize(group: Group, reports: list) -> list[dict]:
                 row["queued_scatters"] = _per_request(queued[mid], n)
                 row["path"] = sorted(paths)
                 row["arena"] = sorted(arenas)
+                row["host_copy"] = sorted(copies)  # how the host caches' gathers and scatters copied
             if errors:
                 row["errors"] = errors[:10]
             rows.append(row)

@@ -218,7 +218,7 @@ def dst_main(link: Link, g: Group, rank: int, listen_host: str) -> None:
         link.send({"type": "result", "step": step, "data": {
             "t1": t1, "done": done, "verified": verified, "errors": errors[:5], "stages": stages, "path": path,
             "queued_scatters": queued,
-            "arena": ep.arena_location,
+            "arena": ep.arena_location, "host_copy": ep.host_copy,
         }})
     link.recv("end")
     ep.close()
@@ -318,7 +318,7 @@ def src_main(link: Link, g: Group, rank: int) -> None:
         link.send({"type": "result", "step": step, "data": {
             "t0": t0, "sent": sent, "t_end": t_end, "descriptors": descriptors,
             "writes": writes, "stages": stages,
-            "arena": ep.arena_location,
+            "arena": ep.arena_location, "host_copy": ep.host_copy,
         }})
         del prepared
     link.recv("end")

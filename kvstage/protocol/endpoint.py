@@ -43,7 +43,7 @@ from kvstage.protocol import switch_interval
 from kvstage.protocol.wire import Connection, field
 from kvstage.staging.arena import StagingArena, choose_arena
 from kvstage.staging.cache import RankCache
-from kvstage.staging.copy import copy_stream
+from kvstage.staging.copy import copy_stream, use_host_copies
 from kvstage.staging.landing import WORDS_PER_SLOT
 from kvstage.tp import SideSpec
 from kvstage.transports.base import Region, Transport
@@ -169,11 +169,18 @@ class Endpoint:
                 f"path; pass Settings(transport={transport.name!r}) (direct then defaults to off) or direct=False"
             )
         self.transport = transport
-        if transport.host_only and cache.device.type == "cuda":
+        try:
+            if transport.host_only and cache.device.type == "cuda":
+                raise ConfigError(f"transport={transport.name!r} moves host memory only; this rank's cache is on "
+                                  f"{cache.device}: use nixl or ucx")
+            #: how this rank's host gathers and scatters copy ("native", "numpy"); None: a GPU cache's kernel
+            self.host_copy, how = use_host_copies(cache, self.settings.host_copy) if cache.device.type == "cpu" else (None, "")
+        except ConfigError:
             if made:  # a transport the caller passed in stays the caller's to close
                 transport.close()
-            raise ConfigError(f"transport={transport.name!r} moves host memory only; this rank's cache is on "
-                              f"{cache.device}: use nixl or ucx")
+            raise
+        if self.host_copy is not None:
+            log.info("%s %d: host gathers and scatters: %s", self.role, self.rank, how)
         # facts first: the arena's place follows the UCX this transport really runs
         self.facts = collect_local(agent_plugins=_plugins(self.transport))
         own = getattr(self.transport, "facts", None)

@@ -18,8 +18,11 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import torch
 
+from kvstage.errors import ConfigError
 from kvstage.layout import token_major, token_positions
+from kvstage.staging import hostcopy
 from kvstage.staging.cache import RankCache
+from kvstage.staging.spans import buffer_spans
 from kvstage.staging.words import chunk_pages
 
 
@@ -196,9 +199,64 @@ def _fused(cache: RankCache, idx: TokenIndex, pieces, region: torch.Tensor, to_r
     return copier is not None
 
 
+def use_host_copies(cache: RankCache, mode: str) -> tuple[str, str]:
+    """Decide how this host cache's gathers and scatters copy (``Settings.host_copy``):
+    ("native", why) for ``hostcopy``'s streaming span copies, ("numpy", why) for numpy/torch ops."""
+    if mode == "numpy":
+        cache._spans = False
+        return "numpy", "numpy/torch ops (host_copy='numpy')"
+    cache._spans = hostcopy.available()
+    if cache._spans:
+        return "native", "streaming span copies (kvstage.staging._spans)"
+    if mode == "native":
+        raise ConfigError(f"host_copy='native': {hostcopy.why_unavailable()}")
+    return "numpy", f"numpy/torch ops: {hostcopy.why_unavailable()}"
+
+
+def _spans_native(cache: RankCache, region: torch.Tensor) -> bool:
+    """Whether this host cache's copies with ``region`` run as native span copies; a cache
+    no endpoint decided for (``use_host_copies``) uses them where they are built."""
+    if cache.device.type != "cpu" or region.device.type != "cpu" or not region.is_contiguous():
+        return False
+    native = getattr(cache, "_spans", None)
+    return hostcopy.available() if native is None else native
+
+
+def _gather_spans(cache: RankCache, idx: TokenIndex, head_lo: int, heads: int, region: torch.Tensor) -> None:
+    """``gather`` as one native call: each buffer's spans laid end to end in its part of the region."""
+    offsets, lengths = buffer_spans(cache, idx.page_ids, idx.start, idx.count, head_lo, heads)
+    copy = hostcopy.SpanCopy(np.cumsum(lengths) - lengths, offsets, lengths)
+    per, base = copy.nbytes, region.data_ptr()
+    room = region.nbytes
+    copy.run([(base + b * per, max(0, min(per, room - b * per))) for b in range(len(cache.buffers))],
+             [(buf.data_ptr(), buf.nbytes) for buf in cache.buffers])
+
+
+def _scatter_spans(cache: RankCache, idx: TokenIndex, pieces, region: torch.Tensor, threads: "CopyThreads | None"):
+    """A chunk's scatter as native span copies, set up now: a callable that runs it."""
+    copies = []
+    for lo, n, base in pieces:
+        offsets, lengths = buffer_spans(cache, idx.page_ids, idx.start, idx.count, lo, n)
+        copy = hostcopy.SpanCopy(offsets, np.cumsum(lengths) - lengths, lengths)
+        copies.append((copy, base, copy.nbytes))
+    dst = [(b.data_ptr(), b.nbytes) for b in cache.buffers]
+    at, room = region.data_ptr(), region.nbytes
+
+    def run_share(share) -> None:
+        for copy, base, per in copies:
+            copy.run([dst[i] for i in share],
+                     [(at + base + i * per, max(0, min(per, room - base - i * per))) for i in share])
+
+    B = len(dst)
+    if threads is None:
+        return lambda: run_share(range(B))
+    shares = [(range(k, B, threads.threads),) for k in range(threads.threads)]
+    return lambda: threads.run(run_share, shares)
+
+
 class CopyThreads:
     """Threads that take a share of a host scatter's buffers beside the caller's own:
-    numpy's copies release the GIL, so the scatter runs on ``threads`` cores. Worth it
+    numpy's copies and the native span copies release the GIL, so the scatter runs on ``threads`` cores. Worth it
     only where a core is free: with ``cma`` the sources leave most of one (docs/benchmarks.md, session 18)."""
 
     def __init__(self, threads: int):
@@ -225,6 +283,8 @@ def prepare_scatter(cache: RankCache, idx: TokenIndex, pieces, region: torch.Ten
     callable that runs it. On CUDA all set-up happens here and the call is one
     kernel launch; elsewhere the call does the whole scatter."""
     launch = _prepared(cache, idx, pieces, region, to_region=False)
+    if launch is None and _spans_native(cache, region):
+        return _scatter_spans(cache, idx, pieces, region, threads)
     return launch if launch is not None else (lambda: scatter_chunk(cache, idx, pieces, region, threads))
 
 
@@ -249,6 +309,8 @@ def scatter_chunk(cache: RankCache, idx: TokenIndex, pieces, region: torch.Tenso
     ``threads``: share a host cache's tiled scatter (NHD pieces laid end to end) among them."""
     if _fused(cache, idx, pieces, region, to_region=False):
         return
+    if _spans_native(cache, region):
+        return _scatter_spans(cache, idx, pieces, region, threads)()
     tmp = _bounce(cache, region)
     if tmp is not None:
         tmp.copy_(region)
@@ -310,6 +372,8 @@ def gather(cache: RankCache, idx: TokenIndex, head_lo: int, heads: int, region: 
     """Copy local heads ``[head_lo, head_lo+heads)`` of the indexed tokens into ``region``."""
     if _fused(cache, idx, [(head_lo, heads, 0)], region, to_region=True):
         return
+    if _spans_native(cache, region):
+        return _gather_spans(cache, idx, head_lo, heads, region)
     tmp = _bounce(cache, region)
     if tmp is not None:
         gather(cache, idx, head_lo, heads, tmp)
@@ -344,6 +408,8 @@ def gather_pieces(cache: RankCache, idx: TokenIndex, pieces) -> None:
 
 def scatter(cache: RankCache, idx: TokenIndex, head_lo: int, heads: int, region: torch.Tensor) -> None:
     """Copy ``region`` into local heads ``[head_lo, head_lo+heads)`` of the indexed tokens."""
+    if _spans_native(cache, region):
+        return _scatter_spans(cache, idx, [(head_lo, heads, 0)], region, None)()
     tmp = _bounce(cache, region)
     if tmp is not None:
         tmp.copy_(region)

@@ -15,10 +15,11 @@ from kvstage.layout import element_offsets, token_major, token_positions
 from kvstage.staging.cache import RankCache
 
 
-def chunk_spans(cache: RankCache, page_ids: np.ndarray, start: int, count: int, head_lo: int,
-                heads: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """``(buffer index, byte offset in the buffer, length)`` of every span holding local heads
-    ``[head_lo, head_lo+heads)`` of tokens ``start .. start+count`` of a request on ``page_ids``."""
+def buffer_spans(cache: RankCache, page_ids: np.ndarray, start: int, count: int, head_lo: int,
+                 heads: int) -> tuple[np.ndarray, np.ndarray]:
+    """``(byte offset, length)`` of every span of one buffer holding local heads
+    ``[head_lo, head_lo+heads)`` of tokens ``start .. start+count`` of a request on
+    ``page_ids``, in a region's order; every buffer of the cache has the same."""
     spec = cache.spec
     geo, page = spec.geometry, spec.page
     local = 1 if geo.mla else spec.local_heads()
@@ -33,9 +34,18 @@ def chunk_spans(cache: RankCache, page_ids: np.ndarray, start: int, count: int, 
         offsets = np.stack([element_offsets(geo, page, local, pid, off, head_lo + j) for j in range(heads)], axis=1)
         offsets = offsets.reshape(-1) * geo.itemsize
         lengths = np.full(len(offsets), hb, dtype=np.int64)
+    if not len(offsets):
+        return offsets, lengths
     new = np.ones(len(offsets), dtype=bool)
     new[1:] = offsets[1:] != offsets[:-1] + lengths[:-1]
     first = np.flatnonzero(new)
-    offsets, lengths = offsets[first], np.add.reduceat(lengths, first)
-    n = geo.buffers
-    return np.repeat(np.arange(n, dtype=np.int64), len(first)), np.tile(offsets, n), np.tile(lengths, n)
+    return offsets[first], np.add.reduceat(lengths, first)
+
+
+def chunk_spans(cache: RankCache, page_ids: np.ndarray, start: int, count: int, head_lo: int,
+                heads: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``(buffer index, byte offset in the buffer, length)`` of every span holding local heads
+    ``[head_lo, head_lo+heads)`` of tokens ``start .. start+count`` of a request on ``page_ids``."""
+    offsets, lengths = buffer_spans(cache, page_ids, start, count, head_lo, heads)
+    n = cache.spec.geometry.buffers
+    return np.repeat(np.arange(n, dtype=np.int64), len(offsets)), np.tile(offsets, n), np.tile(lengths, n)

@@ -1,0 +1,12 @@
+"""Builds kvstage's one native piece, the host span copier (kvstage/staging/_spans.c).
+
+It is a plain C library that kvstage loads with ctypes (no Python API, so no
+Python headers are needed). optional=True: without a C compiler the install
+still succeeds, host copies stay on numpy/torch, and each endpoint says so in
+its log (Settings.host_copy="native" refuses to start instead).
+"""
+
+from setuptools import Extension, setup
+
+setup(ext_modules=[Extension("kvstage.staging._spans", ["kvstage/staging/_spans.c"],
+                             extra_compile_args=["-O2"], optional=True)])
