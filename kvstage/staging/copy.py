@@ -6,8 +6,10 @@ source gathers with its own page size and layout; the destination scatters
 with its own, which is how page size and NHD/HND conversion happen.
 
 On CUDA (with CuPy) one fused kernel launch moves a whole chunk
-(``cuda_copy``), into device memory or a pinned host arena; elsewhere these
-are torch/numpy ops.
+(``cuda_copy``), into device memory or a pinned host arena. On the host one
+native call per chunk and piece copies the chunk's spans (``hostcopy``,
+``Settings.host_copy``); where that is not built, or not chosen, these are
+torch/numpy ops.
 """
 
 from __future__ import annotations
@@ -306,7 +308,8 @@ def _bounce(cache: RankCache, region: torch.Tensor) -> torch.Tensor | None:
 def scatter_chunk(cache: RankCache, idx: TokenIndex, pieces, region: torch.Tensor,
                   threads: CopyThreads | None = None) -> None:
     """Scatter every writer's region of a slot: ``pieces`` = [(head_lo, heads, byte offset in region)].
-    ``threads``: share a host cache's tiled scatter (NHD pieces laid end to end) among them."""
+    ``threads``: share a host cache's scatter among them, by buffer (with numpy, only a tiled
+    scatter: NHD pieces laid end to end)."""
     if _fused(cache, idx, pieces, region, to_region=False):
         return
     if _spans_native(cache, region):

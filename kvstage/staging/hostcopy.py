@@ -1,9 +1,9 @@
 """Host copies of many byte spans in one native call, with streaming stores.
 
 numpy and torch copy a few-KiB row with ordinary stores, which first read every
-destination line they write. Streaming stores skip that read, so a host gather
-or scatter of page rows runs ~1.4x faster on the project's 2-core machines
-(docs/benchmarks.md, session 19). ``_spans.c`` is built with the package (a
+destination line they write. Streaming stores skip that read: on the project's
+2-core machines the default run's staged request takes ~25% less CPU with them
+(docs/benchmarks.md, session 19; ``benchmarks/host_copies.py``). ``_spans.c`` is built with the package (a
 C library loaded with ctypes; ctypes releases the GIL for the call); where it
 was not built, ``available()`` says why and the copies stay on numpy/torch.
 
@@ -38,7 +38,7 @@ def _load() -> None:
     except OSError as e:
         _why_not = f"{spec.origin} does not load: {e}"
         return
-    lib.kvstage_copy_spans.restype = ctypes.c_int
+    lib.kvstage_copy_spans.restype = None
     lib.kvstage_copy_spans.argtypes = [_U64, _U64, ctypes.c_size_t, _I64, _I64, _I64, ctypes.c_size_t, ctypes.c_int]
     _lib = lib
 
