@@ -6,7 +6,6 @@ docs/configuration.md lists the same table for users; keep the two in step.
 from __future__ import annotations
 
 import math
-
 import os
 from dataclasses import dataclass, field, fields
 

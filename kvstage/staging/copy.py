@@ -243,16 +243,19 @@ def _scatter_spans(cache: RankCache, idx: TokenIndex, pieces, region: torch.Tens
         copies.append((copy, base, copy.nbytes))
     dst = [(b.data_ptr(), b.nbytes) for b in cache.buffers]
     at, room = region.data_ptr(), region.nbytes
+    B = len(dst)
+    n = 1 if threads is None else threads.threads
+    # each share's (copy, its buffers, their parts of the region), so running it only copies
+    shares = [([(copy, [dst[i] for i in range(k, B, n)],
+                 [(at + base + i * per, max(0, min(per, room - base - i * per))) for i in range(k, B, n)])
+                for copy, base, per in copies],) for k in range(n)]
 
     def run_share(share) -> None:
-        for copy, base, per in copies:
-            copy.run([dst[i] for i in share],
-                     [(at + base + i * per, max(0, min(per, room - base - i * per))) for i in share])
+        for copy, to, frm in share:
+            copy.run(to, frm)
 
-    B = len(dst)
     if threads is None:
-        return lambda: run_share(range(B))
-    shares = [(range(k, B, threads.threads),) for k in range(threads.threads)]
+        return lambda: run_share(shares[0][0])
     return lambda: threads.run(run_share, shares)
 
 
