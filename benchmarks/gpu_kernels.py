@@ -4,10 +4,8 @@ Llama-3-8B KV geometry (32 layers, 8 KV heads, head_dim 128, bf16), page
 size 16, random page order. Times with CUDA events, best of N after warm-up.
 The main figures time a chunk's copy as the endpoints issue it (page ids
 uploaded when the request was posted; the scatter prepared at grant time);
-"cold" puts every set-up step inside the timed call; "armed" is the GPU's own
-time for the copy, launched ahead behind a landing word (``staging.landing``,
-as a destination with ``prearm`` queues its scatters) and released once queued,
-so no host work is inside the timed span.
+"cold" puts every set-up step inside the timed call. "torch" rows run the
+same copies through the torch copier, for comparison.
 Usage: python benchmarks/gpu_kernels.py [--json PATH]
 """
 
@@ -21,7 +19,6 @@ import torch
 
 from kvstage.layout import KVGeometry, PageLayout, pages_needed
 from kvstage.staging import copy as kcopy
-from kvstage.staging import landing
 from kvstage.staging.cache import RankCache
 from kvstage.tp import SideSpec, plan
 
@@ -49,23 +46,6 @@ def timed(fn, reps=20):
     return best, a.elapsed_time(b) / 1e3 / reps
 
 
-def armed(words, fn, reps=20):
-    """GPU time of one call and mean per call of ``reps`` calls, all launched behind a
-    landing word before it is released: host launch cost excluded (best of ``reps``)."""
-    best = float("inf")
-    for _ in range(reps):
-        value = words.next_value(0)
-        fence = words.arm(0, 0, value, fn)
-        words.release(0, value)
-        fence.wait()
-        best = min(best, fence.gpu_seconds())
-    value = words.next_value(0)
-    fence = words.arm(0, 0, value, lambda: [fn() for _ in range(reps)])
-    words.release(0, value)
-    fence.wait()
-    return best, fence.gpu_seconds() / reps
-
-
 def host_seconds(fn, reps=20):
     """Host time of one call (launch only, no synchronization): the per-call set-up."""
     import time
@@ -81,20 +61,19 @@ def host_seconds(fn, reps=20):
     return sorted(t)[len(t) // 2]
 
 
-def case(src_tp, dst_tp, tokens, fused=True, host_region=False, words=None):
+def case(src_tp, dst_tp, tokens, fused=True, host_region=False):
     geo = KVGeometry(32, 8, 128, "bfloat16")
     p = plan(SideSpec(geo, src_tp, PageLayout(16)), SideSpec(geo, dst_tp, PageLayout(16)))
     dev = torch.device("cuda", 0)
     pages = 2 * pages_needed(tokens, 16) + 1
     rng = np.random.default_rng(0)
-    src = RankCache.allocate(p.src, 0, pages, dev)
-    dst = RankCache.allocate(p.dst, 0, pages, dev)
+    copier = None if fused else "torch"
+    src = RankCache.allocate(p.src, 0, pages, dev, copier=copier)
+    dst = RankCache.allocate(p.dst, 0, pages, dev, copier=copier)
     sp = rng.permutation(pages)[: pages_needed(tokens, 16)]
     dp = rng.permutation(pages)[: pages_needed(tokens, 16)]
     piece = p.targets_of(0)[0]
     writers = p.writers_of(0)
-    if not fused:
-        src._copier = dst._copier = None
     nbytes_g = p.piece_token_bytes(piece) * tokens
     offs = p.writer_offsets(0, tokens)
     nbytes_s = sum(p.piece_token_bytes(w) * tokens for w in writers)
@@ -125,13 +104,6 @@ def case(src_tp, dst_tp, tokens, fused=True, host_region=False, words=None):
     s, sq = timed(do_scatter)
     gc, _ = timed(cold_gather)
     sc, _ = timed(cold_scatter)
-    armed_rows = {}
-    if words is not None and fused:
-        (ga, gaq), (sa, saq) = armed(words, do_gather), armed(words, do_scatter)
-        armed_rows = {"gather_armed_gbps": nbytes_g / ga / 1e9, "gather_armed_us": ga * 1e6,
-                      "gather_armed_queued_gbps": nbytes_g / gaq / 1e9,
-                      "scatter_armed_gbps": nbytes_s / sa / 1e9, "scatter_armed_us": sa * 1e6,
-                      "scatter_armed_queued_gbps": nbytes_s / saq / 1e9}
     gh, sh = host_seconds(do_gather), host_seconds(do_scatter)
     gch, sch = host_seconds(cold_gather), host_seconds(cold_scatter)
     a = torch.empty(max(nbytes_g, nbytes_s), dtype=torch.uint8, device=dev)
@@ -146,7 +118,7 @@ def case(src_tp, dst_tp, tokens, fused=True, host_region=False, words=None):
         "gather_queued_gbps": nbytes_g / gq / 1e9, "scatter_queued_gbps": nbytes_s / sq / 1e9,
         "gather_host_us": gh * 1e6, "scatter_host_us": sh * 1e6,
         "gather_cold_gbps": nbytes_g / gc / 1e9, "scatter_cold_gbps": nbytes_s / sc / 1e9,
-        "gather_cold_host_us": gch * 1e6, "scatter_cold_host_us": sch * 1e6, **armed_rows,
+        "gather_cold_host_us": gch * 1e6, "scatter_cold_host_us": sch * 1e6,
     }
 
 
@@ -155,14 +127,11 @@ def main():
     ap.add_argument("--json")
     a = ap.parse_args()
     rows = []
-    # made before any wait is queued (a stream created behind one may block on it); kernels
-    # and torch's own kernels are loaded by each case's unarmed runs before its armed ones
-    words = landing.LandingWords(torch.zeros(8, dtype=torch.int32, device="cuda")) if landing.supported() is None else None
     cases = [(True, s, d, t, False) for s, d in ((4, 1), (1, 4)) for t in (8192, 128)]
     cases += [(True, 4, 1, 8192, True), (True, 1, 4, 8192, True)]  # pinned-host arena
     cases += [(False, s, d, t, False) for s, d in ((4, 1), (1, 4)) for t in (8192, 128)]
     for fused, src_tp, dst_tp, tokens, host in cases:
-        r = case(src_tp, dst_tp, tokens, fused, host, words)
+        r = case(src_tp, dst_tp, tokens, fused, host)
         rows.append(r)
         print(f"{'fused' if fused else 'torch'} {r['case']} {tokens:5d} tok: gather {r['gather_gbps']:7.1f} GB/s "
               f"({r['gather_vs_copy']:.0%} of copy, {r['gather_us']:.0f} us)  scatter {r['scatter_gbps']:7.1f} GB/s "
@@ -171,11 +140,6 @@ def main():
               f"gather {r['gather_host_us']:.0f} us scatter {r['scatter_host_us']:.0f} us | cold (set-up per call): gather "
               f"{r['gather_cold_gbps']:.1f} scatter {r['scatter_cold_gbps']:.1f} GB/s, host {r['gather_cold_host_us']:.0f}"
               f"/{r['scatter_cold_host_us']:.0f} us", flush=True)
-        if "gather_armed_gbps" in r:
-            print(f"  armed (GPU time, launched ahead): gather {r['gather_armed_gbps']:.1f} GB/s "
-                  f"({r['gather_armed_us']:.1f} us), queued {r['gather_armed_queued_gbps']:.1f}; scatter "
-                  f"{r['scatter_armed_gbps']:.1f} GB/s ({r['scatter_armed_us']:.1f} us), queued "
-                  f"{r['scatter_armed_queued_gbps']:.1f}", flush=True)
     if a.json:
         json.dump(rows, open(a.json, "w"), indent=1)
 

@@ -1,6 +1,6 @@
 """One request's path through every rank, from the endpoints' debug lines.
 
-Run the benchmark with ``KVSTAGE_LOG_LEVEL=DEBUG`` (each worker stamps its
+Run the benchmark with ``kvstage bench --log-level DEBUG`` (each worker stamps its
 lines with the host clock), keep its stderr, then:
 
     python benchmarks/timeline.py bench.err [REQUEST]
@@ -29,7 +29,7 @@ def main() -> None:
         sys.exit(__doc__)
     evs = [e for e in events(sys.argv[1]) if re.match(r"^[\w.-]+-i\d+-r\d+$", e[2])]
     if not evs:
-        sys.exit(f"{sys.argv[1]}: no request events (was KVSTAGE_LOG_LEVEL=DEBUG set?)")
+        sys.exit(f"{sys.argv[1]}: no request events (was kvstage bench run with --log-level DEBUG?)")
     req = sys.argv[2] if len(sys.argv) > 2 else evs[-1][2]
     mine = sorted(e for e in evs if e[2] == req)
     if not mine:

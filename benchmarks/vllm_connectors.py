@@ -8,7 +8,7 @@ decode engine serves them one at a time with ``max_tokens=1``. Per request:
 - TTFT: wall time of the decode engine's ``generate`` (request in, first token out);
 - KV load: from the engine step whose connector metadata starts the load to
   the step whose ``get_transfer_results`` reports it finished (the same hooks
-  around either connector's worker, tests/vllm_engine.py ``LoadClock``).
+  around either connector's worker, tests/support/vllm_engine.py ``LoadClock``).
 
 The first request of each pair also pays connection setup and is reported
 apart. Plain TTFT (the decode engine computing the prompt itself) is the
@@ -30,8 +30,8 @@ import tempfile
 import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
-from vllm_engine import EngineProcess  # noqa: E402
-from vllm_model import build, prompts  # noqa: E402
+from support.vllm_engine import EngineProcess  # noqa: E402
+from support.vllm_model import build, prompts  # noqa: E402
 
 BIND = {2: "0|1", 1: "0"}  # prefill engines; the decode engine takes core 1
 MODEL = dict(layers=8, heads=8, kv_heads=8, head_dim=64, intermediate=1024, max_len=2048)

@@ -33,8 +33,15 @@ def _bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dst-page-size", type=int, help="destination page size (default: --page-size)")
     p.add_argument("--layout", choices=("nhd", "hnd"), default="nhd", help="source layout")
     p.add_argument("--dst-layout", choices=("nhd", "hnd"), help="destination layout (default: --layout)")
-    p.add_argument("--arena-mb", type=float, default=512.0)
-    p.add_argument("--slot-mb", type=float, default=64.0)
+    p.add_argument("--arena-mb", type=float, default=None,
+                   help="staging memory per rank in MiB (default: sized from the model and the device)")
+    p.add_argument("--copier", choices=("cuda", "native", "torch"), default=None,
+                   help="force how caches copy (a diagnostic; default: the rule's choice, logged by each rank)")
+    p.add_argument("--log-level", choices=("DEBUG", "INFO", "WARNING", "ERROR"), default="WARNING",
+                   help="log level of the rank processes on stderr (DEBUG: one line per request or chunk event, "
+                        "for benchmarks/timeline.py)")
+    p.add_argument("--clock-sync", action="store_true",
+                   help="measure each rank's clock offset even on this host's kernel (other hosts always do)")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     p.add_argument("--src-gpu", type=int, default=0, help="CUDA device of the source ranks (--device cuda)")
     p.add_argument("--dst-gpu", type=int, default=0, help="CUDA device of the destination ranks (--device cuda)")
@@ -143,7 +150,7 @@ def sweep_from_args(a: argparse.Namespace):
         geometry=geo, src_page=PageLayout(a.page_size, a.layout),
         dst_page=PageLayout(a.dst_page_size or a.page_size, a.dst_layout or a.layout),
         modes=modes, device=a.device, iters=a.iters, warmup=a.warmup, seed=a.seed, verify=a.verify,
-        arena_mb=a.arena_mb, slot_mb=a.slot_mb, src_gpu=a.src_gpu, dst_gpu=a.dst_gpu,
+        arena_mb=a.arena_mb, copier=a.copier, src_gpu=a.src_gpu, dst_gpu=a.dst_gpu,
         transport=a.transport or _env_transport(),
     )
 
@@ -217,6 +224,8 @@ def _check_memory(sweep, roles) -> None:
 def _emit(result: dict, a: argparse.Namespace, title: str | None) -> None:
     from kvstage.bench import report
 
+    for line in report.link_warnings(result):  # on stderr, above the table
+        print(line, file=sys.stderr, flush=True)
     if a.json == "-":
         json.dump(result, sys.stdout, indent=2)
         print()
@@ -238,7 +247,7 @@ def _command_line(a: argparse.Namespace) -> str:
     """How to rerun this run: the command line without its output flags."""
     import shlex
 
-    drop = {"--json", "--csv", "--plot", "--markdown", "--title", "--progress", "--no-progress"}
+    drop = {"--json", "--csv", "--plot", "--markdown", "--title", "--progress", "--no-progress", "--log-level"}
     argv, out, skip = sys.argv[1:], [], False
     for x in argv:
         if skip:
@@ -284,7 +293,8 @@ def cmd_bench(a: argparse.Namespace) -> int:
             print(f"kvstage bench: joined the run at {a.connect} as source host {msg.get('index', 0) + 1} "
                   f"({sw.get('groups')} TP pairs, {sw.get('points')} points)", file=sys.stderr, flush=True)
 
-        result = run_source_host(parse_hostport(a.connect, "connect"), on_event=joined)
+        result = run_source_host(parse_hostport(a.connect, "connect"), on_event=joined, log_level=a.log_level,
+                                 clock_sync=a.clock_sync)
     else:
         if a.role == "dst" and not a.listen:
             raise ConfigError("listen: --role dst needs --listen HOST:PORT")
@@ -307,7 +317,7 @@ def cmd_bench(a: argparse.Namespace) -> int:
         _terminate_cleanly()
         try:
             result = run_sweep(sweep, progress=progress, role=a.role, listen=listen, src_hosts=a.src_hosts,
-                               on_listen=announce)
+                               on_listen=announce, log_level=a.log_level, clock_sync=a.clock_sync)
         finally:
             progress.close()
     _emit(result, a, a.title)

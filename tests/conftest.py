@@ -5,14 +5,45 @@ os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
 import pytest  # noqa: E402
 
 
-@pytest.fixture(params=["native", "numpy"])
+def _ucx_missing() -> str | None:
+    """Why the ucx transport cannot run here, or None."""
+    import importlib.util
+
+    # found, not imported: importing ucxx sets UCX_* variables in os.environ, which every
+    # child process a test starts would then inherit
+    if importlib.util.find_spec("ucxx") is None:
+        return "ucxx is not installed; pip install 'kvstage[ucx]'"
+    return None
+
+
+@pytest.fixture(autouse=True)
+def _needs_ucx(request):
+    """A test over the ucx transport skips, with the reason, where UCXX is absent;
+    ``KVSTAGE_REQUIRE_UCX=1`` (the CI and the GPU run) turns that skip into a failure."""
+    params = getattr(getattr(request.node, "callspec", None), "params", {})
+    if "ucx" not in params.values() and "ucx" not in request.node.fspath.basename and "ucx" not in request.node.name:
+        return
+    why = _ucx_missing()
+    if why is None:
+        return
+    if os.environ.get("KVSTAGE_REQUIRE_UCX"):
+        pytest.fail(f"KVSTAGE_REQUIRE_UCX is set but {why}")
+    pytest.skip(why)
+
+
+@pytest.fixture(params=["native", "torch"])
 def host_copy(request, monkeypatch):
-    """Run a test's host gathers and scatters both ways (``Settings.host_copy``): the native
-    span copies and numpy/torch. Sets the choice an endpoint would make for every cache."""
+    """Run a test's host gathers and scatters both ways: the native span copies and torch/numpy.
+    Every cache the test allocates (``RankCache.allocate``) is given that copier."""
     from kvstage.staging import hostcopy
     from kvstage.staging.cache import RankCache
 
     if request.param == "native":
         assert hostcopy.available(), hostcopy.why_unavailable()
-    monkeypatch.setattr(RankCache, "_spans", request.param == "native", raising=False)
+    allocate = RankCache.allocate.__func__
+
+    def with_copier(cls, *args, copier=None, **kw):
+        return allocate(cls, *args, copier=copier or request.param, **kw)
+
+    monkeypatch.setattr(RankCache, "allocate", classmethod(with_copier))
     return request.param

@@ -23,7 +23,7 @@ try:
 except ImportError:  # the plot itself is tested in test_bench_sweep.py, which skips and says so
     HAVE_MPL = False
 
-TINY = ["--layers", "2", "--head-dim", "32", "--arena-mb", "4", "--slot-mb", "1"]
+TINY = ["--layers", "2", "--head-dim", "32", "--arena-mb", "4"]
 
 
 def bench(*args, timeout=240, **kw):
@@ -95,7 +95,7 @@ def test_json_to_stdout():
 def test_concurrent_requests_contend_for_a_small_arena_and_stay_byte_exact():
     # 4 requests at once through 4 slots per rank: grants interleave and wait for freed slots
     sc = Scenario(KVGeometry(2, 8, 32), 4, 2, 300, PageLayout(16), PageLayout(4, "hnd"),
-                  modes=("staged", "per-slice"), iters=1, warmup=0, arena_mb=0.25, slot_mb=1 / 16, concurrency=4)
+                  modes=("staged", "per-slice"), iters=1, warmup=0, arena_mb=0.25, concurrency=4)
     result = run(sc)
     rows = {r["mode"]: r for r in result["results"]}
     for mode in ("staged", "per-slice"):

@@ -9,14 +9,14 @@ import json
 import pytest
 
 from kvstage.bench import runner
-from kvstage.bench.report import CSV_COLUMNS, csv_rows, render_table, write_csv
-from kvstage.bench.runner import percentile, summarize
+from kvstage.bench.report import CSV_COLUMNS, csv_rows, link_warnings, render_table, write_csv
+from kvstage.bench.runner import links_of, percentile, summarize
 from kvstage.bench.scenario import Group, Scenario, Sweep, parse_int_list
 from kvstage.cli import main
 from kvstage.errors import ConfigError, IncompatibleGeometry
 from kvstage.layout import KVGeometry, PageLayout
 
-TINY = ["--layers", "2", "--head-dim", "32", "--arena-mb", "4", "--slot-mb", "1"]
+TINY = ["--layers", "2", "--head-dim", "32", "--arena-mb", "4"]
 
 
 @pytest.fixture(autouse=True)
@@ -42,7 +42,7 @@ def test_bad_int_lists_name_the_flag(text):
 
 
 def _common(**kw):
-    base = dict(geometry=KVGeometry(2, 8, 32), src_page=PageLayout(16), dst_page=PageLayout(16), arena_mb=4, slot_mb=1)
+    base = dict(geometry=KVGeometry(2, 8, 32), src_page=PageLayout(16), dst_page=PageLayout(16), arena_mb=4)
     return base | kw
 
 
@@ -102,7 +102,7 @@ def test_scenario_file_sets_defaults_and_flags_win(tmp_path, monkeypatch):
     monkeypatch.setattr(runner, "run_sweep", fake_run)
     toml = tmp_path / "s.toml"
     toml.write_text('description = "a test sweep"\nsrc_tp = [2, 4]\ndst-tp = 1\ntokens = [64, 128]\n'
-                    'layers = 2\nhead_dim = 32\narena_mb = 4\nslot_mb = 1\nverify = false\nmode = "staged,bulk"\n')
+                    'layers = 2\nhead_dim = 32\narena_mb = 4\nverify = false\nmode = "staged,bulk"\n')
     assert main(["bench", "--scenario", str(toml), "--tokens", "32"]) == 2
     sw = seen["sweep"]
     assert [g.label for g in sw.groups] == ["2->1", "4->1"]
@@ -156,7 +156,7 @@ def test_percentile_is_nearest_rank():
 def _synthetic():
     """Two source ranks, one destination rank, 2 requests in flight, 2 measured iterations."""
     sc = Scenario(KVGeometry(2, 8, 32), 2, 1, 64, PageLayout(16), PageLayout(16), modes=("staged", "bulk"),
-                  iters=2, warmup=0, arena_mb=4, slot_mb=1, concurrency=2)
+                  iters=2, warmup=0, arena_mb=4, concurrency=2)
     g = Group([sc])
     reports = []
     for mode, scale in (("staged", 2.0), ("bulk", 1.0)):
@@ -267,3 +267,59 @@ def torch_equal(a, b) -> bool:
     import torch
 
     return bool(torch.equal(a, b))
+
+
+def _with_links(reports, expected_gbps, severity="WARNING"):
+    """The synthetic reports with a link finding on each rank's last step."""
+    link = {"severity": severity, "peer": "destination rank 0", "path": "VRAM->VRAM; expected not to use CUDA IPC",
+            "cause": "UCX_TLS=^cuda_ipc leaves out cuda_ipc", "fix": "unset UCX_TLS", "line": f"{severity} kvstage link to x",
+            "expected_gbps": expected_gbps}
+    last = max(it for *_, it, _ in reports)
+    return [(role, rank, pi, mode, it, dict(data, links=[link]) if (mode, it) == ("bulk", last) else data)
+            for role, rank, pi, mode, it, data in reports]
+
+
+@pytest.mark.parametrize("tokens,expected,degraded", [
+    (65536, 1470.0, True),  # 64 MiB writes far under what the link should give: a degraded baseline
+    (65536, None, False),  # nothing says what the link should give: no judgement
+    (64, 1470.0, False),  # small writes run at their per-write cost: not judged
+])
+def test_a_bulk_far_below_its_link_is_called_degraded_not_a_speed_up(tokens, expected, degraded):
+    sc, _, reports = _synthetic()
+    sc = dataclasses.replace(sc, tokens=tokens)
+    g = Group([sc])
+    reports = _with_links(reports, expected)
+    rows = summarize(g, reports)
+    assert [r["bulk_degraded"] for r in rows] == [degraded, degraded]
+    result = {"config": sc.to_dict(), "results": rows, "links": links_of([(g, reports)])}
+    text = render_table(result)
+    assert ("bulk degraded" in text) is degraded and ("the baseline is degraded" in text) is degraded
+    assert (f"{rows[0]['ratio_to_bulk']:.2f}x" in text) is not degraded
+    assert rows[0]["ratio_to_bulk"] == pytest.approx(rows[1]["seconds"] / rows[0]["seconds"])  # kept in the JSON
+
+
+def test_link_warnings_are_collected_once_naming_the_ranks():
+    sc, g, reports = _synthetic()
+    reports = _with_links(reports, 1470.0)
+    links = links_of([(g, reports)])
+    assert len(links) == 1 and sorted(links[0]["ranks"]) == ["dst0", "src0", "src1"]
+    assert link_warnings({"links": links}) == ["WARNING kvstage link to x [ranks: src0, src1, dst0]"]
+    info = links_of([(g, _with_links(reports, 1470.0, severity="INFO"))])
+    assert link_warnings({"links": info}) == []
+
+
+def test_bench_prints_a_link_warning_on_stderr_above_the_table(tmp_path):
+    """UCX_TLS=tcp on one host rules out shared memory: every rank's finding says so, and the
+    bench prints it once, on stderr, before the table goes to stdout."""
+    import os
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-m", "kvstage.cli", "bench", *TINY, "--tokens", "64", "--iters", "1",
+                           "--warmup", "0", "--mode", "staged,bulk", "--no-progress"],
+                          capture_output=True, text=True, timeout=240, env=dict(os.environ, UCX_TLS="tcp"))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    warned = [ln for ln in proc.stderr.splitlines() if ln.startswith("WARNING kvstage link to")]
+    assert warned and all("UCX_TLS=tcp leaves out cma" in ln and "fix: unset UCX_TLS" in ln for ln in warned)
+    assert len(warned) == len(set(warned))  # one line per distinct finding
+    assert "kvstage bench:" in proc.stdout and "WARNING" not in proc.stdout

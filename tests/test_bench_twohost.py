@@ -1,7 +1,7 @@
 """Two-host ``kvstage bench`` (``--role dst --listen`` / ``--role src --connect``)
 between two network namespaces joined by a veth pair, and the rendezvous itself.
 
-The namespace test uses the ``netns_pair`` fixture of tests/netns.py (root and
+The namespace test uses the ``netns_pair`` fixture of tests/support/netns.py (root and
 ``ip netns``; it skips and says why where either is missing).
 """
 
@@ -14,22 +14,22 @@ import threading
 import pytest
 
 from kvstage.bench.control import BenchError, Coordinator, Link
-from netns import DST_IP, netns_pair  # noqa: F401  (netns_pair is a fixture)
+from support.netns import DST_IP, netns_pair  # noqa: F401  (netns_pair is a fixture)
 
-TINY = ["--layers", "2", "--head-dim", "32", "--arena-mb", "4", "--slot-mb", "1"]
+TINY = ["--layers", "2", "--head-dim", "32", "--arena-mb", "4"]
 
 
 def test_two_hosts_across_network_namespaces(netns_pair, tmp_path):
     dst_ns, src_ns = netns_pair.dst, netns_pair.src
     out_dst, out_src = tmp_path / "dst.json", tmp_path / "src.json"
-    env = dict(os.environ, KVSTAGE_BENCH_CLOCK_SYNC="1", KVSTAGE_AUTH_TOKEN="netns-test")
+    env = dict(os.environ, KVSTAGE_AUTH_TOKEN="netns-test")
     cmd = [sys.executable, "-m", "kvstage.cli", "bench"]
     dst = subprocess.Popen(["ip", "netns", "exec", dst_ns, *cmd, "--role", "dst", "--listen", f"{DST_IP}:7710",
-                            *TINY, "--src-tp", "2", "--dst-tp", "1,2", "--tokens", "64", "--concurrency", "2",
+                            *TINY, "--clock-sync", "--src-tp", "2", "--dst-tp", "1,2", "--tokens", "64", "--concurrency", "2",
                             "--iters", "1", "--warmup", "0", "--json", str(out_dst)],
                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     try:
-        src = subprocess.run(["ip", "netns", "exec", src_ns, *cmd, "--role", "src", "--connect", f"{DST_IP}:7710",
+        src = subprocess.run(["ip", "netns", "exec", src_ns, *cmd, "--role", "src", "--connect", f"{DST_IP}:7710", "--clock-sync",
                               "--json", str(out_src)], capture_output=True, text=True, timeout=180, env=env)
         d_out, d_err = dst.communicate(timeout=60)
     finally:
@@ -62,11 +62,10 @@ def test_rendezvous_refuses_a_wrong_token():
         coord.close()
 
 
-def test_clock_offset_measurement(monkeypatch):
-    monkeypatch.setenv("KVSTAGE_BENCH_CLOCK_SYNC", "1")
+def test_clock_offset_measurement():
     coord = Coordinator(("127.0.0.1", 0))
     try:
-        link = Link(coord.address, {"kind": "agent"})
+        link = Link(coord.address, {"kind": "agent"}, clock_sync=True)
         # one clock here: the measured offset is within the error bound it reports (plus scheduling slack)
         assert abs(link.offset) <= link.sync_error + 1e-3
         assert 0 < link.sync_error < 0.05

@@ -17,7 +17,7 @@ from kvstage.cli import main
     (["--layout", "nhd", "--page-size", "0"], "page_size=0"),
     (["--mode", "fast"], "mode=fast"),
     (["--tokens", "0"], "tokens=0"),
-    (["--slot-mb", "1024", "--arena-mb", "512"], "slot_mb=1024"),
+    (["--arena-mb", "0.001"], "arena_mb=0.001"),
 ])
 def test_invalid_input_exits_2_with_the_field_named(args, needle, capsys):
     assert main(["bench", *args]) == 2
@@ -29,7 +29,7 @@ def test_bench_json_end_to_end(tmp_path):
     out = tmp_path / "r.json"
     proc = subprocess.run(
         [sys.executable, "-m", "kvstage.cli", "bench", "--layers", "2", "--head-dim", "32", "--tokens", "64",
-         "--src-tp", "2", "--dst-tp", "1", "--iters", "1", "--warmup", "0", "--arena-mb", "4", "--slot-mb", "1",
+         "--src-tp", "2", "--dst-tp", "1", "--iters", "1", "--warmup", "0", "--arena-mb", "4",
          "--json", str(out)],
         capture_output=True, text=True, timeout=300,
     )

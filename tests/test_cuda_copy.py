@@ -187,9 +187,8 @@ def test_a_prepared_copy_launches_from_a_thread_with_no_cuda_context(gpu):
     want = torch.empty(region_bytes(host, 50, 4), dtype=torch.uint8)
     gather(host, TokenIndex(host, ids, 0, 50), 0, 4, want)
     got = torch.zeros(want.numel(), dtype=torch.uint8, device="cuda")
-    from kvstage.staging.copy import _prepared
-
-    launch = _prepared(dev, TokenIndex(dev, ids, 0, 50, upload_pages(dev, ids)), [(0, 4, 0)], got, True)
+    assert dev.copier.name == "cuda"
+    launch = dev.copier.prepare(TokenIndex(dev, ids, 0, 50, upload_pages(dev, ids)), [(0, 4, 0)], got, to_region=True)
     torch.cuda.synchronize()
     errors = []
     t = threading.Thread(target=lambda: errors.append(_run(launch)))
@@ -225,7 +224,7 @@ def test_gathers_launched_at_once_from_two_threads_keep_their_own_arguments(gpu)
         try:
             for k in range(reps):
                 gather(dev, TokenIndex(dev, ids, start, count, dev_ids), lo, n, got[name][k])
-            blocks[name] = dev._copier._blocks.block
+            blocks[name] = dev.copier.kernel._blocks.block
             torch.cuda.synchronize()
         except Exception as e:  # the assertion below names it
             errors.append(e)
@@ -249,3 +248,38 @@ def _run(launch):
     except Exception as e:  # the assertion in the test names it
         return e
     return None
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("where", ["misaligned", "pageable"])
+def test_calls_the_kernel_cannot_run_go_the_torch_way_with_the_same_bytes(gpu, where):
+    """A region the kernel cannot run (not on 16-byte words, or host memory the GPU cannot
+    reach) is copied by the CUDA copier the torch way, per call: the same bytes, and no
+    prepared per-piece launches."""
+    spec = SideSpec(GEO, 1, PageLayout(16))
+    start, count = 5, 40
+    ids = np.random.default_rng(17).permutation(20)[: pages_needed(start + count, 16)]
+    dev = _random_cache(spec, 20, 18, "cuda")
+    host = RankCache(spec, 0, [b.cpu() for b in dev.buffers])
+    size = region_bytes(host, count, 2)
+
+    def region(n):
+        if where == "pageable":
+            return torch.zeros(n, dtype=torch.uint8)
+        return torch.zeros(n + 8, dtype=torch.uint8, device="cuda")[8:]  # 8 bytes past a 16-byte word
+
+    r = region(size)
+    assert dev.copier.name == "cuda" and not dev.copier.supports(r, [(1, 2, 0)], count)
+    gather(dev, TokenIndex(dev, ids, start, count), 1, 2, r)
+    want = torch.empty(size, dtype=torch.uint8)
+    gather(host, TokenIndex(host, ids, start, count), 1, 2, want)
+    torch.cuda.synchronize()
+    assert torch.equal(r.cpu(), want)
+    parts = [(0, 2, 0), (2, 2, size)]
+    slot = region(2 * size)
+    slot.copy_(torch.randint(0, 256, (2 * size,), dtype=torch.uint8, generator=torch.Generator().manual_seed(19)))
+    assert prepare_piece_scatters(dev, TokenIndex(dev, ids, start, count), parts, slot) is None
+    prepare_scatter(dev, TokenIndex(dev, ids, start, count), parts, slot)()
+    scatter_chunk(host, TokenIndex(host, ids, start, count), parts, slot.cpu())
+    torch.cuda.synchronize()
+    assert all(torch.equal(a.cpu().view(torch.uint8), b.view(torch.uint8)) for a, b in zip(dev.buffers, host.buffers))

@@ -1,4 +1,4 @@
-"""Early grants: a destination grants the first ``early_chunks`` chunks of a
+"""Early grants: a destination grants the first ``grants.EARLY_CHUNKS`` chunks of a
 request when it expects it, before its sources announce it, so a source
 gathers and writes the moment it sends. Checked against a hand-driven source
 (``fake_peers.FakeSource``, real NIXL writes): how many early grants go out,
@@ -13,8 +13,8 @@ import time
 import numpy as np
 import pytest
 
-import fault_ranks as fr
-from fake_peers import FakeSource
+from support import fault_ranks as fr
+from support.fake_peers import FakeSource
 from kvstage.config import Settings
 from kvstage.errors import TransferFailed
 from kvstage.layout import pages_needed
@@ -72,7 +72,7 @@ def test_early_grants_take_at_most_early_chunks_each_and_leave_half_the_slots(pa
         src.write("b", gb[c] if c in gb else src.grant("b", c))
     ha.wait(10), hb.wait(10)
     assert fr.check(dst.cache, 1, ids_a, tokens) == [] and fr.check(dst.cache, 2, ids_b, tokens) == []
-    assert dst.slots_free() == 4 and dst._call(lambda: len(dst.requests)) == 0
+    assert dst.slots_free() == 4 and dst.stats().requests == 0
 
 
 def test_announced_requests_take_freed_slots_before_early_grants(pair):
@@ -109,29 +109,15 @@ def test_early_grants_alone_leave_the_loop_idle(pair):
     dst, src = pair
     h, ids = _expect(dst, "r", CHUNK, 0)
     g = src.grant("r", 0)
-    assert dst._call(dst._busy) is False
+    assert dst.stats().polling is False
     src.announce("r", CHUNK, 9)
     deadline = time.monotonic() + 5
-    while not dst._call(dst._busy):
+    while not dst.stats().polling:
         assert time.monotonic() < deadline, "announced, and still idle"
         time.sleep(0.01)
     src.write("r", g)
     h.wait(10)
     assert fr.check(dst.cache, 9, ids, CHUNK) == []
-
-
-def test_no_early_grants_with_early_chunks_0():
-    dst, src = _pair(early_chunks=0)
-    try:
-        h, ids = _expect(dst, "r", CHUNK, 0)
-        _no_grant(src, "r")
-        src.announce("r", CHUNK, 3)
-        src.write("r", src.grant("r", 0))
-        h.wait(10)
-        assert fr.check(dst.cache, 3, ids, CHUNK) == []
-    finally:
-        src.close()
-        dst.close()
 
 
 def test_a_request_expected_before_its_writer_connects_is_granted_on_connect():

@@ -12,7 +12,7 @@ import time
 import numpy as np
 import pytest
 
-import fault_ranks as fr
+from support import fault_ranks as fr
 from kvstage.bench.reference import check_shard, fill_shard
 from kvstage.config import Settings
 from kvstage.errors import TransferFailed, TransportError
@@ -43,7 +43,7 @@ def test_sockets_past_descriptor_1023_are_served_by_epoll_byte_exact(caplog):
             src.connect([dst.address])
             srcs.append((src, pages))
         for ep in [dst] + [s for s, _ in srcs]:
-            assert ep._call(lambda ep=ep: not ep._low and max(s.fileno() for s in ep._socks) >= _SELECT_LIMIT)
+            assert ep.stats().wait == "epoll"
         dpages = np.random.default_rng(seed).permutation(dcache.pages)[: pages_needed(tokens, 4)]
         hd = dst.expect("r", dpages, tokens)
         hs = [s.send("r", p, tokens) for s, p in srcs]
@@ -65,7 +65,7 @@ def test_below_descriptor_1024_the_loop_waits_with_select():
     try:
         src = Source(RankCache.allocate(fr.src_spec(1), 0, 8), Settings(**fr.SETTINGS))
         src.connect([dst.address])
-        assert dst._call(lambda: dst._low and len(dst._socks) == 2)  # the wake-up socket and the source's
+        assert (dst.stats().wait, dst.stats().peers) == ("select", 1)
         src.close()
     finally:
         dst.close()

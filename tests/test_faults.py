@@ -12,7 +12,7 @@ import time
 import numpy as np
 import pytest
 
-import fault_ranks as fr
+from support import fault_ranks as fr
 from kvstage.config import Settings
 from kvstage.errors import TransferFailed
 from kvstage.layout import pages_needed
@@ -103,7 +103,7 @@ def test_destination_killed_mid_transfer_fails_the_source_fast(mapped, monkeypat
         print(f"\ndestination kill -9: detected in {detect * 1e3:.0f} ms: {err.value}")
         assert detect < 5.0
         assert err.value.peer == "destination rank 0"
-        fr.until(lambda: src._call(lambda: src.arena.allocator.free) == src.arena.allocator.count, 5)  # all free
+        fr.until(lambda: (st := src.stats()).slots_free == st.slots_total, 5)  # all free
     finally:
         src.close()
         p.join(5)

@@ -1,21 +1,13 @@
 """Native span copies (``staging.hostcopy``, ``_spans.c``): built by the install, exact for any
-span list (streaming stores or not), refusing spans past a buffer, and chosen per endpoint
-by ``Settings.host_copy`` with one log line."""
-
-import logging
+span list (streaming stores or not), refusing spans past a buffer. Which caches use them
+(``staging.copier.choose_copier``) is tests/test_copier.py."""
 
 import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvstage.config import Settings
-from kvstage.errors import ConfigError
-from kvstage.layout import KVGeometry, PageLayout
-from kvstage.protocol.destination import Destination
 from kvstage.staging import hostcopy
-from kvstage.staging.cache import RankCache
-from kvstage.tp import SideSpec
 
 SIZE = 1 << 14
 
@@ -91,45 +83,3 @@ def test_as_many_destinations_as_sources():
     buf = np.zeros(8, dtype=np.uint8)
     with pytest.raises(ValueError, match="2 destination buffers, 1 source buffers"):
         copy.run([_ptr(buf), _ptr(buf)], [_ptr(buf)])
-
-
-SPEC = SideSpec(KVGeometry(2, 2, 8, "bfloat16"), 1, PageLayout(4, "nhd"))
-
-
-@pytest.mark.parametrize("mode,want", [("auto", "native"), ("native", "native"), ("numpy", "numpy")])
-def test_an_endpoint_says_how_its_host_copies_run(mode, want, caplog):
-    cache = RankCache.allocate(SPEC, 0, 8)
-    with caplog.at_level(logging.INFO, logger="kvstage"):
-        ep = Destination(cache, Settings(host_copy=mode, arena_mb=1, slot_mb=0.25))
-    try:
-        assert ep.host_copy == want and cache._spans == (want == "native")
-        lines = [r.getMessage() for r in caplog.records if "host gathers and scatters" in r.getMessage()]
-        assert lines == ["dst 0: host gathers and scatters: " + (
-            "streaming span copies (kvstage.staging._spans)" if want == "native" else
-            "numpy/torch ops (host_copy='numpy')")]
-    finally:
-        ep.close()
-
-
-def test_native_refuses_to_start_where_the_copier_is_not_built(monkeypatch, caplog):
-    """A build without a compiler: auto says so and uses numpy; native refuses."""
-    monkeypatch.setattr(hostcopy, "_lib", None)
-    monkeypatch.setattr(hostcopy, "_why_not", "kvstage.staging._spans is not built (no compiler)")
-    cache = RankCache.allocate(SPEC, 0, 8)
-    with pytest.raises(ConfigError, match=r"host_copy='native': kvstage.staging._spans is not built \(no compiler\)"):
-        Destination(cache, Settings(host_copy="native", arena_mb=1, slot_mb=0.25))
-    with caplog.at_level(logging.INFO, logger="kvstage"):
-        ep = Destination(cache, Settings(host_copy="auto", arena_mb=1, slot_mb=0.25))
-    try:
-        assert ep.host_copy == "numpy"
-        assert any(r.getMessage() == "dst 0: host gathers and scatters: numpy/torch ops: kvstage.staging._spans "
-                   "is not built (no compiler)" for r in caplog.records)
-    finally:
-        ep.close()
-
-
-@pytest.mark.parametrize("value", ["yes", "", "NATIVE", None])
-def test_the_setting_names_its_choices(value):
-    with pytest.raises(ConfigError, match=r"host_copy=.*must be one of auto, native, numpy"):
-        Settings(host_copy=value)
-

@@ -17,8 +17,8 @@ import time
 import pytest
 import torch
 
-import fault_ranks as fr
-from fake_peers import FakeSource, expect_reversed as _expect
+from support import fault_ranks as fr
+from support.fake_peers import FakeSource, expect_reversed as _expect
 from kvstage.config import Settings
 from kvstage.errors import TransferFailed
 from kvstage.protocol.destination import Destination
@@ -102,7 +102,7 @@ def test_hostile_notices_are_refused_and_the_destination_keeps_serving(pair):
         src.write("after", src.grant("after", c))
     h2.wait(10)
     assert fr.check(dst.cache, 7, ids2, 3 * CHUNK + 7) == []
-    assert dst.slots_free() == 4 and dst._call(lambda: len(dst.requests)) == 0
+    assert dst.slots_free() == 4 and dst.stats().requests == 0
 
 
 def test_a_notice_from_an_agent_that_is_not_a_source_is_refused(pair, caplog):

@@ -4,7 +4,7 @@ link delivers what it queued once it is back). Such a write must not land in a
 slot granted to someone else: the lost writer's slots stay out of use until the
 write's notice says it is over, or ``late_write_hold_s`` passes.
 
-A real destination and hand-driven sources (tests/fake_peers.py) with real NIXL
+A real destination and hand-driven sources (tests/support/fake_peers.py) with real NIXL
 agents, so the late write is a real one-sided write at its old grant's offset.
 """
 
@@ -15,8 +15,8 @@ import time
 
 import pytest
 
-import fault_ranks as fr
-from fake_peers import FakeSource, expect_reversed as _expect
+from support import fault_ranks as fr
+from support.fake_peers import FakeSource, expect_reversed as _expect
 from kvstage.config import Settings
 from kvstage.errors import TransferFailed
 from kvstage.protocol.destination import ANSWERED_HOLD_S, Destination
@@ -28,10 +28,10 @@ TOKEN = "late-write-test"
 CHUNK = 32  # tokens per chunk: 16 KiB slots, 512 B a token (fault_ranks geometry, source TP 1)
 
 
-def _dst(hold: float) -> Destination:
+def _dst(hold: float, **over) -> Destination:
     # peer_timeout_s: the fake sources answer grants but do not ping like a real one
     return Destination(RankCache.allocate(fr.dst_spec(), 0, 1024),
-                       Settings(**fr.SETTINGS, auth_token=TOKEN, peer_timeout_s=600, late_write_hold_s=hold))
+                       Settings(**fr.SETTINGS, auth_token=TOKEN, peer_timeout_s=600, late_write_hold_s=hold, **over))
 
 
 def _lost_with_four_grants(dst: Destination, answered: bool):
@@ -149,7 +149,7 @@ def test_an_abort_ack_from_a_writer_that_came_back_does_not_free_a_lost_writers_
 def test_a_lost_direct_writer_keeps_its_requests_pages_held():
     """The direct path writes into the request's own pages, not a slot: those stay
     held (``tracks``) until the hold ends, so an engine does not reuse them."""
-    dst = _dst(hold=2.0)
+    dst = _dst(hold=2.0, direct=True)
     old = None
     try:
         old = FakeSource(dst.address, TOKEN, spec=SideSpec(fr.GEO, 1, fr.dst_spec().page))  # same paging: direct

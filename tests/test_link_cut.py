@@ -1,5 +1,5 @@
 """The link between two "hosts" cut mid-transfer: two network namespaces joined
-by a veth pair (tests/netns.py), a destination rank in one, a source rank in
+by a veth pair (tests/support/netns.py), a destination rank in one, a source rank in
 the other, and ``ip link set <veth> down`` while chunks are landing.
 
 The data path must really cross the veth for the cut to mean anything. On one
@@ -25,8 +25,8 @@ from pathlib import Path
 
 import pytest
 
-from netns import DST_IP, netns_pair  # noqa: F401  (netns_pair is a fixture)
-from netns_ranks import PREFIX
+from support.netns import DST_IP, netns_pair  # noqa: F401  (netns_pair is a fixture)
+from support.netns_ranks import PREFIX
 
 TESTS = Path(__file__).resolve().parent
 ROOT = TESTS.parent
@@ -35,13 +35,13 @@ HEAVY = os.environ.get("KVSTAGE_FAULTS_HEAVY") == "1"
 
 
 class Rank:
-    """A rank process inside a namespace, driven through tests/netns_ranks.py."""
+    """A rank process inside a namespace, driven through tests/support/netns_ranks.py."""
 
     def __init__(self, pair, ns: str, role: str, pages: int, env: dict):
         self.role = role
         self.events: queue.Queue = queue.Queue()
         self.log: list[dict] = []
-        cmd = [*pair.exec(ns), sys.executable, str(TESTS / "netns_ranks.py"), role, DST_IP, str(PORT), str(pages)]
+        cmd = [*pair.exec(ns), sys.executable, str(TESTS / "support" / "netns_ranks.py"), role, DST_IP, str(PORT), str(pages)]
         self.p = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                   text=True, env=env)
         self.stderr: list[str] = []

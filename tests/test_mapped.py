@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 import torch
 
-import fault_ranks as fr
-from fake_peers import FakeSource
+from support import fault_ranks as fr
+from support.fake_peers import FakeSource
 from kvstage.config import Settings
 from kvstage.errors import ConfigError, TransferFailed
 from kvstage.layout import pages_needed
@@ -25,7 +25,7 @@ from kvstage.protocol.request import State
 from kvstage.protocol.source import Source
 from kvstage.staging.cache import RankCache
 from kvstage.staging.copy import TokenIndex, gather
-from kvstage.transports.mapped import MappingError, open_shared
+from kvstage.staging.mapped import MappingError, open_shared
 
 TOKEN = "mapped-test"
 CHUNK = 32  # tokens per 16 KiB slot at 512 B a token (fault_ranks geometry, source TP 1)
@@ -83,34 +83,6 @@ def test_open_refuses_a_description_that_does_not_match():
         open_shared({"kind": "memfd", "pid": "1", "fd": -1, "nbytes": 20}, 20, torch.device("cpu"))
     with pytest.raises(MappingError, match="unknown shared arena kind"):
         open_shared({"kind": "rdma", "nbytes": 20}, 20, torch.device("cpu"))
-
-
-def test_landing_words_of_a_description_are_checked():
-    """A CUDA arena's description may name landing words after its bytes (protocol 6):
-    they must lie past the arena, 4-byte aligned, 1 to 2**20 of them."""
-    from kvstage.transports.mapped import _words
-
-    assert _words(None, 4096) is None
-    assert _words({"offset": 4096, "count": 256}, 4096) == (4096, 256)
-    for bad in ({"offset": 4092, "count": 8}, {"offset": 4098, "count": 8}, {"offset": 4096, "count": 0},
-                {"offset": 4096, "count": 1 << 21}, {"offset": 4096.0, "count": 8}, {"offset": True, "count": 8},
-                {"count": 8}, [4096, 8]):
-        with pytest.raises(MappingError, match="malformed"):
-            _words(bad, 4096)
-
-
-def test_a_landing_word_is_addressed_only_inside_the_shared_count():
-    """A grant's word reaches the source as an index; ``word_addr`` is the one check that it
-    lies among the words the arena shares (the source turns its refusal into a ProtocolError)."""
-    from kvstage.transports.mapped import MappedArena
-
-    arena = MappedArena(torch.zeros(16, dtype=torch.uint8), "cuda_ipc", None, None, (1 << 20, 64))
-    assert arena.word_addr(0) == 1 << 20 and arena.word_addr(63) == (1 << 20) + 4 * 63
-    for bad in (64, -1):
-        with pytest.raises(IndexError, match="this mapped arena has 64 words"):
-            arena.word_addr(bad)
-    with pytest.raises(IndexError, match="this mapped arena has 0 words"):
-        MappedArena(torch.zeros(16, dtype=torch.uint8), "cuda_ipc", None).word_addr(0)
 
 
 @pytest.fixture
@@ -198,17 +170,17 @@ def test_chunks_owed_by_a_mapped_writer_leave_the_loop_idle(mapped_pair):
         src.announce(req, CHUNK, 20 + i)
         g = src.grant(req, 0)
         deadline = time.monotonic() + 5
-        while dst._call(lambda: dst.requests[req].announced is None):
+        while dst.stats().announced == 0:
             assert time.monotonic() < deadline, f"{req}: announcement not handled"
             time.sleep(0.01)
-        assert dst._call(dst._busy) is (i == 0)  # the first request polls, the second waits idle
+        assert dst.stats().polling is (i == 0)  # the first request polls, the second waits idle
         src.conn.send(_landed(req, g, _gather_into(src, arena, req, g)))
         h.wait(10)
         assert h.path == "mapped"
 
 
 def test_a_mapped_message_makes_the_first_request_idle_too(mapped_pair):
-    """A source that mapped the arena says ``mapped`` (protocol 6): the destination then
+    """A source that mapped the arena says ``mapped``: the destination then
     knows before any ``landed`` that this writer owes no transport notice."""
     dst, src, arena = mapped_pair
     src.conn.send({"type": "mapped"})
@@ -217,13 +189,13 @@ def test_a_mapped_message_makes_the_first_request_idle_too(mapped_pair):
     src.announce("first", CHUNK, 30)
     g = src.grant("first", 0)
     deadline = time.monotonic() + 5
-    while dst._call(lambda: dst.requests["first"].announced is None):
+    while dst.stats().announced == 0:
         assert time.monotonic() < deadline, "announcement not handled"
         time.sleep(0.01)
-    assert dst._call(dst._busy) is False
+    assert dst.stats().polling is False
     src.conn.send(_landed("first", g, _gather_into(src, arena, "first", g)))
     h.wait(10)
-    assert h.path == "mapped" and "word" not in g  # a host arena has no landing words
+    assert h.path == "mapped"
 
 
 def test_mapped_message_refused_when_the_arena_is_not_shared():
@@ -244,7 +216,7 @@ def test_a_real_source_says_mapped_once_it_maps_the_arena():
     try:
         src.connect([dst.address])
         deadline = time.monotonic() + 5
-        while not dst._call(lambda: all(w.mapped for w in dst.writers.values()) and bool(dst.writers)):
+        while dst.stats().mapped_peers != 1:
             assert time.monotonic() < deadline, "the destination did not hear that its writer maps its arena"
             time.sleep(0.01)
     finally:
@@ -255,7 +227,7 @@ def test_a_real_source_says_mapped_once_it_maps_the_arena():
 def test_source_does_not_map_an_arena_of_another_host():
     """The welcome's facts say where the destination runs: a shared arena of another
     host is never opened (``on`` refuses it, ``auto`` writes through the transport)."""
-    from kvstage.transports.mapped import share
+    from kvstage.staging.mapped import share
 
     dst = _destination("on")
     try:
@@ -288,7 +260,7 @@ class _Conn:
 def test_closing_a_mapping_keeps_live_views_valid():
     """A source drops a destination's arena when the destination goes; a view of it
     still held somewhere stays valid (the map goes with the last tensor holding it)."""
-    from kvstage.transports.mapped import share, shared_host_buffer
+    from kvstage.staging.mapped import share, shared_host_buffer
 
     owner = shared_host_buffer(1 << 16)
     m = open_shared(share(owner), 1 << 16, torch.device("cpu"))
@@ -304,7 +276,7 @@ def test_a_cuda_arena_is_local_only_on_the_gpu_its_owner_names():
     mapping reports the opening process's current device whatever GPU holds the memory,
     so the owner's share names its GPU by UUID and the source compares that."""
     from kvstage.staging.arena import allocate_arena
-    from kvstage.transports.mapped import MappedArena, gpu_uuid, share
+    from kvstage.staging.mapped import MappedArena, gpu_uuid, share
 
     dev = torch.device("cuda", 0)
     buf = allocate_arena(1 << 20, dev)

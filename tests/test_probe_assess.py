@@ -8,10 +8,10 @@ import pathlib
 
 import pytest
 
-from kvstage.probe import connect_line
-from kvstage.probe.assess import assess
-from kvstage.probe.finding import Evidence, Finding, Severity, fact
-from kvstage.probe.ucx_info import parse_proto_info, select
+from kvstage.link.connect import connect_line
+from kvstage.link.assess import assess
+from kvstage.link.finding import Evidence, Finding, Severity, fact
+from kvstage.link.ucx_info import parse_proto_info, select
 
 DATA = pathlib.Path(__file__).parent / "data"
 GPU_A, GPU_B = "0000:00:06.0", "0000:00:07.0"
@@ -314,6 +314,38 @@ def test_connect_line_low_bandwidth_on_unknown_transport():
 def test_connect_line_healthy_gpu_is_silent():
     g = gpu_list(GPU_A)
     _no_warning(connect_line(facts(device="cuda", gpu=GPU_A, gpus=g), facts(device="cuda", gpu=GPU_A, gpus=g), "cuda_ipc", 600.0))
+
+
+# --- connect time over an opaque transport (NIXL): what the facts alone rule out --------------------------
+def test_connect_line_predicts_ucx_tls_leaving_out_cuda_ipc():
+    """NIXL says nothing of UCX's choice; ``UCX_TLS=^cuda_ipc`` rules the best path out, so the
+    line warns, names the cause and the fix, and labels the path as expected."""
+    g = gpu_list(GPU_A)
+    f = connect_line(facts(device="cuda", gpu=GPU_A, gpus=g, env={"UCX_TLS": "^cuda_ipc"}),
+                     facts(device="cuda", gpu=GPU_A, gpus=g), "nixl", None)
+    assert f.severity is Severity.WARNING and "UCX_TLS=^cuda_ipc leaves out cuda_ipc" in f.cause
+    assert "unset UCX_TLS" in f.fix and "expected not to use CUDA IPC" in f.path
+    assert f.details["expected_gbps"] == 1470.0
+
+
+@pytest.mark.parametrize("side", ["local", "peer"])
+def test_connect_line_warns_for_kv_memory_from_expandable_segments(side):
+    """The direct path registers the KV buffers: VMM memory there (expandable segments) rules out
+    CUDA IPC, whichever side holds it; the arena's cudaMalloc memory would not."""
+    g = gpu_list(GPU_A)
+    env = {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
+    vmm = facts(device="cuda", gpu=GPU_A, gpus=g, ipc="vmm", env=env)
+    ok = facts(device="cuda", gpu=GPU_A, gpus=g, env=env)
+    local, peer = (vmm, ok) if side == "local" else (ok, vmm)
+    f = connect_line(local, peer, "nixl", None)
+    assert f.severity is Severity.WARNING and "VMM (expandable segments)" in f.cause, f.line()
+    assert "expandable_segments" in f.fix
+    _no_warning(connect_line(ok, ok, "nixl", None))
+
+
+def test_connect_line_predicts_cma_blocked_by_ptrace_scope():
+    f = connect_line(facts(ptrace=3), facts(), "nixl", None)
+    assert f.severity is Severity.WARNING and "ptrace_scope=3" in f.cause
 
 
 # --- the Finding itself -------------------------------------------------------------------------------

@@ -7,8 +7,8 @@ import json
 import pytest
 import torch
 
-from kvstage.probe import facts, gpu, libs, paths
-from kvstage.probe.finding import SOURCES
+from kvstage.link import facts, gpu, libs, paths
+from kvstage.link.finding import SOURCES
 
 
 def test_collect_local_is_json_and_labelled():

@@ -18,7 +18,7 @@ import time
 import pytest
 
 from kvstage.probe import cli
-from kvstage.probe.finding import Severity
+from kvstage.link.finding import Severity
 from kvstage.probe.selftest import run_selftest
 
 # Whatever the machine running the tests has set must not leak into the "default" runs.
@@ -104,7 +104,7 @@ def test_peer_probe_against_a_running_destination(capsys):
     from kvstage.tp import SideSpec
 
     spec = SideSpec(KVGeometry(2, 4, 16, "bfloat16"), 1, PageLayout(4))
-    dst = Destination(RankCache.allocate(spec, 0, 8), Settings(arena_mb=16, slot_mb=8))
+    dst = Destination(RankCache.allocate(spec, 0, 8), Settings(arena_mb=16))
     try:
         host, port = dst.address
         assert cli.run(_args("--peer", f"{host}:{port}", "--size-mb", "4")) == cli.EXIT_OK
@@ -112,9 +112,9 @@ def test_peer_probe_against_a_running_destination(capsys):
         assert line.startswith("INFO kvstage link to") and "shared memory" in line and "GB/s measured" in line
         assert "WARNING" not in line
         deadline = time.monotonic() + 5
-        while dst.slots_free() != 2 and time.monotonic() < deadline:
+        while dst.slots_free() != 4 and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert dst.slots_free() == 2  # the lent slot returned when the prober left
+        assert dst.slots_free() == 4  # the lent slot returned when the prober left
     finally:
         dst.close()
 
@@ -150,7 +150,7 @@ def test_gpu_expandable_segments_warns_and_fix_is_confirmed():
 
 @pytest.mark.gpu
 def test_gpu_memory_ipc_default_and_vmm():
-    code = ("import torch; from kvstage.probe.gpu import memory_ipc; "
+    code = ("import torch; from kvstage.link.gpu import memory_ipc; "
             "print(memory_ipc(torch.empty(1 << 24, dtype=torch.uint8, device='cuda'))['value']['ipc'])")
     for conf, want in (("", "legacy-ipc"), ("expandable_segments:True", "vmm")):
         out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,

@@ -6,8 +6,8 @@ import pathlib
 
 import pytest
 
-from kvstage.probe import paths
-from kvstage.probe.ucx_info import by_memory_pair, memory_type, parse_proto_info, select, ucx_messages
+from kvstage.link import paths
+from kvstage.link.ucx_info import by_memory_pair, memory_type, parse_proto_info, select, ucx_messages
 
 DATA = pathlib.Path(__file__).parent / "data"
 MiB64 = 64 << 20

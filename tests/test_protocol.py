@@ -8,12 +8,14 @@ import time
 import numpy as np
 import pytest
 
-from fake_peers import FakeDestination
+from support import fault_ranks as fr
+
+from support.fake_peers import FakeDestination
 from kvstage.config import Settings
 from kvstage.errors import TransferFailed
 from kvstage.layout import KVGeometry, PageLayout
 from kvstage.protocol.destination import Destination
-from kvstage.protocol.endpoint import spec_to_wire
+from kvstage.protocol.handshake import spec_to_wire
 from kvstage.protocol.source import Source
 from kvstage.protocol.wire import PROTOCOL_VERSION
 from kvstage.staging.cache import RankCache
@@ -26,7 +28,7 @@ DST = SideSpec(GEO, 1, PageLayout(4))
 
 @pytest.fixture
 def dst():
-    d = Destination(RankCache.allocate(DST, 0, 32), Settings(arena_mb=0.25, slot_mb=0.0625, auth_token="s3cret"))
+    d = Destination(RankCache.allocate(DST, 0, 32), Settings(arena_mb=0.25, auth_token="s3cret"))
     yield d
     d.close()
 
@@ -74,7 +76,7 @@ def test_hostile_hello_is_refused_with_a_clear_error(dst, msg, needle):
 def test_garbage_closes_only_that_connection(dst, payload):
     raw(dst.address, payload)
     # the destination still serves a real source afterwards
-    src = Source(RankCache.allocate(SRC, 0, 32), Settings(arena_mb=0.25, slot_mb=0.0625, auth_token="s3cret"))
+    src = Source(RankCache.allocate(SRC, 0, 32), Settings(arena_mb=0.25, auth_token="s3cret"))
     try:
         assert src.connect([dst.address]) == [0]
     finally:
@@ -82,7 +84,7 @@ def test_garbage_closes_only_that_connection(dst, payload):
 
 
 def test_source_without_token_is_refused(dst):
-    src = Source(RankCache.allocate(SRC, 0, 32), Settings(arena_mb=0.25, slot_mb=0.0625, auth_token=""))
+    src = Source(RankCache.allocate(SRC, 0, 32), Settings(arena_mb=0.25, auth_token=""))
     try:
         with pytest.raises(TransferFailed, match="auth token"):
             src.connect([dst.address])
@@ -90,31 +92,34 @@ def test_source_without_token_is_refused(dst):
         src.close()
 
 
-@pytest.mark.parametrize("early", [0, 2])
+@pytest.mark.parametrize("early", [False, True])
 def test_token_count_mismatch_fails_both_sides(early):
     """Early grants carry the destination's token count: the source refuses
-    them at ``send``; without them the destination refuses the announcement."""
-    dst = Destination(RankCache.allocate(DST, 0, 32),
-                      Settings(arena_mb=0.25, slot_mb=0.0625, auth_token="s3cret", early_chunks=early))
+    them at ``send``. Announced before the destination expects the request (no
+    early grant yet), the destination refuses the announcement."""
+    dst = Destination(RankCache.allocate(DST, 0, 32), Settings(arena_mb=0.25, auth_token="s3cret"))
     cache0 = RankCache.allocate(SRC, 0, 32)
     cache1 = RankCache.allocate(SRC, 1, 32)
-    s0 = Source(cache0, Settings(arena_mb=0.25, slot_mb=0.0625, auth_token="s3cret"))
-    s1 = Source(cache1, Settings(arena_mb=0.25, slot_mb=0.0625, auth_token="s3cret"))
+    s0 = Source(cache0, Settings(arena_mb=0.25, auth_token="s3cret"))
+    s1 = Source(cache1, Settings(arena_mb=0.25, auth_token="s3cret"))
     try:
         s0.connect([dst.address])
         s1.connect([dst.address])
-        h = dst.expect("r", np.arange(3), 10)
-        if early:  # let the early grant reach both sources first
-            time.sleep(0.2)
+        if early:
+            h = dst.expect("r", np.arange(3), 10)
+            time.sleep(0.2)  # let the early grant reach both sources first
         a = s0.send("r", np.arange(4), 13)
         s1.send("r", np.arange(4), 13)
+        if not early:
+            fr.until(lambda: dst.stats().unknown_announced == 1)
+            h = dst.expect("r", np.arange(3), 10)
         with pytest.raises(TransferFailed, match="13 tokens, destination expects 10"):  # either side's words
             h.wait(10)
         with pytest.raises(TransferFailed, match="destination aborted" if not early else
                            "destination expects 10 tokens, this source sends 13"):
             a.wait(10)
         deadline = time.monotonic() + 5
-        while (left := [s._call(lambda s=s: (s.arena.allocator.free, len(s.requests), len(s._held))) for s in (s0, s1)] + [dst.slots_free()]) != [(4, 0, 0), (4, 0, 0), 4]:
+        while (left := [(lambda st: (st.slots_free, st.requests, st.held_grants))(s.stats()) for s in (s0, s1)] + [dst.slots_free()]) != [(4, 0, 0), (4, 0, 0), 4]:
             assert time.monotonic() < deadline, f"left behind (free slots, requests, held grants): {left}"
             time.sleep(0.01)  # the abort reaches the other source, which confirms it; then the slots come back
     finally:
@@ -124,7 +129,7 @@ def test_token_count_mismatch_fails_both_sides(early):
 
 
 def test_source_killed_mid_request_fails_destination_and_frees_slots(dst):
-    s0 = Source(RankCache.allocate(SRC, 0, 32), Settings(arena_mb=0.25, slot_mb=0.0625, auth_token="s3cret"))
+    s0 = Source(RankCache.allocate(SRC, 0, 32), Settings(arena_mb=0.25, auth_token="s3cret"))
     s0.connect([dst.address])
     h = dst.expect("r", np.arange(3), 10)
     s0.send("r", np.arange(3), 10)
@@ -160,7 +165,7 @@ def test_a_request_keeps_its_own_copy_of_the_page_list(dst):
 
 def test_each_side_logs_one_link_line_per_peer_and_no_warning(dst, caplog):
     caplog.set_level("DEBUG", logger="kvstage")
-    src = Source(RankCache.allocate(SRC, 0, 32), Settings(arena_mb=0.25, slot_mb=0.0625, auth_token="s3cret"))
+    src = Source(RankCache.allocate(SRC, 0, 32), Settings(arena_mb=0.25, auth_token="s3cret"))
     try:
         src.connect([dst.address])
         dst.slots_free()  # let the destination's loop finish the handshake
@@ -270,7 +275,7 @@ def test_the_start_stage_runs_from_send_to_the_first_copy(fake_dst):
     assert h.stages["gather"] < h.seconds - 0.3  # the wait is the start's, not the gather's
 
 
-@pytest.mark.parametrize("arena_mb", [0.25, 0.0625])
+@pytest.mark.parametrize("arena_mb", [0.25, 4096 / 2**20])  # four slots; one slot of one page
 def test_slot_wait_counts_only_a_full_arena_and_queued_the_chunks_ahead(arena_mb):
     """Two chunks granted before ``send`` are queued together. With four slots the
     second waits only behind the first (``queued``) and ``slot_wait`` stays zero;

@@ -1,4 +1,4 @@
-"""A host scatter shared among threads (``staging.copy.CopyThreads``, ``Settings.scatter_threads``):
+"""A host scatter shared among threads (``staging.copy.CopyThreads``, ``destination.scatter_threads``):
 the same bytes as one thread, a failed share raised, and who gets how many threads."""
 
 import logging
@@ -8,9 +8,8 @@ import pytest
 import torch
 
 from kvstage.config import Settings
-from kvstage.errors import ConfigError
 from kvstage.layout import KVGeometry, PageLayout, pages_needed
-from kvstage.protocol.destination import Destination
+from kvstage.protocol.destination import Destination, scatter_threads
 from kvstage.staging.cache import RankCache
 from kvstage.staging.copy import CopyThreads, TokenIndex, region_bytes, scatter_chunk
 from kvstage.tp import SideSpec
@@ -55,35 +54,17 @@ def test_a_failed_share_is_raised_after_every_share_stopped():
         pool.close()
 
 
-@pytest.mark.parametrize("value", [0, -1, 65, 1.5, True, "2"])
-def test_the_setting_is_a_whole_number_of_threads(value):
-    with pytest.raises(ConfigError, match=r"scatter_threads=.*must be a whole number in \[1, 64\]"):
-        Settings(scatter_threads=value)
+def test_two_threads_where_the_sources_leave_a_core_free_else_one():
+    assert scatter_threads(transport_gathers=True, cores=2) == 2
+    assert scatter_threads(transport_gathers=True, cores=1) == 1  # no second core to give
+    assert scatter_threads(transport_gathers=False, cores=16) == 1  # nixl: the sources' gathers take the cores
 
 
-def test_the_environment_sets_it(monkeypatch):
-    monkeypatch.setenv("KVSTAGE_SCATTER_THREADS", "3")
-    assert Settings().scatter_threads == 3
-
-
-def _threads(caplog, **settings):
+@pytest.mark.parametrize("transport,logged", [("cma", True), ("nixl", False)])
+def test_a_destination_says_when_it_scatters_on_more_threads(caplog, monkeypatch, transport, logged):
+    monkeypatch.setattr("os.cpu_count", lambda: 2)
     spec = SideSpec(KVGeometry(2, 4, 32, "bfloat16"), 1, PageLayout(16, "nhd"))
     with caplog.at_level(logging.INFO, logger="kvstage"):
-        dst = Destination(RankCache.allocate(spec, 0, 8), Settings(arena_mb=1, slot_mb=0.25, **settings))
-    try:
-        return None if dst._scatter_threads is None else dst._scatter_threads.threads
-    finally:
-        dst.close()
-
-
-def test_two_threads_by_default_with_cma_one_with_nixl_or_when_told(caplog, monkeypatch):
-    monkeypatch.setattr("os.cpu_count", lambda: 2)
-    assert _threads(caplog, transport="cma") == 2
-    assert "host scatters on 2 threads (cma: the sources write from their pages" in caplog.text
-    caplog.clear()
-    assert _threads(caplog, transport="nixl") is None
-    assert "host scatters" not in caplog.text
-    assert _threads(caplog, transport="cma", scatter_threads=1) is None
-    assert _threads(caplog, transport="nixl", scatter_threads=3) == 3
-    monkeypatch.setattr("os.cpu_count", lambda: 1)
-    assert _threads(caplog, transport="cma") is None  # no second core to give
+        dst = Destination(RankCache.allocate(spec, 0, 8), Settings(arena_mb=1, transport=transport))
+    dst.close()
+    assert ("host scatters on 2 threads (cma: the sources write from their pages" in caplog.text) is logged

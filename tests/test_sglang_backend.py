@@ -1,12 +1,12 @@
 """The kvstage transfer backend inside real SGLang 0.5.23 code (CPU, separate processes).
 
 Registration is checked in this process; transfers run one process per
-scheduler rank (tests/sglang_rank.py), the ranks of each side in one gloo
+scheduler rank (tests/support/sglang_rank.py), the ranks of each side in one gloo
 group, all scenarios at once to keep the run short on two cores:
 
 - equal TP 1 -> 1, prefill TP 2 -> decode TP 1, 1 -> 2 (MHA, 4 KV heads), MLA 2 -> 1;
 - KV pages and metadata rows byte-identical on every decode rank;
-- state buffers (a hybrid SWA pool plus a mamba-style component, see tests/sglang_rank.py) at equal TP
+- state buffers (a hybrid SWA pool plus a mamba-style component, see tests/support/sglang_rank.py) at equal TP
   1 -> 1 and 2 -> 2: KV, metadata and state rows byte-identical; TP 2 -> 1 with state buffers: Failed on
   both sides with the reason (kvstage moves state rows at equal TP only);
 - the comparison itself: a request whose prefill bytes are corrupted (one byte of KV, of the metadata
@@ -37,8 +37,7 @@ if importlib.util.find_spec("sglang") is None:
     pytest.skip("sglang is not importable here (CI runs these in the SGLang venv, see .ci/run)", allow_module_level=True)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
-import sglang_cpu  # noqa: E402
+from support import sglang_cpu  # noqa: E402
 
 # SGLang's timeouts in these runs: the decode's waiting timeout must strike while the prefill ranks are still
 # alive (they stay until their own bootstrap timeout), or the decode sees "connection lost" instead
@@ -89,7 +88,7 @@ def _port() -> int:
 def runs(tmp_path_factory):
     """Start every scenario's ranks at once; return {scenario: {(role, rank): results}}."""
     logs = tmp_path_factory.mktemp("sglang")
-    env = dict(os.environ, KVSTAGE_ARENA_MB="2", KVSTAGE_SLOT_MB="0.0625", KVSTAGE_STALL_TIMEOUT_S="60",
+    env = dict(os.environ, KVSTAGE_ARENA_MB="2", KVSTAGE_STALL_TIMEOUT_S="60",
                SGLANG_HOST_IP="127.0.0.1", SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT=str(BOOTSTRAP_TIMEOUT_S),
                SGLANG_DISAGGREGATION_WAITING_TIMEOUT=str(WAITING_TIMEOUT_S), PYTHONWARNINGS="ignore")
     procs = []
@@ -102,7 +101,7 @@ def runs(tmp_path_factory):
                            bootstrap_port=bootstrap, store_port=store, requests=reqs, deadline_s=200)
                 log = open(logs / f"{name}-{role}{rank}.log", "w")
                 procs.append((name, role, rank, log, subprocess.Popen(
-                    [sys.executable, os.path.join(HERE, "sglang_rank.py"), json.dumps(cfg)],
+                    [sys.executable, os.path.join(HERE, "support", "sglang_rank.py"), json.dumps(cfg)],
                     env=env, stdout=subprocess.PIPE, stderr=log, text=True)))
     out: dict = {name: {} for name in SCENARIOS}
     deadline = time.monotonic() + 400
@@ -134,7 +133,7 @@ def test_registration():
     from sglang.srt.disaggregation.utils import KVClassType, TransferBackend, get_kv_class
     from sglang.srt.server_args import ServerArgs
 
-    from kvstage.plugin import sglang_conn
+    from kvstage.plugin.sglang import conn as sglang_conn
 
     parser = argparse.ArgumentParser()
     ServerArgs.add_cli_args(parser)

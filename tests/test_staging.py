@@ -13,7 +13,7 @@ from kvstage.staging.copy import TokenIndex, gather, gather_pieces, prepare_piec
 from kvstage.staging.words import WordGeometry, chunk_pages, word_index
 from kvstage.tp import SideSpec
 
-pytestmark = pytest.mark.usefixtures("host_copy")  # every host copy both ways: native and numpy
+pytestmark = pytest.mark.usefixtures("host_copy")  # every host copy both ways: the native and the torch copier
 
 GEO = KVGeometry(3, 4, 8, "bfloat16")
 SIDES = [(16, "nhd"), (4, "hnd"), (1, "nhd"), (8, "hnd")]

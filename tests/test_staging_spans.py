@@ -14,6 +14,8 @@ from kvstage.staging.spans import chunk_spans
 from kvstage.tp import SideSpec
 from test_staging import _random_cache
 
+pytestmark = pytest.mark.usefixtures("host_copy")  # against the torch copier's gather too, not only the spans'
+
 SIDES = [(16, "nhd"), (4, "hnd"), (1, "nhd"), (8, "hnd")]
 RANGES = [(0, 37), (16, 32), (5, 20), (0, 64), (63, 1)]
 HEADS = [(0, 4), (2, 2), (1, 1)]  # (first local head, heads) of a rank holding 4

@@ -1,11 +1,10 @@
 """The endpoints' per-event debug lines and ``benchmarks/timeline.py``, which reads them.
 
 A real ``kvstage bench`` run (rank processes over NIXL) with
-``KVSTAGE_LOG_LEVEL=DEBUG``: every rank must log each stage of a staged
+``--log-level DEBUG``: every rank must log each stage of a staged
 request once per chunk, and the timeline must lay them out in time order.
 """
 
-import os
 import re
 import subprocess
 import sys
@@ -15,13 +14,12 @@ TIMELINE = Path(__file__).resolve().parents[1] / "benchmarks" / "timeline.py"
 
 
 def test_debug_events_trace_every_hop_of_a_request(tmp_path):
-    env = dict(os.environ, KVSTAGE_LOG_LEVEL="DEBUG")
     # 2 -> 1, 1,100 tokens of 2 KiB in 1 MiB slots (512 tokens each): 3 chunks
     proc = subprocess.run(
         [sys.executable, "-m", "kvstage.cli", "bench", "--layers", "2", "--head-dim", "32", "--kv-heads", "8",
          "--src-tp", "2", "--dst-tp", "1", "--tokens", "1100", "--mode", "staged", "--iters", "1", "--warmup", "0",
-         "--arena-mb", "4", "--slot-mb", "1", "--no-progress"],
-        capture_output=True, text=True, timeout=240, env=env)
+         "--arena-mb", "4", "--no-progress", "--log-level", "DEBUG"],
+        capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr[-2000:]
     err = tmp_path / "bench.err"
     err.write_text(proc.stderr)

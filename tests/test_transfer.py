@@ -13,20 +13,20 @@ CPU, CUDA IPC on GPU, the GPU default) runs the same cases.
 """
 
 import dataclasses
-import math
 
 import pytest
 
 from kvstage.bench.runner import run
 from kvstage.bench.scenario import Scenario
 from kvstage.layout import KVGeometry, PageLayout, token_bytes
+from kvstage.staging.arena import MIN_SLOTS
 
 
 def scenario(src_tp, dst_tp, heads=8, tokens=203, src_page=(16, "nhd"), dst_page=None, mla=False, device="cpu",
-             modes=("staged",), arena_mb=2.0, slot_mb=0.25, head_dim=32, layers=3, transport="nixl"):
+             modes=("staged",), arena_mb=1.0, head_dim=32, layers=3, transport="nixl"):
     geo = KVGeometry(layers, 1 if mla else heads, head_dim, "bfloat16", mla)
     return Scenario(geo, src_tp, dst_tp, tokens, PageLayout(*src_page), PageLayout(*(dst_page or src_page)),
-                    modes=modes, device=device, iters=1, warmup=0, arena_mb=arena_mb, slot_mb=slot_mb,
+                    modes=modes, device=device, iters=1, warmup=0, arena_mb=arena_mb,
                     transport=transport)
 
 
@@ -68,42 +68,19 @@ def test_staged_byte_exact(name, device, transport):
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_mapped_byte_exact(name, device):
-    """mapped=on: no transport write at all, the gathers' stores land in the destination's slots.
-    With prearm on a GPU every piece's scatter is queued before it lands (staging.landing;
-    the default, prearm off, is the test below)."""
-    sc = dataclasses.replace(scenario(**CASES[name], device=device), settings_extra={"mapped": "on", "prearm": True})
+    """mapped=on: no transport write at all, the gathers' stores land in the destination's slots."""
+    sc = dataclasses.replace(scenario(**CASES[name], device=device), settings_extra={"mapped": "on"})
     row = _check(run(sc), "mapped")
     assert row["descriptors"] == 0
-    assert row["queued_scatters"] == (_pieces_per_request(sc) if device == "cuda" else 0)
-
-
-def _pieces_per_request(sc) -> int:
-    """Pieces one request lands: each destination rank's chunks times its writers
-    (the destination's chunking: the most tokens every slot holds, in whole pages of both sides)."""
-    p, slot = sc.plan, sc.settings().slot_bytes
-    total = 0
-    for d in range(sc.dst_tp):
-        writers = p.writers_of(d)
-        fit = min(min(slot // p.piece_token_bytes(w) for w in writers), slot // p.dst_token_bytes())
-        step = math.lcm(p.src.page.page_size, p.dst.page.page_size)
-        chunk = fit // step * step if fit >= step else fit
-        total += -(-sc.tokens // chunk) * len(writers)
-    return total
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("name", ["4to1", "1to4"])
-def test_mapped_without_queued_scatters_byte_exact(name):
-    """prearm off (the default): each piece's scatter is launched when its ``landed`` message is read."""
-    sc = dataclasses.replace(scenario(**CASES[name], device="cuda"), settings_extra={"mapped": "on"})
-    row = _check(run(sc), "mapped")
-    assert row["queued_scatters"] == 0
 
 
 @pytest.mark.parametrize("device,transport", [("cpu", "nixl"), pytest.param("cuda", "nixl", marks=pytest.mark.gpu),
                                               ("cpu", "cma")])
-def test_equal_tp_uses_direct_page_runs(device, transport):
-    result = run(scenario(2, 2, modes=("staged", "per-slice"), device=device, transport=transport))
+def test_equal_tp_direct_page_runs_byte_exact(device, transport):
+    """direct=True: page runs in place, whatever the route's estimate."""
+    sc = dataclasses.replace(scenario(2, 2, modes=("staged", "per-slice"), device=device, transport=transport),
+                             settings_extra={"direct": True})
+    result = run(sc)
     row = _check(result, "direct")
     sc = scenario(2, 2)
     pages = -(-sc.tokens // 16)
@@ -115,7 +92,28 @@ def test_equal_tp_uses_direct_page_runs(device, transport):
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_mla_equal_paging_is_direct_one_sender_per_destination(device):
-    _check(run(scenario(4, 2, mla=True, device=device)), "direct")
+    sc = dataclasses.replace(scenario(4, 2, mla=True, device=device), settings_extra={"direct": True})
+    _check(run(sc), "direct")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("case,path", [
+    # small pages of random ids: many spans of a few KiB, staged is expected faster everywhere
+    (dict(src_tp=2, dst_tp=2), "staged"),
+    # the model's pages (32 KiB per buffer): direct on a host, staged (mapped) on one GPU
+    (dict(src_tp=1, dst_tp=1, heads=8, head_dim=128, layers=4, tokens=512), "direct|staged"),
+], ids=["small_pages", "llama_pages"])
+def test_equal_paging_takes_the_route_the_cost_model_expects(device, case, path):
+    """By default the destination picks direct or staged per request (``protocol.route``)."""
+    row = _check_any(run(scenario(**case, device=device)))
+    want = path.split("|")[0 if device == "cpu" else -1]
+    assert row["path"] == [want if device == "cpu" or want == "direct" else "mapped"], row["path"]
+
+
+def _check_any(result):
+    (row,) = [r for r in result["results"] if r["mode"] == "staged"]
+    assert row["verified"] is True, row.get("errors")
+    return row
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -123,10 +121,11 @@ def test_mla_equal_paging_is_direct_one_sender_per_destination(device):
 def test_ucx_has_no_direct_path_whole_shards_go_staged(device, case):
     # the plan allows the direct path; UCX is two-sided, so the destination grants slots instead
     sc = scenario(**case, modes=("staged", "per-slice"), device=device, transport="ucx")
-    assert sc.plan.direct and sc.settings().direct is False
+    assert sc.plan.direct and not sc.settings().may_go_direct
     result = run(sc)
     row = _check(result, "staged")
-    chunk = sc.settings().slot_bytes // sc.plan.dst_token_bytes() // 16 * 16  # whole pages of 16 tokens
+    slot = row["arena_bytes"] // MIN_SLOTS  # arena_mb=1 is cut into four slots
+    chunk = slot // sc.plan.dst_token_bytes() // 16 * 16  # whole pages of 16 tokens
     assert row["descriptors"] == len(sc.plan.pieces) * -(-sc.tokens // chunk)  # one write per piece and chunk
     assert [r["verified"] for r in result["results"]] == [True, True]
 
@@ -136,7 +135,7 @@ def test_request_four_times_the_arena_streams_through_it(device, transport):
     geo_bytes = token_bytes(KVGeometry(3, 8, 32, "bfloat16"), 8)  # destination token bytes, TP 1
     arena_mb = 0.5
     tokens = int(4 * arena_mb * (1 << 20) // geo_bytes)
-    sc = scenario(4, 1, tokens=tokens, arena_mb=arena_mb, slot_mb=0.125, device=device, transport=transport)
+    sc = scenario(4, 1, tokens=tokens, arena_mb=arena_mb, device=device, transport=transport)
     assert sc.payload_bytes() >= 4 * arena_mb * (1 << 20) * 0.99
     sc = dataclasses.replace(sc, settings_extra={"mapped": "off"})
     row = _check(run(sc), "staged")
@@ -194,5 +193,6 @@ def test_across_two_gpus_byte_exact(name):
     # auto: a NIXL write over the link (another GPU's arena is not mapped unless asked);
     # on: the gather kernel's own stores over the link (CUDA IPC with peer access)
     for mapped in ("auto", "on"):
-        sc = dataclasses.replace(scenario(**kw, device="cuda"), src_gpu=0, dst_gpu=1, settings_extra={"mapped": mapped})
+        extra = {"mapped": mapped} | ({"direct": True} if name == "direct_2to2" else {})
+        sc = dataclasses.replace(scenario(**kw, device="cuda"), src_gpu=0, dst_gpu=1, settings_extra=extra)
         _check(run(sc), "direct" if name == "direct_2to2" else "mapped" if mapped == "on" else "staged")

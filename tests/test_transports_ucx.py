@@ -1,15 +1,13 @@
-"""The UCX transport (UCXX, two-sided) on its own: real UCX workers, no mocks.
+"""What only the UCX transport (UCXX, two-sided) does: real UCX workers, no mocks.
 
-Receives are posted by ``expect``; a write needs the ticket it returned; a
-notification is handed out only after every byte of its write landed.
+Receives are posted by ``expect`` and a write needs the ticket it returned. The
+contract every transport keeps is in tests/test_transports.py.
 """
 
 import logging
-import multiprocessing as mp
 import struct
 import time
 
-import numpy as np
 import pytest
 import torch
 
@@ -20,19 +18,9 @@ from kvstage.protocol.destination import Destination
 from kvstage.protocol.source import Source
 from kvstage.staging.cache import RankCache
 from kvstage.tp import SideSpec
-from kvstage.transports.base import Region, Spans, WriteState
+from support.transport_pair import transport_pair
+from kvstage.transports.base import Spans, WriteState
 from kvstage.transports.ucx import UcxTransport
-
-
-def _wait(fn, what, timeout=20.0):
-    deadline = time.monotonic() + timeout
-    while True:
-        v = fn()
-        if v:
-            return v
-        if time.monotonic() > deadline:
-            raise AssertionError(f"{what} not within {timeout} s")
-        time.sleep(0.0005)
 
 
 def _both(a, b, h, timeout=20.0):
@@ -47,74 +35,10 @@ def _both(a, b, h, timeout=20.0):
     return notes
 
 
-def _receiver(conn, nbytes):
-    """Child process: register a zeroed buffer, expect the spans the parent names, report what landed."""
-    tr = UcxTransport("recv")
-    buf = torch.zeros(nbytes, dtype=torch.uint8)
-    region = tr.register(buf)
-    conn.send((tr.metadata(), region.to_wire()))
-    writer, offsets, lengths = conn.recv()
-    conn.send(tr.expect(writer, Spans.single(region, offsets, lengths)))
-    notes = []
-    deadline = time.monotonic() + 30
-    while not notes and time.monotonic() < deadline:
-        notes = tr.notifications()
-        time.sleep(0.0005)
-    conn.send((notes, buf.numpy().tobytes()))  # the buffer as it was when the notification came
-    conn.recv()
-    tr.close()
-
-
-def test_two_processes_multi_span_write_lands_byte_exact_before_its_notification():
-    nbytes = 8 << 20
-    ctx = mp.get_context("spawn")
-    parent, child = ctx.Pipe()
-    proc = ctx.Process(target=_receiver, args=(child, nbytes))
-    proc.start()
-    tr = UcxTransport("send")
-    try:
-        md, region = parent.recv()
-        remote_region = Region.from_wire(region)
-        src = torch.randint(0, 256, (nbytes,), dtype=torch.uint8)
-        local_region = tr.register(src)
-        peer = tr.connect(md)
-        # spans of several sizes, the big one well past any eager threshold, at offsets that differ per side
-        r_off, lengths = [0, 4096, 1 << 20, 7 << 20], [1, 3000, 5 << 20, 4096]
-        l_off = [nbytes - 1, 100, 2 << 20, 0]
-        parent.send((tr.id, r_off, lengths))
-        ticket = parent.recv()
-        h = tr.write(peer, Spans.single(local_region, l_off, lengths), Spans.single(remote_region, r_off, lengths),
-                     b"chunk-7", ticket)
-        _wait(lambda: tr.poll(h) is WriteState.DONE, "write completion")
-        tr.release(h)
-        assert parent.poll(30), "receiver sent nothing back"
-        notes, landed = parent.recv()
-        assert notes == [(tr.id, b"chunk-7")]
-        got = np.frombuffer(landed, dtype=np.uint8)
-        want = np.zeros(nbytes, dtype=np.uint8)
-        s = src.numpy()
-        for lo, ro, n in zip(l_off, r_off, lengths):
-            want[ro : ro + n] = s[lo : lo + n]
-        assert np.array_equal(got, want)  # every span landed, nothing else was touched
-        parent.send("bye")
-        proc.join(30)
-        assert proc.exitcode == 0
-    finally:
-        tr.close()
-        if proc.is_alive():
-            proc.kill()
-
-
 @pytest.fixture
 def pair():
-    a, b = UcxTransport("a"), UcxTransport("b")
-    src = torch.arange(1 << 16, dtype=torch.int32).view(torch.uint8)
-    dst = torch.zeros(1 << 18, dtype=torch.uint8)
-    ra, rb = a.register(src), b.register(dst)
-    peer = a.connect(b.metadata())
-    yield a, b, peer, ra, rb, src, dst
-    a.close()
-    b.close()
+    with transport_pair("ucx", 1 << 18, 1 << 18) as p:
+        yield p
 
 
 def test_a_write_needs_the_receivers_ticket(pair):
@@ -177,30 +101,18 @@ def test_facts_come_from_ucxx_not_from_nixls_bundled_ucx(pair):
     assert "cma" in facts["ucx_modules"]["value"]  # a loadable module of the libucx wheel
 
 
-def test_metadata_of_another_transport_is_refused_by_name():
-    from kvstage.transports.nixl import NixlTransport
-
-    n, u = NixlTransport("n"), UcxTransport("u")
-    try:
-        with pytest.raises(TransportError, match="transport=nixl"):
-            u.connect(n.metadata())
-    finally:
-        u.close()
-        n.close()
-
-
 def test_settings_pick_the_transport_and_ucx_has_no_direct_path(monkeypatch):
-    assert Settings().transport == "nixl" and Settings().direct is True
+    assert Settings().transport == "nixl" and Settings().may_go_direct
     s = Settings(transport="ucx")
-    assert s.direct is False
+    assert not s.may_go_direct
     with pytest.raises(ConfigError, match=r"direct=True with transport='ucx'.*two-sided"):
         Settings(transport="ucx", direct=True)
     with pytest.raises(ConfigError, match=r"transport='tcp': must be one of nixl, ucx"):
         Settings(transport="tcp")
     monkeypatch.setenv("KVSTAGE_TRANSPORT", "ucx")
-    assert Settings().transport == "ucx" and Settings().direct is False
+    assert Settings().transport == "ucx" and not Settings().may_go_direct
     monkeypatch.setenv("KVSTAGE_DIRECT", "1")
-    with pytest.raises(ConfigError, match="KVSTAGE_DIRECT=0"):
+    with pytest.raises(ConfigError, match="unset KVSTAGE_DIRECT"):
         Settings()
 
 
@@ -209,8 +121,8 @@ GEO = KVGeometry(2, 4, 16, "bfloat16")
 
 def test_endpoints_on_different_transports_refuse_each_other_by_name():
     spec = SideSpec(GEO, 1, PageLayout(4))
-    dst = Destination(RankCache.allocate(spec, 0, 8), Settings(arena_mb=0.25, slot_mb=0.0625))
-    src = Source(RankCache.allocate(spec, 0, 8), Settings(arena_mb=0.25, slot_mb=0.0625, transport="ucx"))
+    dst = Destination(RankCache.allocate(spec, 0, 8), Settings(arena_mb=0.25))
+    src = Source(RankCache.allocate(spec, 0, 8), Settings(arena_mb=0.25, transport="ucx"))
     try:
         with pytest.raises(TransferFailed, match="transport: the source uses 'ucx', this side 'nixl'"):
             src.connect([dst.address])
@@ -222,7 +134,7 @@ def test_endpoints_on_different_transports_refuse_each_other_by_name():
 def test_a_ucx_endpoint_refuses_direct_true():
     spec = SideSpec(GEO, 1, PageLayout(4))
     with pytest.raises(ConfigError, match="two-sided and has no direct path"):
-        Destination(RankCache.allocate(spec, 0, 8), Settings(arena_mb=0.25, slot_mb=0.0625), transport=UcxTransport("x"))
+        Destination(RankCache.allocate(spec, 0, 8), Settings(arena_mb=0.25, direct=True), transport=UcxTransport("x"))
 
 
 @pytest.mark.gpu

@@ -1,6 +1,6 @@
 """Real vLLM engines (CPU, separate processes) exchanging KV through KVStageConnector.
 
-Three engines on a tiny random Llama with 4 KV heads (tests/vllm_model.py):
+Three engines on a tiny random Llama with 4 KV heads (tests/support/vllm_model.py):
 
 - A: TP 2, kv_both, ``kv_load_failure_policy="recompute"``
 - B: TP 1, kv_both, ``kv_load_failure_policy="fail"``
@@ -30,12 +30,12 @@ if importlib.util.find_spec("vllm") is None:
     pytest.skip("vllm is not importable here (CI runs these in the vLLM venv, see .ci/run)", allow_module_level=True)
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from vllm_engine import EngineProcess  # noqa: E402
-from vllm_model import KV_HEADS, LAYERS, HEAD_DIM, build, prompts  # noqa: E402
+from support.vllm_engine import EngineProcess  # noqa: E402
+from support.vllm_model import KV_HEADS, LAYERS, HEAD_DIM, build, prompts  # noqa: E402
 
 LENGTHS = (40, 77, 100)  # more than one 32-token block each, none a multiple of 32
 MAX_TOKENS = 8
-EXTRA = {"arena_mb": 16, "slot_mb": 2, "pull_timeout_s": 3, "stall_timeout_s": 30}  # a loaded CI machine is slow
+EXTRA = {"arena_mb": 16, "pull_timeout_s": 3, "stall_timeout_s": 30}  # a loaded CI machine is slow
 BLOCK = 32
 
 
@@ -154,7 +154,7 @@ def test_dead_or_hung_prefill_fails_or_recomputes_by_policy(engines, plain):
 def _scheduler(tp=1, block=BLOCK, pull_ranks=(("127.0.0.1", 1),)):
     from types import SimpleNamespace
 
-    from kvstage.plugin.vllm import _Scheduler
+    from kvstage.plugin.vllm.connector import _Scheduler
 
     cfg = SimpleNamespace(kv_transfer_config=SimpleNamespace(engine_id="eng"),
                           parallel_config=SimpleNamespace(tensor_parallel_size=tp),
@@ -235,8 +235,8 @@ def _producer(lease_s=0.3):
 
     import torch
 
-    from kvstage.plugin.vllm import _Worker
-    from kvstage.plugin.vllm_layout import describe
+    from kvstage.plugin.vllm.connector import _Worker
+    from kvstage.plugin.vllm.layout import describe
 
     cfg = SimpleNamespace(kv_transfer_config=SimpleNamespace(kv_role="kv_producer", engine_id="eng"))
     w = _Worker(cfg, {"host": "127.0.0.1", "lease_s": lease_s, "pull_timeout_s": 2, "pull_wait_s": 0.2})
@@ -245,14 +245,14 @@ def _producer(lease_s=0.3):
 
 
 def _step(w, finished=(), **meta):
-    from kvstage.plugin.vllm import KVStageMeta
+    from kvstage.plugin.vllm.connector import KVStageMeta
 
     w.after_forward(KVStageMeta(**meta))
     return w.results(set(finished)).finished_sending
 
 
 def test_prefill_frees_blocks_after_lease_or_release():
-    from kvstage.plugin.pull import PullError
+    from kvstage.plugin.vllm.pull import PullError
 
     w = _producer()
     try:
@@ -277,12 +277,12 @@ def test_extra_config_carries_kvstage_settings_and_refuses_unknown_keys():
     from types import SimpleNamespace
 
     from kvstage.errors import ConfigError
-    from kvstage.plugin.vllm import _extra, _settings
+    from kvstage.plugin.vllm.connector import _extra, _settings
 
     def cfg(extra):
         return SimpleNamespace(kv_transfer_config=SimpleNamespace(kv_connector_extra_config=extra))
 
-    s = _settings(_extra(cfg({"late_write_hold_s": 7, "stall_timeout_s": 9, "switch_interval_us": 250})))
-    assert (s.late_write_hold_s, s.stall_timeout_s, s.switch_interval_us) == (7, 9, 250)
+    s = _settings(_extra(cfg({"late_write_hold_s": 7, "stall_timeout_s": 9, "peer_timeout_s": 30})))
+    assert (s.late_write_hold_s, s.stall_timeout_s, s.peer_timeout_s) == (7, 9, 30)
     with pytest.raises(ConfigError, match=r"unknown keys \['late_write_hold'\]"):
         _extra(cfg({"late_write_hold": 7}))

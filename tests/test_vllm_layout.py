@@ -2,7 +2,7 @@
 
 The transfer cases build vLLM-shaped per-rank tensors from one full model
 cache, move them through real kvstage endpoints (NIXL, in one process) using
-only what ``kvstage.plugin.vllm_layout`` says, and compare whole blocks.
+only what ``kvstage.plugin.vllm.layout`` says, and compare whole blocks.
 """
 
 import numpy as np
@@ -11,7 +11,7 @@ import torch
 
 from kvstage.config import Settings
 from kvstage.errors import ConfigError
-from kvstage.plugin.vllm_layout import VllmKVLayout, describe, physical_order
+from kvstage.plugin.vllm.layout import VllmKVLayout, describe, physical_order
 from kvstage.protocol.destination import Destination
 from kvstage.protocol.source import Source
 from kvstage.staging.cache import RankCache
@@ -40,7 +40,7 @@ def transfer(full, src_tp, dst_tp, order, blocks_of_request, block_size=PAGE, to
     dst_blocks = rng.permutation(BLOCKS)[:blocks_of_request].tolist()
     src = rank_caches(full, src_tp, order)
     dst = rank_caches(torch.zeros_like(full), dst_tp, order)
-    settings = Settings(arena_mb=1, slot_mb=0.125)
+    settings = Settings(arena_mb=1)
     hint = {"hnd": "LBHNC", "nhd": "LBNHC"}[order]  # vLLM's resolved layout, as the connector passes it
     dsts, srcs = [], []
     try:

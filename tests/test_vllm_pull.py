@@ -1,4 +1,4 @@
-"""The decode engine's pull to a prefill rank (kvstage.plugin.pull): real sockets."""
+"""The decode engine's pull to a prefill rank (kvstage.plugin.vllm.pull): real sockets."""
 
 import socket
 import time
@@ -6,7 +6,7 @@ import time
 import pytest
 
 from kvstage.errors import KVStageError
-from kvstage.plugin.pull import PullError, PullServer, pull
+from kvstage.plugin.vllm.pull import PullError, PullServer, pull
 
 
 @pytest.fixture

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import hmac
 import logging
-import os
 import queue
 import socket
 import threading
@@ -39,8 +38,6 @@ log = logging.getLogger("kvstage.bench")
 VERSION = 1
 HELLO_TIMEOUT_S = 10.0
 SYNC_PINGS = 16
-#: Set to 1 to measure clock offsets even between processes of one kernel (tests).
-FORCE_SYNC_ENV = "KVSTAGE_BENCH_CLOCK_SYNC"
 
 
 class BenchError(KVStageError):
@@ -83,7 +80,9 @@ class Link:
     runs once (rank processes end themselves there)."""
 
     def __init__(self, address: tuple[str, int], hello: dict, token: str = "", on_lost=None,
-                 timeout: float = HELLO_TIMEOUT_S):
+                 timeout: float = HELLO_TIMEOUT_S, clock_sync: bool = False):
+        """``clock_sync``: measure the offset to the coordinator's clock even on its own kernel
+        (``kvstage bench --clock-sync``; processes on other kernels always do)."""
         self.address = address
         try:
             sock = socket.create_connection(address, timeout=timeout)
@@ -106,7 +105,7 @@ class Link:
             self.conn.close()
             raise BenchError(f"coordinator at {address[0]}:{address[1]} refused: {welcome.get('reason', welcome)}")
         self.welcome = welcome
-        if welcome.get("boot_id") != boot_id() or os.environ.get(FORCE_SYNC_ENV) == "1":
+        if welcome.get("boot_id") != boot_id() or clock_sync:
             self.offset, self.sync_error = self._sync()
         else:
             self.sync_error = 0.0

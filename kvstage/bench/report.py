@@ -17,7 +17,7 @@ CSV_COLUMNS = (
     "mode", "src_tp", "dst_tp", "tokens", "concurrency", "bytes", "total_bytes", "seconds", "gbps",
     "latency_p50_ms", "latency_p99_ms", "latency_samples", "descriptors_per_request", "arena_bytes",
     "ratio_to_bulk", "verified", "path", "start_s", "gather_s", "write_s", "queued_s", "slot_wait_s", "scatter_s",
-    "gather_gpu_s", "scatter_gpu_s", "stage_overlap", "arena", "host_copy",
+    "gather_gpu_s", "scatter_gpu_s", "stage_overlap", "arena", "copier", "bulk_degraded",
     "layers", "kv_heads", "head_dim", "dtype", "mla", "device", "src_page_size", "src_layout",
     "dst_page_size", "dst_layout", "iters", "warmup",
 )
@@ -45,7 +45,8 @@ def _mode_label(mode: str, rows: list[dict]) -> str:
 
 def _cells(r: dict, show_n: bool, arrow: str, failed: str) -> list[str]:
     """One result row's cells, shared by the terminal table and the markdown table."""
-    ratio = "-" if r["ratio_to_bulk"] is None else f"{r['ratio_to_bulk']:.2f}x"
+    ratio = ("-" if r["ratio_to_bulk"] is None else "bulk degraded" if r.get("bulk_degraded") and r["mode"] != "bulk"
+             else f"{r['ratio_to_bulk']:.2f}x")
     v = {True: "yes", False: failed, None: "-"}[r["verified"]]
     arena = "-" if r["arena_bytes"] is None else f"{r['arena_bytes'] / (1 << 20):g}"
     return [_mode_label(r["mode"], [r]), f"{r['src_tp']}{arrow}{r['dst_tp']}", str(r["tokens"])] + ([str(r["concurrency"])] if show_n else []) + [
@@ -109,10 +110,12 @@ def notes(result: dict) -> list[str]:
             parts.append("staged ms, summed over ranks: " + ", ".join(f"{k} {v * 1e3:.1f}" for k, v in ms.items()))
             if st.get("overlap"):
                 parts.append(f"stage overlap {st['overlap']:.2f}x")
-            if modes["staged"].get("host_copy"):
-                parts.append("host copies " + "+".join(modes["staged"]["host_copy"]))
-            if modes["staged"].get("queued_scatters"):
-                parts.append(f"{modes['staged']['queued_scatters']} piece scatters per request queued before landing")
+            if modes["staged"].get("copier"):
+                parts.append("copies " + "+".join(modes["staged"]["copier"]))
+        bulk = modes.get("bulk")
+        if bulk and bulk.get("bulk_degraded"):
+            parts.append(f"bulk ran at {bulk['gbps']:.3g} GB/s, far below what the link should give: the baseline is "
+                         "degraded (see the link WARNING above), so no ratio to it is shown")
         if parts:
             prefix = f"{s}->{d} {tok} tok{f' x{n}' if n > 1 else ''}: " if many else ""
             out.append(prefix + "; ".join(parts))
@@ -126,6 +129,12 @@ def notes(result: dict) -> list[str]:
     for s in result.get("skipped", []):
         out.append(f"skipped: {s}")
     return out
+
+
+def link_warnings(result: dict) -> list[str]:
+    """One line per distinct connect-time WARNING or ERROR of the run's ranks, naming them."""
+    return [f"{f['line']} [ranks: {', '.join(f['ranks'])}]" for f in result.get("links", [])
+            if f.get("severity") in ("WARNING", "ERROR")]
 
 
 def markdown(result: dict, title: str | None = None, command: str | None = None) -> str:
@@ -159,7 +168,8 @@ def csv_rows(result: dict) -> list[dict]:
                                       "seconds", "gbps", "latency_samples", "arena_bytes", "ratio_to_bulk", "verified")},
             "latency_p50_ms": r["latency_p50_s"] * 1e3, "latency_p99_ms": r["latency_p99_s"] * 1e3,
             "descriptors_per_request": r["descriptors"], "path": "+".join(r.get("path") or []),
-            "arena": "+".join(r.get("arena") or []), "host_copy": "+".join(r.get("host_copy") or []),
+            "arena": "+".join(r.get("arena") or []), "copier": "+".join(r.get("copier") or []),
+            "bulk_degraded": r.get("bulk_degraded"),
             "start_s": st.get("start"), "gather_s": st.get("gather"), "write_s": st.get("write"),
             "queued_s": st.get("queued"), "slot_wait_s": st.get("slot_wait"),
             "scatter_s": st.get("scatter"), "gather_gpu_s": st.get("gather_gpu"),

@@ -25,6 +25,7 @@ import time
 
 from kvstage.bench.control import BenchError, Coordinator, Link, Peer, wildcard
 from kvstage.bench.scenario import Group, Scenario, Sweep
+from kvstage.link.paths import LOW_FRACTION
 
 WAIT_S = 600.0
 JOIN_S = 120.0  # a started rank process must connect within this
@@ -43,16 +44,18 @@ def _child_stdout():
 
 
 class Children:
-    """Rank processes started by this process."""
+    """Rank processes started by this process (``log_level``: of their logs on stderr;
+    ``clock_sync``: they measure their clock offset to the coordinator even on its kernel)."""
 
-    def __init__(self, coord: tuple[str, int]):
-        self.coord = coord
+    def __init__(self, coord: tuple[str, int], log_level: str = "WARNING", clock_sync: bool = False):
+        self.coord, self.log_level, self.clock_sync = coord, log_level, clock_sync
         self.procs: dict[tuple[int, str, int], subprocess.Popen] = {}
 
     def start(self, group: int, role: str, ranks) -> None:
         for r in ranks:
             cmd = [sys.executable, "-m", "kvstage.bench.worker", "--coord", f"{self.coord[0]}:{self.coord[1]}",
-                   "--role", role, "--rank", str(r), "--group", str(group), "--parent", str(os.getpid())]
+                   "--role", role, "--rank", str(r), "--group", str(group), "--parent", str(os.getpid()),
+                   "--log-level", self.log_level] + (["--clock-sync"] if self.clock_sync else [])
             # own session: a terminal's Ctrl-C reaches only us, and we end the ranks in order
             self.procs[(group, role, r)] = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=_child_stdout(),
                                                             start_new_session=True)
@@ -252,7 +255,7 @@ def _sweep_of(target) -> Sweep:
 
 
 def run_sweep(target, progress=None, role: str = "local", listen: tuple[str, int] | None = None, src_hosts: int = 1,
-              on_listen=None) -> dict:
+              on_listen=None, log_level: str = "WARNING", clock_sync: bool = False) -> dict:
     """Run every group of ``target`` (a ``Sweep``, a ``Scenario`` or a list of
     point lists); return ``{"config", "results"}``.
 
@@ -272,7 +275,8 @@ def run_sweep(target, progress=None, role: str = "local", listen: tuple[str, int
         listen_host = listen[0]
     else:
         raise ValueError(f"role={role!r}")
-    children = Children(("127.0.0.1", coord.address[1]) if wildcard(coord.address[0]) else coord.address)
+    children = Children(("127.0.0.1", coord.address[1]) if wildcard(coord.address[0]) else coord.address,
+                        log_level, clock_sync)
     total = sum(len(g.schedule()) for g in sweep.groups)
     host = host_facts(sweep.groups[0].base.device)
     agents: list[Peer] = []
@@ -298,7 +302,8 @@ def run_sweep(target, progress=None, role: str = "local", listen: tuple[str, int
             rep = session.run_group(gi, g, done, total)
             done += len(g.schedule())
             reports.append((g, rep))
-        result = {"config": _config(sweep), "results": [r for g, rep in reports for r in summarize(g, rep)]}
+        result = {"config": _config(sweep), "results": [r for g, rep in reports for r in summarize(g, rep)],
+                  "links": links_of(reports)}
         if sweep.skipped:
             result["skipped"] = sweep.skipped
         result["host"] = dict(host, load_end=_load())
@@ -399,7 +404,7 @@ def summarize(group: Group, reports: list) -> list[dict]:
         rows = []
         for mode in sc.modes:
             walls, descs, writes, stage_rows, lat, verified, errors, paths, arenas = [], [], [], [], [], None, [], set(), set()
-            queued, copies = [], set()
+            copies, arena_bytes = set(), 0
             for it in range(sc.warmup, sc.warmup + sc.iters):
                 got = by[(pi, mode, it)]
                 srcs = [d for role, _, d in got if role == "src"]
@@ -407,7 +412,6 @@ def summarize(group: Group, reports: list) -> list[dict]:
                 walls.append(max(d["t1"] for d in dsts) - min(d["t0"] for d in srcs))
                 descs.append(sum(d["descriptors"] for d in srcs))
                 writes.append(sum(d["writes"] for d in srcs))
-                queued.append(sum(d.get("queued_scatters", 0) for d in dsts))
                 for k in range(n):
                     lat.append(max(d["done"][k] for d in dsts) - min(d["sent"][k] for d in srcs))
                 st = {k: sum(d["stages"].get(k, 0.0) for d in srcs) for k in ("gather", "write", "queued", "slot_wait")}
@@ -421,7 +425,8 @@ def summarize(group: Group, reports: list) -> list[dict]:
                           + st["scatter"] / len(dsts))
                 st["overlap"] = serial / walls[-1] if walls[-1] > 0 else None
                 arenas |= {d.get("arena") for d in srcs + dsts if d.get("arena")}
-                copies |= {d.get("host_copy") for d in srcs + dsts if d.get("host_copy")}
+                copies |= {d.get("copier") for d in srcs + dsts if d.get("copier")}
+                arena_bytes = max([arena_bytes] + [d.get("arena_bytes") or 0 for d in dsts])
                 stage_rows.append(st)
                 paths |= {d["path"] for d in dsts if d.get("path")}
                 flags = [d["verified"] for d in dsts if d["verified"] is not None]
@@ -436,27 +441,59 @@ def summarize(group: Group, reports: list) -> list[dict]:
                 "gbps": payload * n / wall / 1e9,
                 "latency_p50_s": percentile(lat, 50), "latency_p99_s": percentile(lat, 99), "latency_samples": len(lat),
                 "descriptors": _per_request(descs[mid], n), "writes": _per_request(writes[mid], n),
-                "verified": verified, "arena_bytes": sc.arena_bytes() if mode == "staged" else None,
+                "verified": verified, "arena_bytes": (arena_bytes or sc.arena_bytes()) if mode == "staged" else None,
             }
             if mode == "staged":
                 row["stages"] = stage_rows[mid]
-                # pieces per request whose scatter was queued on the GPU before they landed (staging.landing)
-                row["queued_scatters"] = _per_request(queued[mid], n)
                 row["path"] = sorted(paths)
                 row["arena"] = sorted(arenas)
-                row["host_copy"] = sorted(copies)  # how the host caches' gathers and scatters copied
+                row["copier"] = sorted(copies)  # how the caches' gathers and scatters copied
             if errors:
                 row["errors"] = errors[:10]
             rows.append(row)
         bulk = next((r for r in rows if r["mode"] == "bulk"), None)
+        expected = expected_gbps(reports)
         for r in rows:
             r["ratio_to_bulk"] = r["gbps"] / bulk["gbps"] if bulk else None
+            # bulk far below what the link should give: a ratio to it is no speed-up, and the table says so
+            # (judged where one write is large enough to run at the link's speed, not its per-write cost)
+            r["bulk_degraded"] = bool(bulk and expected and payload / max(1, bulk["writes"]) >= JUDGED_BYTES
+                                      and bulk["gbps"] < LOW_FRACTION * expected)
         results += rows
     return results
 
 
+#: a bulk write judged against its link's speed only from this size: one H200's cuda_ipc runs a 4 MiB
+#: write at a few percent of its 1,470 GB/s (per-write cost), a 64 MiB one near it
+JUDGED_BYTES = 64 << 20
+
+
+def _rank_links(reports: list):
+    for role, rank, _pi, _mode, _it, data in reports:
+        for f in data.get("links") or []:
+            yield role, rank, f
+
+
+def expected_gbps(reports: list) -> float | None:
+    """The least a link of this group should give, by the ranks' connect-time findings (None: unknown)."""
+    got = [f["expected_gbps"] for _, _, f in _rank_links(reports) if f.get("expected_gbps")]
+    return min(got) if got else None
+
+
+def links_of(reports) -> list[dict]:
+    """Every rank's link findings, the same finding of several ranks once, naming them."""
+    by: dict = {}
+    for g, rep in reports:
+        for role, rank, f in _rank_links(rep):
+            key = (f["severity"], f["path"], f.get("cause"), f.get("fix"))
+            entry = by.setdefault(key, {**f, "ranks": []})
+            entry["ranks"].append(f"{role}{rank}")
+    return list(by.values())
+
+
 # -- the source host of a two-host run ---------------------------------------------------
-def run_source_host(connect: tuple[str, int], on_event=None, connect_wait_s: float = 120.0) -> dict:
+def run_source_host(connect: tuple[str, int], on_event=None, connect_wait_s: float = 120.0,
+                    log_level: str = "WARNING", clock_sync: bool = False) -> dict:
     """Serve a ``--role dst`` run at ``connect``: start the source ranks it asks
     for, on this host; return the run's results when it ends. Retries a refused
     connection for ``connect_wait_s`` seconds (the dst side may start later)."""
@@ -465,13 +502,13 @@ def run_source_host(connect: tuple[str, int], on_event=None, connect_wait_s: flo
     deadline = time.monotonic() + connect_wait_s
     while True:  # the dst side may not be listening yet
         try:
-            link = Link(connect, {"kind": "agent"}, token=Settings().auth_token)
+            link = Link(connect, {"kind": "agent"}, token=Settings().auth_token, clock_sync=clock_sync)
             break
         except BenchError as e:
             if not isinstance(e.__cause__, ConnectionRefusedError) or time.monotonic() > deadline:
                 raise
             time.sleep(0.5)
-    children = Children(connect)
+    children = Children(connect, log_level, clock_sync)
     ok = False
     try:
         while True:

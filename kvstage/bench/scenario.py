@@ -14,6 +14,7 @@ from dataclasses import asdict, dataclass, field
 from kvstage.config import Settings
 from kvstage.errors import ConfigError, IncompatibleGeometry
 from kvstage.layout import KVGeometry, PageLayout, pages_needed, token_bytes
+from kvstage.staging.arena import arena_size
 from kvstage.tp import SideSpec, TransferPlan, plan
 
 MODES = ("staged", "bulk", "per-slice")
@@ -41,8 +42,8 @@ class Scenario:
     warmup: int = 1
     seed: int = 0
     verify: bool = True
-    arena_mb: float = 512.0
-    slot_mb: float = 64.0
+    arena_mb: float | None = None  # None: sized by rule (``staging.arena.arena_size``)
+    copier: str | None = None  # force a copier by name (a diagnostic); None: the rule's
     settings_extra: dict = field(default_factory=dict)
     concurrency: int = 1
     src_gpu: int = 0  # CUDA device of every source rank (device=cuda)
@@ -62,6 +63,8 @@ class Scenario:
             raise ConfigError(f"concurrency={self.concurrency}: must be >= 1")
         if self.iters < 1 or self.warmup < 0:
             raise ConfigError(f"iters={self.iters}, warmup={self.warmup}: need iters >= 1 and warmup >= 0")
+        if self.copier not in (None, "cuda", "native", "torch"):
+            raise ConfigError(f"copier={self.copier!r}: must be cuda, native or torch, or unset for the rule's choice")
         if self.device not in ("cpu", "cuda"):
             raise ConfigError(f"device={self.device!r}: must be cpu or cuda")
         for name in ("src_gpu", "dst_gpu"):
@@ -91,7 +94,7 @@ class Scenario:
         return torch.device("cuda", self.src_gpu if side == "src" else self.dst_gpu)
 
     def settings(self) -> Settings:
-        return Settings(arena_mb=self.arena_mb, slot_mb=self.slot_mb, transport=self.transport, **self.settings_extra)
+        return Settings(**{"arena_mb": self.arena_mb, "transport": self.transport, **self.settings_extra})
 
     def pages(self, side: SideSpec) -> int:
         """Cache size per rank: room for every concurrent request plus as much
@@ -102,10 +105,12 @@ class Scenario:
         """Bytes every destination rank receives together for one request."""
         return self.tokens * token_bytes(self.geometry, self.dst.local_heads()) * self.dst_tp
 
-    def arena_bytes(self) -> int:
-        """Staging arena registered per rank."""
-        s = self.settings()
-        return s.slot_bytes * s.slots
+    def arena_bytes(self, side: str = "dst") -> int:
+        """Staging arena a rank of ``side`` registers, by the rule (on a GPU before its cap
+        by free memory, which only the rank process knows)."""
+        spec = self.src if side == "src" else self.dst
+        where = "device" if self.device == "cuda" else "host"
+        return arena_size(self.settings().arena_bytes, token_bytes(self.geometry, spec.local_heads()), where).nbytes
 
     def group_key(self) -> tuple:
         """Points with equal keys share one set of rank processes."""
@@ -173,7 +178,7 @@ class Group:
             tp = b.src_tp if role == "src" else b.dst_tp
             cache = self.pages(side) * side.page.page_size * token_bytes(b.geometry, side.local_heads())
             bulk = max(p.concurrency * p.tokens for p in self.points) * token_bytes(b.geometry, side.local_heads())
-            total += tp * (cache + b.arena_bytes() + (bulk if "bulk" in b.modes else 0))
+            total += tp * (cache + b.arena_bytes(role) + (bulk if "bulk" in b.modes else 0))
         return total
 
 

@@ -70,12 +70,23 @@ def _die_with_parent(parent: int) -> None:
         os._exit(1)
 
 
-def _setup(label: str) -> None:
+class _NotLinkLines(logging.Filter):
+    """The connect-time link lines go to the coordinator with the results, which prints each
+    WARNING once above the table: a rank does not print them too."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (isinstance(record.msg, str) and record.args and str(record.args[0]).startswith(
+            ("INFO kvstage link to", "WARNING kvstage link to", "ERROR kvstage link to")))
+
+
+def _setup(label: str, level: str) -> None:
     import torch
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent handles Ctrl-C and ends us
     torch.set_num_threads(max(1, min(4, (os.cpu_count() or 2) // 2)))
-    logging.basicConfig(level=os.environ.get("KVSTAGE_LOG_LEVEL", "WARNING"), format=f"%(created).6f %(levelname)s {label} %(message)s")
+    logging.basicConfig(level=level, format=f"%(created).6f %(levelname)s {label} %(message)s")
+    for h in logging.getLogger().handlers:
+        h.addFilter(_NotLinkLines())
 
 
 def _sync(dev) -> None:
@@ -108,6 +119,14 @@ def _stages(handles) -> dict:
     return out
 
 
+def _links(ep, step: int, g: Group) -> dict:
+    """The endpoint's connect-time link findings, with the last step's result (all peers connected by then)."""
+    if step != len(g.schedule()) - 1:
+        return {}
+    return {"links": [{k: f[k] for k in ("severity", "peer", "path", "cause", "fix", "line")}
+                      | {"expected_gbps": f["details"].get("expected_gbps")} for f in ep.stats().links]}
+
+
 def _bulk_buffer(g: Group, token_bytes: int, dev, base) -> tuple:
     """The registered buffer bulk writes leave from or land in, sized for the largest bulk point.
     Written now, as the arena and the KV caches are: untouched host memory is not real memory
@@ -137,7 +156,7 @@ def dst_main(link: Link, g: Group, rank: int, listen_host: str) -> None:
     dev = b.torch_device("dst")
     if dev.type == "cuda":
         torch.cuda.set_device(dev)
-    cache = RankCache.allocate(b.dst, rank, g.pages(b.dst), dev)
+    cache = RankCache.allocate(b.dst, rank, g.pages(b.dst), dev, copier=b.copier)
     ep = Destination(cache, b.settings(), listen=(listen_host, 0))
     base = make_transport(b.transport, f"kvstage-bench-dst{rank}")
     plan = b.plan
@@ -178,13 +197,12 @@ def dst_main(link: Link, g: Group, rank: int, listen_host: str) -> None:
         _sync(dev)
         link.send({"type": "armed", "step": step, "tickets": tickets})
         link.recv("go")
-        path, stages, done, queued = None, {}, [None] * n, 0
+        path, stages, done = None, {}, [None] * n
         if handles:
             for h in handles:
                 h.wait(WAIT_S)
             done = [link.to_coord(h.finished) for h in handles]
             stages, path = _stages(handles), handles[0].path
-            queued = sum(h.queued_scatters for h in handles)
         else:
             want = {}
             for k in range(n):
@@ -217,9 +235,8 @@ def dst_main(link: Link, g: Group, rank: int, listen_host: str) -> None:
             dirty = np.concatenate(reqs)
         link.send({"type": "result", "step": step, "data": {
             "t1": t1, "done": done, "verified": verified, "errors": errors[:5], "stages": stages, "path": path,
-            "queued_scatters": queued,
-            "arena": ep.arena_location, "host_copy": ep.host_copy,
-        }})
+            "arena": ep.arena_location, "arena_bytes": ep.arena.buffer.nbytes, "copier": ep.copier.name,
+        } | _links(ep, step, g)})
     link.recv("end")
     ep.close()
     base.close()
@@ -239,7 +256,7 @@ def src_main(link: Link, g: Group, rank: int) -> None:
     dev = b.torch_device("src")
     if dev.type == "cuda":
         torch.cuda.set_device(dev)
-    cache = RankCache.allocate(b.src, rank, g.pages(b.src), dev)
+    cache = RankCache.allocate(b.src, rank, g.pages(b.src), dev, copier=b.copier)
     ep = Source(cache, b.settings())
     base = make_transport(b.transport, f"kvstage-bench-src{rank}")
     dsts = {int(d): info for d, info in link.recv("dsts", timeout=WAIT_S)["dsts"].items()}
@@ -318,8 +335,8 @@ def src_main(link: Link, g: Group, rank: int) -> None:
         link.send({"type": "result", "step": step, "data": {
             "t0": t0, "sent": sent, "t_end": t_end, "descriptors": descriptors,
             "writes": writes, "stages": stages,
-            "arena": ep.arena_location, "host_copy": ep.host_copy,
-        }})
+            "arena": ep.arena_location, "copier": ep.copier.name,
+        } | _links(ep, step, g)})
         del prepared
     link.recv("end")
     ep.close()
@@ -333,9 +350,11 @@ def main(argv=None) -> int:
     ap.add_argument("--rank", type=int, required=True)
     ap.add_argument("--group", type=int, required=True)
     ap.add_argument("--parent", type=int, default=0)
+    ap.add_argument("--log-level", default="WARNING")
+    ap.add_argument("--clock-sync", action="store_true", help="measure the clock offset even on the coordinator's kernel")
     a = ap.parse_args(argv)
     _die_with_parent(a.parent)
-    _setup(f"{a.role}{a.rank}")
+    _setup(f"{a.role}{a.rank}", a.log_level)
     from kvstage.config import Settings
 
     def lost():  # the coordinator is gone or aborted: nothing left to do here
@@ -343,7 +362,8 @@ def main(argv=None) -> int:
 
     try:
         link = Link(parse_hostport(a.coord, "--coord"), {"kind": "rank", "role": a.role, "rank": a.rank,
-                                                         "group": a.group}, token=Settings().auth_token, on_lost=lost)
+                                                         "group": a.group}, token=Settings().auth_token, on_lost=lost,
+                    clock_sync=a.clock_sync)
     except BenchError as e:  # the run ended (or failed) before this rank joined
         print(f"kvstage bench {a.role} rank {a.rank}: {e}", file=sys.stderr)
         return 1

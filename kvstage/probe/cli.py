@@ -12,7 +12,7 @@ import re
 import sys
 
 from kvstage.errors import KVStageError
-from kvstage.probe.finding import Finding, Severity
+from kvstage.link.finding import Finding, Severity
 
 EXIT_OK, EXIT_NO_PATH, EXIT_USAGE, EXIT_WARNING = 0, 1, 2, 3
 

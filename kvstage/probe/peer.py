@@ -15,9 +15,9 @@ import tempfile
 import time
 
 from kvstage.errors import KVStageError
-from kvstage.probe import ucx_info
-from kvstage.probe.assess import assess
-from kvstage.probe.facts import environment, value
+from kvstage.link import ucx_info
+from kvstage.link.assess import assess
+from kvstage.link.facts import environment, value
 from kvstage.probe.selftest import SelfTestResult, _Child, _failed, child_env
 
 

@@ -19,10 +19,10 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 
-from kvstage.probe import ucx_info
-from kvstage.probe.assess import assess
-from kvstage.probe.facts import collect_local, environment, value
-from kvstage.probe.finding import Evidence, Finding, Severity, fact
+from kvstage.link import ucx_info
+from kvstage.link.assess import assess
+from kvstage.link.facts import collect_local, environment, value
+from kvstage.link.finding import Evidence, Finding, Severity, fact
 
 _PKG_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 

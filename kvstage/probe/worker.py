@@ -82,7 +82,7 @@ def main() -> int:
     try:
         import torch
 
-        from kvstage.probe.facts import collect_local
+        from kvstage.link.facts import collect_local
         from kvstage.transports.nixl import NixlTransport
 
         stage = "allocate"

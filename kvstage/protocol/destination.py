@@ -1,19 +1,19 @@
 """The destination (decode) side: grants slots, scatters landed chunks.
 
 Per request: grant one arena slot per chunk to all writers at once. The first
-``early_chunks`` chunks are granted as soon as the request is expected, so a
-source that already holds its grant gathers and writes the moment its ``send``
-is called; the rest once every writer the plan names has announced the request
-(``ready``). A chunk whose writers have all landed is scattered into this
-rank's pages and its slot is freed for the next grant. Sources never learn KV
-addresses on the staged path; on the direct path (whole shards, same paging)
-they get the registered KV regions and page ids, and write pages in place.
+chunks are granted as soon as the request is expected (``grants.EARLY_CHUNKS``),
+so a source that already holds its grant gathers and writes the moment its
+``send`` is called; the rest once every writer the plan names has announced
+the request (``ready``). A chunk whose writers have all landed is scattered
+into this rank's pages and its slot is freed for the next grant. Sources never
+learn KV addresses on the staged path; on the direct path (whole shards, same
+paging, where ``route`` expects it to be at least as fast) they get the
+registered KV regions and the request's page ids, and write page runs in place.
 """
 
 from __future__ import annotations
 
-import hmac
-import math
+import dataclasses
 import logging
 import os
 import socket
@@ -24,15 +24,17 @@ from dataclasses import dataclass, field as dc_field
 import numpy as np
 
 from kvstage.errors import IncompatibleGeometry, KVStageError, ProtocolError
-from kvstage.protocol.endpoint import Endpoint, check_pages, check_transport, md_from_wire, md_to_wire, spec_from_wire, spec_to_wire
+from kvstage.protocol import grants, route
+from kvstage.protocol.endpoint import Endpoint, EndpointStats, check_pages
+from kvstage.protocol.handshake import (HANDSHAKE_TIMEOUT_S, check_peer, hello_spec, md_from_wire, md_to_wire,
+                                        spec_to_wire)
 from kvstage.protocol.request import State, TransferHandle
 from kvstage.protocol.wire import PROTOCOL_VERSION, Connection, decode_notice, field, notice_from_message
-from kvstage.staging import landing
 from kvstage.staging.copy import CopyThreads, TokenIndex, prepare_piece_scatters, prepare_scatter, upload_pages
 from kvstage.staging.fence import CopyFence
+from kvstage.staging.mapped import share, unshare
 from kvstage.tp import Piece, TransferPlan, plan
 from kvstage.transports.base import Region, Spans
-from kvstage.transports.mapped import share, unshare
 
 log = logging.getLogger("kvstage")
 
@@ -42,6 +44,13 @@ MAX_EARLY = 4096  # ready messages kept for requests this side has not been told
 ANSWERED_HOLD_S = 1.0
 
 
+def scatter_threads(transport_gathers: bool, cores: int) -> int:
+    """Threads a host cache's scatter runs on: two where the sources leave a core free (a
+    transport that writes from their pages, cma, does no gather on the sources' cores), else
+    one (the sources' gathers take the other core)."""
+    return 2 if transport_gathers and cores >= 2 else 1
+
+
 @dataclass
 class Writer:
     rank: int
@@ -49,6 +58,7 @@ class Writer:
     agent: str
     piece: Piece
     slot_bytes: int
+    direct: bool = False  # it was offered the KV regions: its requests may go direct (``route``)
     mapped: bool = False  # it gathers into this arena (its ``mapped`` message says so): no notice to poll for
 
 
@@ -67,9 +77,7 @@ class Chunk:
     granted: float = dc_field(default_factory=time.monotonic)
     scatter: object = None  # the whole chunk's prepared scatter (``prepare_scatter``), run once every writer landed
     piece_scatters: dict | None = None  # or, on the kernel path: writer rank -> its piece's, run as that piece lands
-    fences: list = dc_field(default_factory=list)  # the scatters launched or armed so far (several streams)
-    words: dict = dc_field(default_factory=dict)  # writer rank -> (landing word, value) named in its grant
-    armed: set = dc_field(default_factory=set)  # writer ranks whose piece scatter waits on its word, not landed yet
+    fences: list = dc_field(default_factory=list)  # the scatters launched so far
 
     def scattered(self) -> bool:
         return all(f.done() for f in self.fences)
@@ -121,19 +129,12 @@ class Destination(Endpoint):
         self.writers: dict[int, Writer] = {}
         self.requests: dict[str, Incoming] = {}
         self._early: dict[str, dict[int, int]] = {}
-        self._rr: list[str] = []  # requests waiting for grants, in arrival order (``_grant``)
+        self._rr: list[str] = []  # requests waiting for grants, in arrival order (``grants.grant_order``)
         self._scattering: list = []  # (request, chunk, time its last piece landed) of chunks still scattering
         self._probes: dict[Connection, tuple[int, str]] = {}  # probe connection -> (lent slot, prober agent)
+        self._routes: set = set()  # (writer rank, direct?) whose route was logged
         # what a source on this host needs to map the arena and gather straight into it (None: not shared)
         self._shared = share(self.arena.buffer) if self.settings.mapped != "off" and self.transport.one_sided else None
-        self._landing = None  # mapped writers' piece scatters queued at grant time (``staging.landing``)
-        self._arming = False  # off again if the driver refuses a wait: scatters then launch as pieces land
-        if self._shared is not None and self.arena.words is not None:
-            why = landing.supported()
-            if why is None:
-                self._landing, self._arming = landing.LandingWords(self.arena.words), True
-            else:
-                log.info("dst %d: piece scatters are launched as pieces land, not queued ahead: %s", self.rank, why)
         self._scatter_threads = self._copy_threads()
         self._listener = socket.create_server(listen)
         self.address = self._listener.getsockname()[:2]
@@ -143,18 +144,14 @@ class Destination(Endpoint):
                  self.arena.allocator.count, self.arena.slot_bytes)
 
     def _copy_threads(self) -> CopyThreads | None:
-        """The threads a host cache's scatters share (``Settings.scatter_threads``), or None for one."""
-        n, why = self.settings.scatter_threads, "scatter_threads"
-        if n is None:
-            n = 2 if self.transport.gathers and (os.cpu_count() or 1) >= 2 else 1
-            why = f"{self.transport.name}: the sources write from their pages and leave a core free"
+        """The threads a host cache's scatters share (``scatter_threads``), or None for one (logged when more)."""
+        if self.cache.device.type != "cpu":
+            return None
+        n = scatter_threads(self.transport.gathers, os.cpu_count() or 1)
         if n == 1:
             return None
-        if self.cache.device.type != "cpu":
-            log.info("dst %d: scatter_threads=%d left unused: this cache is on %s, where one kernel launch scatters",
-                     self.rank, n, self.cache.device)
-            return None
-        log.info("dst %d: host scatters on %d threads (%s)", self.rank, n, why)
+        log.info("dst %d: host scatters on %d threads (%s: the sources write from their pages and leave a core free)",
+                 self.rank, n, self.transport.name)
         return CopyThreads(n)
 
     def _accept(self) -> None:
@@ -164,7 +161,7 @@ class Destination(Endpoint):
             except OSError:
                 return
             conn = Connection(sock, f"{addr[0]}:{addr[1]}")
-            self._watch(conn, first_timeout=self.settings.handshake_timeout_s)
+            self._watch(conn, first_timeout=HANDSHAKE_TIMEOUT_S)
 
     # -- public --------------------------------------------------------------
     def expect(self, req: str, page_ids, tokens: int) -> TransferHandle:
@@ -178,17 +175,22 @@ class Destination(Endpoint):
         return handle
 
     def slots_free(self) -> int:
-        return self._call(lambda: self.arena.allocator.free)
+        return self.stats().slots_free
 
     def late_write_holds(self) -> int:
         """Slots held for writes of lost writers that may still land (``Chunk.lost``)."""
-        return self._call(lambda: sum(ch.slot is not None for inc in self.requests.values()
-                                      for ch in inc.quarantine.values() if ch.lost))
+        return self.stats().late_holds
 
     def tracks(self, req: str) -> bool:
         """Whether this rank still holds request ``req``: a failed request is held until
         no write of it can still land (its pages must not be reused before then)."""
         return bool(self._call(lambda: req in self.requests))
+
+    def _stats(self) -> EndpointStats:
+        holds = sum(ch.slot is not None for inc in self.requests.values() for ch in inc.quarantine.values() if ch.lost)
+        return dataclasses.replace(super()._stats(), late_holds=holds, unknown_announced=len(self._early),
+                                   announced=sum(inc.announced is not None for inc in self.requests.values()),
+                                   mapped_peers=sum(w.mapped for w in self.writers.values()))
 
     # -- loop thread -----------------------------------------------------------
     def _add(self, handle: TransferHandle, pages: np.ndarray) -> None:
@@ -240,8 +242,7 @@ class Destination(Endpoint):
                 if self._shared is None:
                     raise ProtocolError("mapped message, but this destination shares no arena (mapped=off, or not shareable)")
                 writer.mapped = True
-                log.debug("dst %d: source rank %d gathers straight into this arena%s", self.rank, writer.rank,
-                          "; its piece scatters are queued at grant time" if self._arming else "")
+                log.debug("dst %d: source rank %d gathers straight into this arena", self.rank, writer.rank)
             elif kind == "landed":  # a chunk a source gathered straight into this arena (mapped)
                 if self._shared is None:
                     raise ProtocolError("landed message, but this destination shares no arena (mapped=off, or not shareable)")
@@ -272,17 +273,11 @@ class Destination(Endpoint):
                 conn.close()
 
     def _on_hello(self, conn: Connection, msg: dict) -> None:
-        version = field(msg, "version", int)
-        if version != PROTOCOL_VERSION:
-            raise ProtocolError(f"protocol version {version} unsupported; this side speaks {PROTOCOL_VERSION}")
-        if not hmac.compare_digest(str(msg.get("token", "")).encode(), self.settings.auth_token.encode()):
-            raise ProtocolError("auth token does not match KVSTAGE_AUTH_TOKEN on the destination")
-        check_transport(msg, self.transport.name, "source")
-        src = spec_from_wire(field(msg, "spec", dict))
+        check_peer(msg, self.settings.auth_token, self.transport.name, "source")
+        src, rank = hello_spec(msg)
         p = plan(src, self.spec)
         if self.plan is not None and p.src != self.plan.src:
             raise IncompatibleGeometry(f"source spec {src} differs from the first source's {self.plan.src}")
-        rank = field(msg, "rank", int, minimum=0, maximum=src.tp - 1)
         piece = next((x for x in p.writers_of(self.rank) if x.src_rank == rank), None)
         welcome = {"type": "welcome", "version": PROTOCOL_VERSION, "spec": spec_to_wire(self.spec), "rank": self.rank,
                    "transport": self.transport.name}
@@ -295,23 +290,28 @@ class Destination(Endpoint):
         agent = field(msg, "agent", str)
         md_from_wire(field(msg, "metadata", str))  # well-formed; the destination only receives
         need = p.piece_token_bytes(piece)
-        if not p.direct and (slot_bytes < need or self.arena.slot_bytes < p.dst_token_bytes()):
+        if slot_bytes < need or self.arena.slot_bytes < p.dst_token_bytes():
             raise ProtocolError(
                 f"slot too small for one token: source slot {slot_bytes} B (needs {need}), destination slot "
-                f"{self.arena.slot_bytes} B (needs {p.dst_token_bytes()}); raise KVSTAGE_SLOT_MB"
+                f"{self.arena.slot_bytes} B (needs {p.dst_token_bytes()}); raise KVSTAGE_ARENA_MB"
             )
         self.plan = p
-        direct = p.direct and self.settings.direct
-        self.writers[rank] = Writer(rank, conn, agent, piece, slot_bytes)
         conn.peer = f"source rank {rank} ({conn.peer})"
+        may_direct = p.direct and self.settings.may_go_direct
+        # the link judged on the memory each path registers; a direct path whose KV memory UCX cannot
+        # reach well (a WARNING) is not offered: its requests go staged
+        direct = self._log_link(msg.get("facts"), conn.peer, msg.get("kv_facts"), direct=may_direct)
+        if may_direct and not direct:
+            log.info("dst %d: %s: the direct path is not offered (its KV link is judged above); requests go staged",
+                     self.rank, conn.peer)
+        self.writers[rank] = Writer(rank, conn, agent, piece, slot_bytes, direct=direct)
         kv = [r.to_wire() for r in self.kv_regions()] if direct else []  # registered before the metadata is taken
         conn.send(welcome | {
             "metadata": md_to_wire(self.transport.metadata()), "arena": self.arena_region.to_wire(), "kv": kv,
             "facts": self.facts,
-        } | ({"mapped": self._shared} if self._shared and not direct else {}))
-        log.debug("dst %d: source rank %d connected from %s, heads %d..%d, %s path", self.rank, rank, conn.peer,
-                  piece.heads.start, piece.heads.stop, "direct" if direct else "staged")
-        self._log_link(msg.get("facts"), conn.peer)
+        } | ({"kv_facts": self.kv_facts()} if direct else {}) | ({"mapped": self._shared} if self._shared else {}))
+        log.debug("dst %d: source rank %d connected from %s, heads %d..%d%s", self.rank, rank, conn.peer,
+                  piece.heads.start, piece.heads.stop, ", direct offered" if direct else "")
         for inc in list(self.requests.values()):  # requests expected before every writer was connected
             self._refresh(inc)
 
@@ -322,11 +322,7 @@ class Destination(Endpoint):
         in; the slot returns to the allocator when the prober disconnects."""
         if conn in self._probes:
             raise ProtocolError("one probe per connection")
-        version = field(msg, "version", int)
-        if version != PROTOCOL_VERSION:
-            raise ProtocolError(f"protocol version {version} unsupported; this side speaks {PROTOCOL_VERSION}")
-        if not hmac.compare_digest(str(msg.get("token", "")).encode(), self.settings.auth_token.encode()):
-            raise ProtocolError("auth token does not match KVSTAGE_AUTH_TOKEN on the destination")
+        check_peer(msg, self.settings.auth_token, self.transport.name, "prober")
         if not self.transport.one_sided:
             raise ProtocolError(
                 f"probe: this destination moves bytes with transport={self.transport.name}; `kvstage probe --peer` "
@@ -368,8 +364,6 @@ class Destination(Endpoint):
         inc.ready[rank] = tokens
         inc.touched = time.monotonic()
         log.debug("dst %d: %s ready from source rank %d", self.rank, inc.handle.req, rank)
-        for chunk in inc.open.values():  # its early grants: its bytes are on the way now
-            self._arm(inc, chunk)
 
     def _refresh(self, inc: Incoming) -> None:
         """Cut a request into chunks once every writer is connected (its grants,
@@ -382,15 +376,14 @@ class Destination(Endpoint):
         if not inc.chunks:
             if any(p.src_rank not in self.writers for p in pieces):
                 return
-            inc.direct = self.plan.direct and self.settings.direct
+            inc.direct = self._route(inc, pieces)
             if inc.direct:
                 inc.chunk_tokens, inc.chunks = inc.handle.tokens, 1
             else:
                 per = min(self.writers[p.src_rank].slot_bytes // self.plan.piece_token_bytes(p) for p in pieces)
                 fit = min(per, self.arena.slot_bytes // self.plan.dst_token_bytes())
-                # chunks that start on page boundaries on both sides let gather and scatter move whole pages
-                step = math.lcm(self.plan.src.page.page_size, self.spec.page.page_size)
-                inc.chunk_tokens = fit // step * step if fit >= step else fit
+                inc.chunk_tokens = grants.chunk_tokens(inc.handle.tokens, fit, self.plan.src.page.page_size,
+                                                       self.spec.page.page_size)
                 inc.chunks = -(-inc.handle.tokens // inc.chunk_tokens)
             inc.handle.path = "direct" if inc.direct else "staged"
             self._rr.append(inc.handle.req)
@@ -403,40 +396,46 @@ class Destination(Endpoint):
             log.debug("dst %d: %s announced by every writer", self.rank, inc.handle.req)
             self._maybe_done(inc)
 
-    def _early_room(self) -> bool:
-        """An early grant (to a request not yet announced by every writer) may
-        take a slot only if at least half the slots stay free after it, so
-        requests whose sources are ready never wait behind prefills still running."""
-        a = self.arena.allocator
-        return a.free - 1 >= -(-a.count // 2)
+    def _route(self, inc: Incoming, pieces) -> bool:
+        """Whether this request's page runs go in place (``route``): only for a writer offered the
+        KV regions, and only where that is expected to be at least as fast as staging. The choice
+        is logged once per writer and path, with the estimate behind it."""
+        if not (self.plan.direct and all(self.writers[p.src_rank].direct for p in pieces)):
+            return False
+        memory = "cuda" if self.cache.device.type == "cuda" else "cpu"
+        cost = self.transport.span_cost_s.get(memory, self.transport.span_cost_s.get("cpu", 0.0))
+        page_bytes = self.cache.buffers[0].nbytes // self.cache.pages
+        r = route.choose(inc.pages, len(self.cache.buffers), page_bytes, cost, memory,
+                         forced=self.settings.direct is True)
+        for p in pieces:
+            key = (p.src_rank, r.direct)
+            if key not in self._routes:
+                self._routes.add(key)
+                log.info("dst %d: requests from source rank %d go %s: %s (first: %s)", self.rank, p.src_rank,
+                         "direct (page runs in place)" if r.direct else "staged", r.reason, inc.handle.req)
+        return r.direct
 
     def _grant(self) -> None:
-        """Hand free slots to waiting chunks: announced requests first, in arrival
-        order, then early grants (at most ``early_chunks`` per request, see
-        ``_early_room``). One pass gives each waiting request one chunk while
-        slots last; a slot that frees later goes to the earliest request still
-        waiting, so with fewer free slots than requests the one ahead finishes
-        first (FIFO, not round robin)."""
-        progressed = True
-        while progressed and self._rr:
-            progressed = False
-            for req in sorted(self._rr, key=lambda r: r in self.requests and self.requests[r].announced is None):
-                inc = self.requests.get(req)
-                if inc is None or inc.handle.done() or inc.next_chunk >= inc.chunks:
-                    self._rr.remove(req)
-                    continue
-                if inc.announced is None and (inc.next_chunk >= self.settings.early_chunks
-                                              or not (inc.direct or self._early_room())):
-                    continue
-                if inc.direct:
-                    self._grant_direct(inc)
-                    progressed = True
-                    continue
-                slot = self.arena.allocator.acquire()
-                if slot is None:
-                    return
-                self._grant_chunk(inc, slot)
-                progressed = True
+        """Hand free slots to waiting chunks in ``grants.grant_order``."""
+        waiting = []
+        for req in list(self._rr):
+            inc = self.requests.get(req)
+            if inc is None or inc.handle.done() or inc.next_chunk >= inc.chunks:
+                self._rr.remove(req)
+                continue
+            waiting.append(grants.Waiting(req, inc.announced is not None, inc.next_chunk, inc.chunks, inc.direct))
+        a = self.arena.allocator
+        for req in grants.grant_order(waiting, a.free, a.count):
+            inc = self.requests.get(req)
+            if inc is None or inc.handle.done():
+                continue
+            if inc.direct:
+                self._grant_direct(inc)
+                continue
+            slot = a.acquire()
+            if slot is None:
+                return
+            self._grant_chunk(inc, slot)
 
     def _grant_direct(self, inc: Incoming) -> None:
         (piece,) = self.plan.writers_of(self.rank)
@@ -469,52 +468,20 @@ class Destination(Endpoint):
         chunk = inc.open[c] = Chunk(c, start, count, slot, set(offsets))
         # several writers, on the kernel path: each piece is scattered as it lands, so only the last
         # writer's is left once the chunk is complete (one GPU: fills the gaps between the writers' gathers)
-        # with landing words, also one writer's: its scatter can then be queued before it lands
-        each = (prepare_piece_scatters(self.cache, idx, pieces, region)
-                if len(pieces) > 1 or self._landing is not None else None)
+        each = prepare_piece_scatters(self.cache, idx, pieces, region) if len(pieces) > 1 else None
         if each is None:
             chunk.scatter = prepare_scatter(self.cache, idx, pieces, region, self._scatter_threads)
         else:
             chunk.piece_scatters = {p.src_rank: launch for p, launch in zip(writers, each)}
-            if self._landing is not None:
-                for i, p in enumerate(writers[: landing.WORDS_PER_SLOT]):
-                    word = slot * landing.WORDS_PER_SLOT + i
-                    chunk.words[p.src_rank] = (word, self._landing.next_value(word))
         inc.next_chunk += 1
         for rank, off in offsets.items():
             grant = {"type": "grant", "req": inc.handle.req, "tokens": inc.handle.tokens, "chunk": c,
                      "chunks": inc.chunks, "start": start, "count": count, "offset": base + off}
             if tickets[rank]:
                 grant["ticket"] = md_to_wire(tickets[rank])
-            if rank in chunk.words:  # set it to the value after the gather, if it maps this arena
-                grant["word"], grant["value"] = chunk.words[rank]
             self.writers[rank].conn.send(grant)
         log.debug("dst %d: %s chunk %d granted (slot %d)%s", self.rank, inc.handle.req, c, slot,
                   "" if inc.announced else ", early")
-        self._arm(inc, chunk)
-
-    def _arm(self, inc: Incoming, chunk: Chunk) -> None:
-        """Queue the piece scatters of this chunk's mapped writers, each behind a wait on its
-        landing word (``staging.landing``), once that writer announced the request (its bytes
-        are then coming; its ``ready`` precedes its ``landed`` on the connection)."""
-        if not self._arming or not chunk.words or chunk.piece_scatters is None:
-            return
-        for rank, (word, value) in chunk.words.items():
-            w = self.writers.get(rank)
-            if (rank not in inc.ready or rank not in chunk.pending or rank in chunk.armed
-                    or rank not in chunk.piece_scatters or not (w and w.mapped)):
-                continue
-            try:
-                chunk.fences.append(self._landing.arm(rank, word, value, chunk.piece_scatters[rank]))
-            except RuntimeError as e:  # the piece scatters go on landing from now on
-                log.warning("dst %d: cannot queue scatters ahead any more, each is launched as its piece lands: %s",
-                            self.rank, e)
-                self._arming = False
-                return
-            del chunk.piece_scatters[rank]
-            chunk.armed.add(rank)
-            log.debug("dst %d: %s chunk %d piece of source rank %d scatter queued on word %d = %d", self.rank,
-                      inc.handle.req, chunk.index, rank, word, value)
 
     def _progress(self) -> None:
         self._poll_scatters()
@@ -608,11 +575,7 @@ class Destination(Endpoint):
             inc.handle.path = way if not inc.landings or inc.handle.path == way else "staged+mapped"
             inc.landings += 1
         t0 = time.perf_counter()
-        if rank in chunk.armed:  # its scatter is queued: it may have run already; the word is set for sure now
-            chunk.armed.discard(rank)
-            self._landing.release(*chunk.words[rank])
-            inc.handle.queued_scatters += 1
-        elif chunk.piece_scatters is not None:  # this writer's piece goes to the pages now
+        if chunk.piece_scatters is not None:  # this writer's piece goes to the pages now
             fence = CopyFence(self.cache.device)
             chunk.piece_scatters.pop(rank)()
             chunk.fences.append(fence.close())
@@ -680,12 +643,8 @@ class Destination(Endpoint):
         inc = self.requests.get(req)
         if inc is None or inc.handle.done():
             return
-        # the handle says FAILED (its pages may be reused at once) only when no scatter of ours still writes them;
-        # queued scatters are let go first (they copy whatever their slot holds into this request's pages)
+        # the handle says FAILED (its pages may be reused at once) only when no scatter of ours still writes them
         for chunk in inc.open.values():
-            for rank in chunk.armed:
-                self._landing.release(*chunk.words[rank])
-            chunk.armed.clear()
             chunk.settle()
         for other, chunk, _ in self._scattering:
             if other is inc:
@@ -812,9 +771,6 @@ class Destination(Endpoint):
         for req in list(self.requests):
             self._fail(req, "local", "shutdown", "destination closed", tell=False)
         unshare(self.arena.buffer)  # no new source can map it; those that did keep their mapping until they close
-        if self._landing is not None:  # every queued scatter was let go by the failures above
-            self._arming = False
-            self._landing.close()
         if self._scatter_threads is not None:
             self._scatter_threads.close()
         super()._shutdown()

@@ -10,15 +10,14 @@ queue and wake it, with one exception: a sent request's first steps
 loop holds whenever it handles anything. The caller is awake already, and
 handing the request over would wait for the loop's wake-up. The state machines
 stay single-threaded (one holder of the lock at a time), and the order of
-events is the order they are handled in. While a request is in flight, the
-loop polls its sockets every 20 µs (CUDA) for ``Settings.poll_us`` after each
-event instead of sleeping until the next message (GPU hosts: a thread that
-slept long wakes 0.1-0.2 ms late, and runs its next steps slowly).
+events is the order they are handled in. While a request is in flight on a GPU
+host, the loop polls its sockets for ``POLL_S`` after each event instead of
+sleeping until the next message: a thread that slept long wakes late and runs
+its next steps slowly.
 """
 
 from __future__ import annotations
 
-import base64
 import ctypes
 import errno
 import logging
@@ -29,6 +28,7 @@ import selectors
 import socket
 import threading
 import time
+from dataclasses import dataclass
 from typing import Callable
 
 import numpy as np
@@ -36,16 +36,14 @@ import torch
 
 from kvstage.config import PING_INTERVAL_S, Settings
 from kvstage.errors import ConfigError, KVStageError, ProtocolError, TransportError
-from kvstage.layout import KVGeometry, PageLayout, pages_needed
-from kvstage.probe.connect import connect_line
-from kvstage.probe.facts import collect_local, memory_facts, value
-from kvstage.protocol import switch_interval
-from kvstage.protocol.wire import Connection, field
-from kvstage.staging.arena import StagingArena, choose_arena
+from kvstage.layout import pages_needed, token_bytes
+from kvstage.link.connect import connect_line
+from kvstage.link.facts import collect_local, memory_facts, value
+from kvstage.link.finding import Finding, Severity
+from kvstage.protocol.wire import Connection
+from kvstage.staging.arena import ArenaSize, StagingArena, arena_size, choose_arena
 from kvstage.staging.cache import RankCache
-from kvstage.staging.copy import copy_stream, use_host_copies
-from kvstage.staging.landing import WORDS_PER_SLOT
-from kvstage.tp import SideSpec
+from kvstage.staging.copy import copy_stream
 from kvstage.transports.base import Region, Transport
 
 log = logging.getLogger("kvstage")
@@ -55,6 +53,10 @@ _UNANSWERED = (errno.ETIMEDOUT, errno.EHOSTUNREACH, errno.ENETUNREACH, errno.EHO
 # seconds between transport polls while writes or notices are expected: GPU hosts have
 # cores to spare and sub-millisecond chunks; on a host cache the copies are the cores' work
 _BUSY_WAIT = {"cuda": 0.00002, "cpu": 0.0002}
+#: while a request is in flight, the loop polls its sockets this long after each event (a message other
+#: than a ping, a call, a send) instead of sleeping: on the GPU hosts a thread that slept runs its next
+#: CUDA call or message read 0.1-0.2 ms late; on a host cache the cores do the copies, so it sleeps
+POLL_S = {"cuda": 0.05, "cpu": 0.0}
 _IDLE_WAIT = 0.05
 _SELECT_LIMIT = 1024  # select(2) sees no descriptor from here on (FD_SETSIZE)
 _PR_SET_TIMERSLACK = 29
@@ -78,43 +80,11 @@ def remember(recent: dict, key, value, most: int) -> None:
         recent.pop(next(iter(recent)))
 
 
-def spec_to_wire(spec: SideSpec) -> dict:
-    g = spec.geometry
-    return {
-        "layers": g.layers, "kv_heads": g.kv_heads, "head_dim": g.head_dim, "dtype": g.dtype, "mla": g.mla,
-        "tp": spec.tp, "page_size": spec.page.page_size, "order": spec.page.order,
-    }
-
-
-def spec_from_wire(d: dict) -> SideSpec:
-    try:
-        geo = KVGeometry(
-            field(d, "layers", int), field(d, "kv_heads", int), field(d, "head_dim", int),
-            field(d, "dtype", str), field(d, "mla", bool),
-        )
-        return SideSpec(geo, field(d, "tp", int), PageLayout(field(d, "page_size", int), field(d, "order", str)))
-    except ConfigError as e:
-        raise ProtocolError(f"peer's spec is invalid: {e}") from e
-
-
-def md_to_wire(md: bytes) -> str:
-    return base64.b64encode(md).decode()
-
-
-def md_from_wire(s: str) -> bytes:
-    try:
-        return base64.b64decode(s, validate=True)
-    except ValueError as e:
-        raise ProtocolError("agent metadata is not base64") from e
-
-
 def check_pages(cache: RankCache, page_ids, tokens: int) -> np.ndarray:
     """Validate a request's page list against this rank's cache (caller's thread), and
     keep a copy of it: a chunk's copy reads it later, on the host or in its launch.
-
-    On a request's critical path, which runs cold (its thread just woke): the checks
-    work on a Python list, about half the time of numpy's reductions and ``unique``
-    on such a path, and faster for long lists too (docs/benchmarks.md, session 14)."""
+    The checks work on a Python list: on a request's critical path, which runs cold,
+    that is about half the time of numpy's reductions and ``unique``."""
     if not isinstance(tokens, (int, np.integer)) or tokens < 1:
         raise ConfigError(f"tokens={tokens!r}: must be a positive integer")
     ids = np.array(page_ids, dtype=np.int64).reshape(-1)  # a copy: the caller may reuse its list once this returns
@@ -133,77 +103,118 @@ def check_pages(cache: RankCache, page_ids, tokens: int) -> np.ndarray:
     return ids
 
 
-def check_transport(msg: dict, mine: str, who: str) -> None:
-    """Both sides of a connection must move bytes with the same transport (absent: nixl, protocol 1's only one)."""
-    theirs = msg.get("transport", "nixl")
-    if theirs != mine:
-        raise ProtocolError(
-            f"transport: the {who} uses {str(theirs)[:32]!r}, this side {mine!r}; set the same KVSTAGE_TRANSPORT on both sides"
-        )
-
-
 def _plugins(transport: Transport) -> list[str] | None:
     plugins = getattr(transport, "plugins", None)
     return plugins() if callable(plugins) else None
+
+
+@dataclass(frozen=True)
+class EndpointStats:
+    """A read-only view of an endpoint, taken on its loop (``Endpoint.stats``)."""
+
+    role: str
+    rank: int
+    slots_total: int
+    slots_free: int
+    requests: int  # in flight (a failed request is held until no write of it can land)
+    peers: int  # connected peer ranks
+    late_holds: int = 0  # destination: slots held for late writes of lost writers
+    held_grants: int = 0  # source: grants kept for requests not sent here yet
+    unknown_announced: int = 0  # destination: announcements of requests it was not told of yet
+    announced: int = 0  # destination: requests in flight that every writer announced
+    mapped_peers: int = 0  # destination: writers that gather straight into its arena (same host)
+    aborts_remembered: int = 0  # aborts of requests this side was not told of yet
+    polling: bool = False  # the loop polls the transport now (a transfer is near)
+    wait: str = "select"  # how the loop waits on its sockets: select(2), or epoll past descriptor 1023
+    links: tuple = ()  # the connect-time judgement of each peer's link (``Finding.to_dict``)
 
 
 class Endpoint:
     """Base of ``Source`` and ``Destination``."""
 
     role = "endpoint"
-    shares_arena = False  # offers its arena to sources on this host (``transports.mapped``)
+    shares_arena = False  # offers its arena to sources on this host (``staging.mapped``)
 
     def __init__(self, cache: RankCache, settings: Settings | None = None, transport: Transport | None = None):
-        self.cache = cache
-        self.spec = cache.spec
-        self.rank = cache.rank
+        self.cache, self.spec, self.rank = cache, cache.spec, cache.rank
         self.settings = settings or Settings()
-        made = transport is None
-        if made:
+        self.transport, made = self._open_transport(transport)
+        try:
+            self._check_cache()
+            self.facts = self._local_facts()
+            self.arena, self.arena_location = self._make_arena()
+            self.arena_region: Region = self.transport.register(self.arena.buffer)
+            self.facts.update(memory_facts(self.arena.buffer, value(self.facts, "gpus")))
+        except BaseException:
+            if made:  # a transport the caller passed in stays the caller's to close
+                self.transport.close()
+            raise
+        self._kv_regions: list[Region] | None = None
+        self._kv_facts: dict | None = None
+        self._links: list[dict] = []  # the connect-time finding of each peer link, as logged
+        self._init_loop()
+
+    # -- construction, in order ------------------------------------------------
+    def _open_transport(self, transport: Transport | None) -> tuple[Transport, bool]:
+        """The transport this endpoint drives, and whether it made it (then it closes it)."""
+        if transport is None:
             from kvstage.transports import make_transport
 
-            transport = make_transport(self.settings.transport, f"kvstage-{self.role}{self.rank}")
-        elif self.settings.direct and not transport.one_sided:
+            return make_transport(self.settings.transport, f"kvstage-{self.role}{self.rank}",
+                                  ucx_error_handling=self.settings.ucx_error_handling), True
+        if self.settings.direct and not transport.one_sided:
             raise ConfigError(
                 f"direct=True with a {transport.name} transport: {transport.name} is two-sided and has no direct "
-                f"path; pass Settings(transport={transport.name!r}) (direct then defaults to off) or direct=False"
+                f"path; pass Settings(transport={transport.name!r}) or unset direct"
             )
-        self.transport = transport
-        try:
-            if transport.host_only and cache.device.type == "cuda":
-                raise ConfigError(f"transport={transport.name!r} moves host memory only; this rank's cache is on "
-                                  f"{cache.device}: use nixl or ucx")
-            #: how this rank's host gathers and scatters copy ("native", "numpy"); None: a GPU cache's kernel
-            self.host_copy, how = use_host_copies(cache, self.settings.host_copy) if cache.device.type == "cpu" else (None, "")
-        except ConfigError:
-            if made:  # a transport the caller passed in stays the caller's to close
-                transport.close()
-            raise
-        if self.host_copy is not None:
-            log.info("%s %d: host gathers and scatters: %s", self.role, self.rank, how)
-        # facts first: the arena's place follows the UCX this transport really runs
-        self.facts = collect_local(agent_plugins=_plugins(self.transport))
+        return transport, False
+
+    def _check_cache(self) -> None:
+        """The cache suits the transport; its copier is chosen (and logged) now, not on a request's path."""
+        if self.transport.host_only and self.cache.device.type == "cuda":
+            raise ConfigError(f"transport={self.transport.name!r} moves host memory only; this rank's cache is on "
+                              f"{self.cache.device}: use nixl or ucx")
+        self.copier = self.cache.copier
+
+    def _local_facts(self) -> dict:
+        """This process's facts, with the transport's own account of its UCX where it gives one."""
+        facts = collect_local(agent_plugins=_plugins(self.transport))
         own = getattr(self.transport, "facts", None)
         if callable(own):  # the transport's own introspection (UCXX's UCX, not NIXL's bundled one)
-            self.facts.update(own())
+            facts.update(own())
+        return facts
+
+    def _make_arena(self) -> tuple[StagingArena, str]:
+        """The staging arena, where ``choose_arena`` puts it and as big as ``arena_size`` says (one log line)."""
+        cache = self.cache
         where, why = choose_arena(self.settings.arena, cache.device, value(self.facts, "ucx_modules"), os.environ)
         on_gpu = where == "device"
+        size = self._arena_size(where)
         # a destination's host arena goes in shared memory only when asked (mapped="on"): sources on this
         # host then gather into it; a CUDA arena is shareable as it is (CUDA IPC)
         shared = self.shares_arena and self.settings.mapped == "on" and cache.device.type == "cpu"
-        # and beside a shared CUDA arena, the words its writers set as their pieces land (``staging.landing``)
-        words = self.settings.slots * WORDS_PER_SLOT if (
-            self.shares_arena and on_gpu and self.settings.mapped != "off" and self.settings.prearm
-            and self.transport.one_sided) else 0
-        self.arena = StagingArena(*self._arena_slots(), cache.device if on_gpu else torch.device("cpu"),
-                                  pinned=cache.device.type == "cuda", shared=shared, words=words)
-        self.arena_location = where
-        if cache.device.type == "cuda":
-            log.info("%s %d: staging arena of %d MiB in %s (%s)", self.role, self.rank,
-                     self.arena.buffer.numel() >> 20, f"{cache.device} memory" if on_gpu else "pinned host memory", why)
-        self.arena_region: Region = self.transport.register(self.arena.buffer)
-        self.facts.update(memory_facts(self.arena.buffer, value(self.facts, "gpus")))
-        self._kv_regions: list[Region] | None = None
+        arena = StagingArena(size.slot_bytes, size.slots, cache.device if on_gpu else torch.device("cpu"),
+                             pinned=cache.device.type == "cuda", shared=shared)
+        place = f"{cache.device} memory" if on_gpu else "pinned host memory" if cache.device.type == "cuda" else "host memory"
+        log.info("%s %d: staging arena of %d slots x %.4g MiB in %s (%s; %s)", self.role, self.rank, size.slots,
+                 size.slot_bytes / 2**20, place, size.why, why)
+        return arena, where
+
+    def _arena_size(self, where: str) -> ArenaSize:
+        """The rule's arena for this rank (``staging.arena.arena_size``); a source over a
+        transport that reads the pages itself keeps less (``Source``)."""
+        free = None
+        if where == "device":
+            free = torch.cuda.mem_get_info(self.cache.device)[0]
+        return arena_size(self.settings.arena_bytes, self.token_bytes, where, free)
+
+    @property
+    def token_bytes(self) -> int:
+        """Bytes of one token of this rank's shard: every layer, K and V."""
+        return token_bytes(self.spec.geometry, self.spec.local_heads())
+
+    def _init_loop(self) -> None:
+        """The loop's state and thread (started by the subclass, last in its constructor)."""
         self._aborted: dict[str, tuple[str, str]] = {}  # req -> (peer, cause): aborted by a peer before this side knew it
         self._events: queue.Queue = queue.Queue()
         self._selector = None  # epoll over the watched sockets, made only while one is past select's reach
@@ -214,8 +225,8 @@ class Endpoint:
         self._socks, self._low = [self._wake], True
         self._sockets_changed()
         self._first: dict = {}  # watched connection -> deadline of its first message
-        self._busy_wait = _BUSY_WAIT["cuda" if cache.device.type == "cuda" else "cpu"]
-        self._poll = self.settings.poll_seconds(cache.device.type)
+        device = "cuda" if self.cache.device.type == "cuda" else "cpu"
+        self._busy_wait, self._poll = _BUSY_WAIT[device], POLL_S[device]
         self._stirred = 0.0  # the loop's last event: a message other than a ping, a call, a send (loop thread only)
         self.requests: dict = {}  # req -> the subclass's record of a request in flight
         self._heard: dict = {}  # control connection -> when its peer last sent anything
@@ -223,13 +234,9 @@ class Endpoint:
         self._closing = False
         self._state = threading.Lock()  # held while state changes: by the loop, or by a caller in ``_here``
         self._thread = threading.Thread(target=self._run, name=f"kvstage-{self.role}{self.rank}", daemon=True)
-        self._claimed_switch = False  # holds a claim on the interpreter's switch interval (settings.switch_interval_us)
 
     def _start(self) -> None:
         """Start the loop; subclasses call this last in their constructor."""
-        if self.settings.switch_interval_us is not None:  # given back when the loop ends (``_run``)
-            switch_interval.claim(self.settings.switch_interval_us, f"{self.role} {self.rank}")
-            self._claimed_switch = True
         self._thread.start()
 
     # -- threads ------------------------------------------------------------
@@ -294,12 +301,7 @@ class Endpoint:
             except Exception:  # a bug must not kill the loop silently
                 log.exception("%s %d: loop error", self.role, self.rank)
         with self._state:
-            try:
-                self._shutdown()
-            finally:
-                if self._claimed_switch:
-                    self._claimed_switch = False
-                    switch_interval.release(f"{self.role} {self.rank}")
+            self._shutdown()
 
     def _turn(self) -> bool:
         """Wait for something to do, do all of it, move the transfers on. False: stop.
@@ -345,7 +347,7 @@ class Endpoint:
     def _wait(self, fence, busy: bool, poll_until: float = 0.0) -> list[Connection]:
         """The connections with bytes to read, once something is to be done: a message,
         a posted event, a device copy's end (``fence``), or (while a transfer is near,
-        ``busy``) the poll interval. Until ``poll_until`` (``Settings.poll_us`` after the
+        ``busy``) the poll interval. Until ``poll_until`` (``POLL_S`` after the
         last event, while a request is in flight) a wait for messages alone polls instead
         of sleeping: a thread that slept is slow to wake and slow for its next steps."""
         if fence is None and not busy and time.perf_counter() < poll_until:
@@ -474,10 +476,6 @@ class Endpoint:
             handle._fail(got[0], "abort", got[1])
         return got is not None
 
-    def _arena_slots(self) -> tuple[int, int]:
-        """(bytes per slot, slots) of this endpoint's arena."""
-        return self.settings.slot_bytes, self.settings.slots
-
     def _busy(self) -> bool:
         return False
 
@@ -520,21 +518,55 @@ class Endpoint:
         except OSError:
             pass
 
-    def _log_link(self, peer_facts, peer_name: str) -> None:
-        """The one line per peer about the path its bytes take (see docs/probe.md)."""
+    def kv_facts(self) -> dict:
+        """Facts about the memory of this rank's KV buffers: what the direct path registers
+        (an engine's allocator may hand out memory the arena's ``cudaMalloc`` is not)."""
+        if self._kv_facts is None:
+            self._kv_facts = memory_facts(self.cache.buffers[0], value(self.facts, "gpus"))
+        return self._kv_facts
+
+    def _judge_link(self, peer_facts, peer_name: str, peer_kv_facts=None, kv: bool = False) -> Finding | None:
+        """The connect-time judgement of the link to one peer (docs/probe.md), logged once, kept
+        for ``stats``: of the arenas, or with ``kv`` of the KV buffers the direct path writes. None
+        when the peer's facts are unreadable (said in one line)."""
+        local, peer = self.facts, peer_facts if isinstance(peer_facts, dict) else None
+        if kv:
+            local = {**self.facts, **self.kv_facts()}
+            peer = {**(peer or {}), **(peer_kv_facts if isinstance(peer_kv_facts, dict) else {})}
         try:
-            finding = connect_line(self.facts, peer_facts if isinstance(peer_facts, dict) else None,
-                                   self.transport.name, None, peer_name=peer_name)
+            finding = connect_line(local, peer, self.transport.name, None, peer_name=peer_name)
         except Exception as e:  # a peer's malformed facts must not break the connection
             log.info("%s %d: link to %s: not assessed (peer facts unreadable: %s)", self.role, self.rank, peer_name, e)
-            return
+            return None
+        finding.path = ("KV pages, direct: " if kv else "") + finding.path
         finding.log(log)
+        self._links.append(finding.to_dict())
+        return finding
+
+    def _log_link(self, peer_facts, peer_name: str, peer_kv_facts=None, direct: bool = False) -> bool:
+        """Judge the memory each path to this peer registers: the arenas, and the KV buffers when
+        the direct path may run. True when the direct path's link is healthy (not WARNING or worse)."""
+        self._judge_link(peer_facts, peer_name)
+        if not direct:
+            return False
+        kv = self._judge_link(peer_facts, peer_name, peer_kv_facts, kv=True)
+        return kv is None or kv.severity is Severity.INFO
 
     def kv_regions(self) -> list[Region]:
         """Register this rank's KV buffers (the direct path only) once."""
         if self._kv_regions is None:
             self._kv_regions = [self.transport.register(b) for b in self.cache.buffers]
         return self._kv_regions
+
+    def stats(self) -> EndpointStats:
+        """A read-only view of this endpoint (slots, requests, peers, links), taken on its loop."""
+        return self._call(self._stats)
+
+    def _stats(self) -> EndpointStats:
+        a = self.arena.allocator
+        return EndpointStats(self.role, self.rank, a.count, a.free, len(self.requests), len(self._peers()),
+                             aborts_remembered=len(self._aborted), polling=self._busy(),
+                             wait="select" if self._low else "epoll", links=tuple(self._links))
 
     # -- public --------------------------------------------------------------
     def close(self) -> None:

@@ -43,7 +43,6 @@ class TransferHandle:
         self.descriptors = 0  # spans handed to the transport (a gathering transport takes a chunk's pages)
         self.writes = 0  # transport writes: one per chunk and destination on the staged path
         self.path: str | None = None  # "staged" or "direct", once known
-        self.queued_scatters = 0  # destination: pieces whose scatter was queued before they landed (staging.landing)
         self.created = time.perf_counter()
         self.finished: float | None = None
         self.stages = {"gather": 0.0, "write": 0.0, "scatter": 0.0, "queued": 0.0, "slot_wait": 0.0}

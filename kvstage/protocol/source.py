@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import base64
 import collections
+import dataclasses
 import logging
 import socket
 import time
@@ -30,22 +31,27 @@ import numpy as np
 
 from kvstage.errors import KVStageError, ProtocolError, TransferFailed
 from kvstage.layout import pages_needed
-from kvstage.probe.context import link_context
-from kvstage.protocol.endpoint import Endpoint, check_pages, check_transport, md_from_wire, md_to_wire, remember, spec_from_wire, spec_to_wire
+from kvstage.link.context import link_context
+from kvstage.protocol.endpoint import Endpoint, EndpointStats, check_pages, remember
+from kvstage.protocol.handshake import (HANDSHAKE_TIMEOUT_S, check_transport, check_version, md_from_wire, md_to_wire,
+                                        spec_from_wire, spec_to_wire)
 from kvstage.protocol.request import State, TransferHandle
-from kvstage.protocol.wire import PROTOCOL_VERSION, Connection, encode_notice, field, notice_fields
-from kvstage.staging import landing
-from kvstage.staging.copy import TokenIndex, gather, gather_pieces, upload_pages
-from kvstage.staging.fence import CopyFence
-from kvstage.staging.spans import chunk_spans
+from kvstage.protocol.wire import PROTOCOL_VERSION, Connection, field, notice_fields
+from kvstage.protocol.writes import DirectPageRuns, FromPages, InFlight, MappedGather, StagedWrite, WritePath
+from kvstage.staging.arena import ArenaSize
+from kvstage.staging.copy import upload_pages
+from kvstage.staging.mapped import MappedArena, MappingError, open_shared
 from kvstage.tp import Piece, TransferPlan, plan
-from kvstage.transports.base import ReadyWrite, Region, Spans, WriteState
-from kvstage.transports.mapped import MappedArena, MappingError, open_shared
+from kvstage.transports.base import Region, WriteState
 
 log = logging.getLogger("kvstage")
 
 MAX_HELD = 4096  # grants kept for requests not sent here yet
 MAX_FINISHED = 4096  # finished request ids remembered, so a late grant for one is refused, not held
+#: a ``send`` whose gathers are the whole request (a small one, granted early, into mapped arenas) waits
+#: this long on the caller's thread for them and says ``landed`` from there: the loop would first have
+#: to wake, which takes longer on a GPU host than such a gather
+SEND_WAIT_S = 200e-6
 
 
 @dataclass
@@ -57,6 +63,7 @@ class Target:
     arena: Region
     kv: list[Region]
     mapped: MappedArena | None = None  # the destination's arena mapped here: gathers go straight into it
+    path: WritePath | None = None  # how its staged chunks go (decided at connect); direct grants go direct
 
 
 @dataclass
@@ -69,7 +76,6 @@ class Job:
     offset: int = 0
     pages: np.ndarray | None = None
     ticket: bytes = b""  # from the destination's transport.expect (two-sided transports)
-    word: tuple[int, int] | None = None  # (device address, value) of the landing word to set after the gather
     queued: float = dc_field(default_factory=time.perf_counter)  # granted (or sent, for a held grant)
     blocked: float | None = None  # when it first found no free slot in this arena
 
@@ -87,30 +93,6 @@ class Outgoing:
     kernel_pages: object = None  # the page ids where the GPU copies read them (``upload_pages``), once at ``send``
 
 
-@dataclass
-class Gathering:
-    """A chunk whose gather is launched; its write, made ready while the gather
-    runs, is posted once the fence passes. Gathered straight into mapped arenas
-    (``slot`` None), one launch may fill several destinations' pieces of the same
-    tokens: ``jobs`` and ``sizes`` list them (otherwise one job)."""
-
-    fence: CopyFence
-    out: "Outgoing"
-    jobs: list[Job]
-    slot: int | None
-    sizes: list[int]
-    started: float
-    write: ReadyWrite | None = None
-
-
-@dataclass
-class InFlight:
-    handle: object
-    job: Job
-    slot: int | None
-    posted: float
-
-
 class Source(Endpoint):
     """A source rank. ``connect`` it to every destination rank, then ``send``."""
 
@@ -122,11 +104,14 @@ class Source(Endpoint):
         self.targets: dict[int, Target] = {}
         self.requests: dict[str, Outgoing] = {}
         self._jobs: collections.deque[Job] = collections.deque()
-        self._inflight: list[InFlight] = []
-        self._gathering: list[Gathering] = []
+        self._inflight: list = []  # writes.InFlight
+        self._gathering: list = []  # writes.Gathering
         self._held: dict[str, dict] = {}  # req not sent yet -> {(dst rank, chunk): (Job, chunks, tokens)}
         self._held_count = 0
         self._finished: dict[str, str] = {}  # req -> final state, oldest first
+        self._direct = DirectPageRuns(self)
+        self._staged = FromPages(self) if self.transport.gathers else StagedWrite(self)
+        self._mapped = MappedGather(self)
         if self.transport.gathers:
             log.info("src %d: %s writes each chunk straight from the KV pages into the granted slot (no gather "
                      "into this rank's arena)", self.rank, self.transport.name)
@@ -156,12 +141,23 @@ class Source(Endpoint):
         self._here(lambda: self._add(handle, pages))  # on this thread: it is awake, the loop may not be
         return handle
 
+    # -- construction ------------------------------------------------------------
+    def _arena_size(self, where: str) -> ArenaSize:
+        """A transport that reads the pages itself (``gathers``) leaves this rank's arena unused:
+        one page keeps its shape, not the rule's arena. The hello announces the rule's slot size
+        either way: the destination cuts chunks to fit it."""
+        size = super()._arena_size(where)
+        self.slot_bytes = size.slot_bytes  # announced in the hello
+        if self.transport.gathers:
+            return ArenaSize(4096, 1, f"{self.transport.name} writes from the pages: one page kept; chunks cut to "
+                                      f"{size.slot_bytes} B ({size.why})")
+        return size
+
     # -- handshake (caller's thread; state changes go to the loop) -------------
     def _handshake(self, host: str, port: int) -> int | None:
         peer = f"{host}:{port}"
-        timeout = self.settings.handshake_timeout_s
         try:
-            sock = socket.create_connection((host, port), timeout=timeout)
+            sock = socket.create_connection((host, port), timeout=HANDSHAKE_TIMEOUT_S)
         except OSError as e:
             raise TransferFailed("-", f"destination {peer}", "handshake", f"cannot connect: {e}") from e
         conn = Connection(sock, peer)
@@ -170,8 +166,8 @@ class Source(Endpoint):
                 "type": "hello", "version": PROTOCOL_VERSION, "token": self.settings.auth_token,
                 "spec": spec_to_wire(self.spec), "rank": self.rank, "agent": self.transport.id,
                 "transport": self.transport.name,
-                "metadata": md_to_wire(self.transport.metadata()), "slot_bytes": self.settings.slot_bytes,
-                "facts": self.facts,
+                "metadata": md_to_wire(self.transport.metadata()), "slot_bytes": self.slot_bytes,
+                "facts": self.facts, "kv_facts": self.kv_facts(),
             })
             msg = conn.recv()
         except (OSError, ConnectionError, ProtocolError) as e:
@@ -183,8 +179,7 @@ class Source(Endpoint):
         try:
             if msg["type"] != "welcome":
                 raise ProtocolError(f"expected welcome, got {msg['type']!r}")
-            if field(msg, "version", int) != PROTOCOL_VERSION:
-                raise ProtocolError(f"destination speaks protocol {msg['version']}, this side {PROTOCOL_VERSION}")
+            check_version(msg, "destination")
             check_transport(msg, self.transport.name, "destination")
             dst = spec_from_wire(field(msg, "spec", dict))
             p = plan(self.spec, dst)
@@ -201,7 +196,7 @@ class Source(Endpoint):
             conn.close()
             raise TransferFailed("-", f"destination {peer}", "handshake", str(e)) from e
         conn.sock.settimeout(None)
-        self._call(lambda: self._add_target(p, rank, conn, md, piece, arena, kv, msg.get("facts"), msg.get("mapped")))
+        self._call(lambda: self._add_target(p, rank, conn, md, piece, arena, kv, msg))
         self._watch(conn)
         return rank
 
@@ -212,24 +207,25 @@ class Source(Endpoint):
             raise TransferFailed("-", conn.peer, "handshake", f"destination spec {p.dst} differs from {self.plan.dst}")
         self.plan = p
 
-    def _add_target(self, p: TransferPlan, rank: int, conn: Connection, md: bytes, piece, arena, kv, facts,
-                    shared) -> None:
+    def _add_target(self, p: TransferPlan, rank: int, conn: Connection, md: bytes, piece: Piece, arena: Region,
+                    kv: list[Region], welcome: dict) -> None:
         self._set_plan(p, conn)
-        direct = bool(kv)
-        if direct and len(kv) != len(self.cache.buffers):
+        if kv and len(kv) != len(self.cache.buffers):
             conn.close()
             raise TransferFailed("-", conn.peer, "handshake", f"destination offered {len(kv)} KV regions, need {len(self.cache.buffers)}")
-        mapped = None if direct else self._map_arena(conn, arena, shared, facts)
+        facts = welcome.get("facts")
+        mapped = self._map_arena(conn, arena, welcome.get("mapped"), facts)
         if rank in self.targets:
             self._close_target(self.targets[rank])
         agent = self.transport.connect(md)
         conn.peer = f"destination rank {rank} ({conn.peer})"
-        self.targets[rank] = Target(rank, conn, agent, piece, arena, kv, mapped)
-        log.debug("src %d: connected to %s, heads %d..%d, %s path", self.rank, conn.peer, piece.heads.start,
-                  piece.heads.stop, "direct" if direct else "mapped" if mapped else "staged")
-        self._log_link(facts, conn.peer)
+        path = self._mapped if mapped is not None else self._staged
+        self.targets[rank] = Target(rank, conn, agent, piece, arena, kv, mapped, path)
+        log.debug("src %d: connected to %s, heads %d..%d, %s path%s", self.rank, conn.peer, piece.heads.start,
+                  piece.heads.stop, path.name, ", direct offered" if kv else "")
+        self._log_link(facts, conn.peer, welcome.get("kv_facts"), direct=bool(kv))
         if mapped is not None:
-            conn.send({"type": "mapped"})  # before any ready: the destination may queue its scatters ahead
+            conn.send({"type": "mapped"})  # before any ready: its chunks owe the destination no transport notice
             log.info("src %d: %s shares its arena (%s, same host): chunks are gathered straight into its slots, "
                      "no transport write", self.rank, conn.peer, mapped.kind)
 
@@ -252,8 +248,8 @@ class Source(Endpoint):
             else:
                 if setting == "on" or mapped.on(self.cache.device):
                     return mapped
-                # another GPU: NIXL's copy engines write it over the link as fast (docs/benchmarks.md,
-                # session 5) and leave this GPU's SMs to the model; mapped=on stores over the link anyway
+                # another GPU: the transport's copy engines write it over the link as fast and leave this GPU's
+                # SMs to the model; mapped=on stores over the link anyway
                 log.info("src %d: %s shares its arena on another GPU (%s) or one of unknown identity: chunks go "
                          "by transport writes (KVSTAGE_MAPPED=on maps it)", self.rank, conn.peer, mapped.gpu)
                 mapped.close()
@@ -299,15 +295,13 @@ class Source(Endpoint):
         out = Outgoing(handle, pages)
         self.requests[handle.req] = out
         held = self._drop_held(handle.req)
-        # The announcements go first: each destination handles its ``ready`` while this side
-        # gathers, instead of after (docs/benchmarks.md, session 16)
+        # the announcements go first: each destination handles its ``ready`` while this side gathers
         ready = {"type": "ready", "req": handle.req, "tokens": handle.tokens}
         for d in want:
             out.written[d] = 0
             out.granted[d] = set()
             self._send(d, ready)  # a send that fails here fails the request when the loop sees the closed connection
-        if not all(self.targets[d].kv for d in want):
-            out.kernel_pages = upload_pages(self.cache, pages, checked=True)
+        out.kernel_pages = upload_pages(self.cache, pages, checked=True)
         for job, chunks, tokens in sorted(held.values(), key=lambda g: (g[0].chunk, g[0].dst)):
             if not handle.done():  # a grant naming other tokens fails it
                 self._apply_grant(out, job, chunks, tokens)
@@ -321,31 +315,22 @@ class Source(Endpoint):
     def _finish_here(self, out: Outgoing) -> None:
         """When ``send`` gathered every chunk of the request into mapped arenas (a small
         request, granted early), wait for those gathers on the caller's thread, at most
-        ``send_wait_us``, and send their ``landed`` from here: the caller's thread is awake,
-        the loop would first have to wake (docs/benchmarks.md, session 15). Not when the
-        gathers have not started on the GPU (work queued before them, an engine's model
-        step, would hold the caller for the whole bound): the loop does it then."""
-        wait = self.settings.send_wait_us
+        ``SEND_WAIT_S``, and send their ``landed`` from here. Not when the gathers have not
+        started on the GPU (work queued before them, an engine's model step, would hold the
+        caller for the whole bound): the loop does it then."""
         req = out.handle.req
-        if (wait <= 0 or any(j.req == req for j in self._jobs)
-                or any(len(out.granted[d]) != out.chunks.get(d) for d in out.written)):
+        if any(j.req == req for j in self._jobs) or any(len(out.granted[d]) != out.chunks.get(d) for d in out.written):
             return
         fences = [g.fence for g in self._gathering if g.out is out and g.slot is None]
         if not fences or not all(f.started() for f in fences):
             return
-        deadline = time.perf_counter() + wait * 1e-6
+        deadline = time.perf_counter() + SEND_WAIT_S
         while not all(f.done() for f in fences):
             if time.perf_counter() > deadline:
-                log.debug("src %d: %s gathers still running after send_wait_us=%g: the loop reports them",
-                          self.rank, req, wait)
+                log.debug("src %d: %s gathers still running after %g us: the loop reports them", self.rank, req,
+                          SEND_WAIT_S * 1e6)
                 return
         self._poll_gathers()
-
-    def _arena_slots(self) -> tuple[int, int]:
-        """A transport that reads the pages itself (``gathers``) leaves this rank's arena unused:
-        one page keeps its shape, not ``arena_mb`` of memory. The hello announces the slot size
-        of the settings either way: the destination cuts chunks to fit it."""
-        return (4096, 1) if self.transport.gathers else super()._arena_slots()
 
     def _busy(self) -> bool:
         return bool(self._inflight or self._jobs or self._gathering)
@@ -383,7 +368,8 @@ class Source(Endpoint):
             self._reject(conn, msg, e)
 
     def _on_grant(self, target: Target, msg: dict) -> None:
-        """Check a grant on arrival; apply it, or hold it until the request is sent."""
+        """Check a grant on arrival; apply it, or hold it until the request is sent. A grant
+        naming the destination's ``pages`` is a direct one (page runs in place)."""
         req = field(msg, "req", str)
         d = target.rank
         tokens = field(msg, "tokens", int, minimum=1)
@@ -392,8 +378,12 @@ class Source(Endpoint):
         start = field(msg, "start", int, minimum=0, maximum=tokens - 1)
         count = field(msg, "count", int, minimum=1, maximum=tokens - start)
         job = Job(req, d, c, start, count)
-        if target.kv:
+        if "pages" in msg:
+            if not target.kv:
+                raise ProtocolError(f"direct grant for {req!r}, but the destination offered no KV regions")
             pages = field(msg, "pages", list)
+            if (chunks, start, count) != (1, 0, tokens):
+                raise ProtocolError(f"direct grant for {req!r} must cover the whole request in one chunk")
             if len(pages) != pages_needed(tokens, self.spec.page.page_size) or not all(
                 isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in pages
             ):
@@ -406,13 +396,6 @@ class Source(Endpoint):
                     job.ticket = base64.b64decode(field(msg, "ticket", str), validate=True)
                 except ValueError:
                     raise ProtocolError(f"grant for {req!r} chunk {c}: ticket is not base64") from None
-            if "word" in msg:  # set after the gather, when gathering into its mapped arena (else unused)
-                word, value = field(msg, "word", int, minimum=0), field(msg, "value", int, minimum=1, maximum=2**32 - 1)
-                if target.mapped is not None and target.mapped.words is not None:
-                    try:  # word_addr checks it against the words the arena shares
-                        job.word = (target.mapped.word_addr(word), value)
-                    except IndexError as e:
-                        raise ProtocolError(f"grant for {req!r} chunk {c}: {e}") from None
             nbytes = self.plan.piece_token_bytes(target.piece) * count
             if job.offset + nbytes > target.arena.nbytes:
                 raise ProtocolError(
@@ -461,7 +444,7 @@ class Source(Endpoint):
             raise ProtocolError(f"chunk {c} of {req!r} granted twice")
         out.chunks[d] = chunks
         out.granted[d].add(c)
-        out.handle.path = "direct" if job.pages is not None else "mapped" if self.targets[d].mapped else "staged"
+        out.handle.path = self._path_of(job).name
         out.stage = "gather"
         out.touched = time.monotonic()
         if out.handle.state is State.PENDING:
@@ -470,121 +453,38 @@ class Source(Endpoint):
         self._jobs.append(job)
         log.debug("src %d: %s chunk %d granted by destination rank %d", self.rank, req, c, d)
 
+    def _path_of(self, job: Job) -> WritePath:
+        """The write path of a granted job: direct for a grant naming pages, else its destination's."""
+        if job.pages is not None:
+            return self._direct
+        target = self.targets.get(job.dst)
+        return target.path if target is not None else self._staged
+
     def _progress(self) -> None:
         self._poll_writes()
         self._poll_gathers()
         while self._jobs:
-            job = self._jobs[0]
-            out = self.requests.get(job.req)
+            out = self.requests.get(self._jobs[0].req)
             if out is None or out.handle.done():
                 self._jobs.popleft()
                 continue
-            if job.pages is not None:
-                self._jobs.popleft()
-                self._write_direct(out, job)
-                continue
-            if self._mapped(job):  # the granted slot is the gather's output
-                self._write_staged(out, self._take_mapped(), None)
-                continue
-            if self.transport.gathers:  # the write reads the pages: no slot of this arena
-                self._jobs.popleft()
-                self._write_from_pages(out, job)
-                continue
-            slot = self.arena.allocator.acquire()
-            if slot is None:  # back-pressure: wait for a write to finish
-                if job.blocked is None:
-                    job.blocked = time.perf_counter()
-                return
-            self._jobs.popleft()
-            if job.blocked is not None:
-                out.handle.stages["slot_wait"] += time.perf_counter() - job.blocked
-            self._write_staged(out, [job], slot)
+            if not self._path_of(self._jobs[0]).start(out):
+                return  # back-pressure: wait for a write to finish
 
     def _launch_mapped(self) -> None:
         """Launch the queued gathers into mapped arenas, and nothing else (``_add``, on the
         caller's thread); the loop takes the queue from the first job that needs a slot, a
         write or the transport."""
-        while self._jobs and self._mapped(self._jobs[0]):
+        while self._jobs and self._path_of(self._jobs[0]) is self._mapped:
             out = self.requests.get(self._jobs[0].req)
             if out is None or out.handle.done():
                 self._jobs.popleft()
                 continue
-            self._write_staged(out, self._take_mapped(), None, poll=False)
-
-    def _mapped(self, job: Job) -> bool:
-        target = self.targets.get(job.dst)
-        return job.pages is None and target is not None and target.mapped is not None
-
-    def _take_mapped(self) -> list[Job]:
-        """The queue's first job and the jobs right behind it for the same tokens of the
-        same request into other destinations' mapped arenas (a 1->N source's pieces of
-        one chunk, granted together): one gather launch fills them all."""
-        jobs = [self._jobs.popleft()]
-        head = jobs[0]
-        while self._jobs:
-            job = self._jobs[0]
-            if ((job.req, job.start, job.count) != (head.req, head.start, head.count) or not self._mapped(job)
-                    or any(j.dst == job.dst for j in jobs)):
-                break
-            jobs.append(self._jobs.popleft())
-        return jobs
-
-    def _write_staged(self, out: Outgoing, jobs: list[Job], slot: int | None, poll: bool = True) -> None:
-        """Gather the chunk into ``slot`` of this arena and make its write ready; ``slot``
-        None: gather straight into the granted slots of the destinations' mapped arenas
-        (``jobs``: the same tokens for each of them, one launch; ``poll`` False: the loop
-        reports them landed, on its next turn)."""
-        job = jobs[0]
-        targets = [self.targets.get(j.dst) for j in jobs]
-        if None in targets:
-            if slot is not None:
-                self.arena.allocator.release(slot)
-            gone = jobs[targets.index(None)].dst
-            return self._fail(job.req, f"destination rank {gone}", "write", "not connected", tell=False)
-        sizes = [self.plan.piece_token_bytes(t.piece) * j.count for t, j in zip(targets, jobs)]
-        t0 = time.perf_counter()
-        stages = out.handle.stages
-        stages.setdefault("start", t0 - out.handle.created)  # send() to its first copy (see request.py)
-        # granted to gathered, less any wait for a slot: behind this rank's earlier chunks (one loop copies them in turn)
-        stages["queued"] += max(0.0, (job.blocked if job.blocked is not None else t0) - job.queued)
-        try:
-            fence = CopyFence(self.cache.device)
-            idx = TokenIndex(self.cache, out.pages, job.start, job.count, out.kernel_pages)
-            if slot is None:
-                gather_pieces(self.cache, idx, [(t.piece.src_offset, t.piece.heads.count, t.mapped.view(j.offset, n))
-                                                for t, j, n in zip(targets, jobs, sizes)])
-                for j in jobs:  # each destination's queued scatter of its piece starts now
-                    if j.word is not None:
-                        landing.signal(self.cache.device, *j.word)
-            else:
-                piece = targets[0].piece
-                gather(self.cache, idx, piece.src_offset, piece.heads.count,
-                       self.arena.view(self.arena.offset(slot), sizes[0]))
-            fence.close()
-            log.debug("src %d: %s chunk %d gather launched%s", self.rank, job.req, job.chunk,
-                      f" (one launch for destination ranks {','.join(str(j.dst) for j in jobs)})" if len(jobs) > 1 else "")
-        except Exception as e:
-            if slot is not None:
-                self.arena.allocator.release(slot)
-            return self._fail(job.req, "local", "gather", f"{type(e).__name__}: {e}", tell=True)
-        out.inflight += 1  # the request is not forgotten while its gather may still run
-        g = Gathering(fence, out, jobs, slot, sizes, t0)
-        self._gathering.append(g)
-        if slot is None:
-            if poll:
-                self._poll_gathers()
-            return
-        try:  # the write's descriptors and transfer request, made while the GPU gathers
-            g.write = self.transport.prepare_write(
-                targets[0].agent, Spans.single(self.arena_region, [self.arena.offset(slot)], [sizes[0]]),
-                Spans.single(targets[0].arena, [job.offset], [sizes[0]]),
-                encode_notice(job.req, job.chunk, self.rank, job.offset, sizes[0]), job.ticket)
-        except KVStageError as e:  # the slot is freed once the gather into it has finished
-            self._fail(job.req, f"destination rank {job.dst}", "write", str(e), tell=True)
-        self._poll_gathers()
+            self._mapped.start(out, poll=False)
 
     def _poll_gathers(self) -> None:
-        """Post the write of every chunk whose gather has finished on the device."""
+        """Post the write of every chunk whose gather has finished on the device (or, gathered
+        into mapped arenas, say ``landed``)."""
         still = []
         for g in self._gathering:
             if not g.fence.done():
@@ -625,54 +525,7 @@ class Source(Endpoint):
                     self._chunk_written(out, j)
         self._gathering = still
 
-    def _write_from_pages(self, out: Outgoing, job: Job) -> None:
-        """The chunk's head slice straight from this rank's pages into the granted slot,
-        laid out as a gather would have (``staging.spans``)."""
-        target = self.targets.get(job.dst)
-        if target is None:
-            return self._fail(job.req, f"destination rank {job.dst}", "write", "not connected", tell=False)
-        t = time.perf_counter()
-        stages = out.handle.stages
-        stages.setdefault("start", t - out.handle.created)
-        stages["queued"] += max(0.0, t - job.queued)
-        index, offsets, lengths = chunk_spans(self.cache, out.pages, job.start, job.count, target.piece.src_offset,
-                                              target.piece.heads.count)
-        local = Spans(tuple(self.kv_regions()), index, offsets, lengths)
-        remote = Spans((target.arena,), np.zeros_like(index), job.offset + np.cumsum(lengths) - lengths, lengths)
-        nbytes = int(lengths.sum())
-        try:
-            write = self.transport.prepare_write(target.agent, local, remote,
-                                                 encode_notice(job.req, job.chunk, self.rank, job.offset, nbytes), job.ticket)
-        except KVStageError as e:
-            return self._fail(job.req, f"destination rank {job.dst}", "write", str(e), tell=True)
-        self._post_write(out, job, None, write, nbytes, len(local), t)
-
-    def _write_direct(self, out: Outgoing, job: Job) -> None:
-        """Whole pages straight into the destination's KV, coalesced into runs."""
-        target = self.targets[job.dst]
-        src, dst = out.pages, job.pages
-        n = len(src)
-        breaks = np.flatnonzero((np.diff(src) != 1) | (np.diff(dst) != 1)) + 1
-        starts = np.concatenate(([0], breaks))
-        runs = np.diff(np.concatenate((starts, [n])))
-        local_regions = self.kv_regions()
-        nbuf = len(local_regions)
-        page_bytes = np.array([b.nbytes // self.cache.pages for b in self.cache.buffers], dtype=np.int64)
-        index = np.repeat(np.arange(nbuf), len(starts))
-        pb = page_bytes[index]
-        local = Spans(tuple(local_regions), index, np.tile(src[starts], nbuf) * pb, np.tile(runs, nbuf) * pb)
-        remote = Spans(tuple(target.kv), index, np.tile(dst[starts], nbuf) * pb, np.tile(runs, nbuf) * pb)
-        nbytes = int(local.lengths.sum())
-        t = time.perf_counter()
-        out.handle.stages.setdefault("start", t - out.handle.created)
-        try:
-            write = self.transport.prepare_write(target.agent, local, remote,
-                                                 encode_notice(job.req, job.chunk, self.rank, None, nbytes), job.ticket)
-        except KVStageError as e:
-            return self._fail(job.req, f"destination rank {job.dst}", "write", str(e), tell=True)
-        self._post_write(out, job, None, write, nbytes, len(local), t)
-
-    def _post_write(self, out, job, slot, write: ReadyWrite, nbytes: int, descriptors: int, t: float) -> None:
+    def _post_write(self, out, job, slot, write, nbytes: int, descriptors: int, t: float) -> None:
         try:
             h = write.post()
         except KVStageError as e:
@@ -777,6 +630,9 @@ class Source(Endpoint):
 
     def _peers(self) -> list:
         return [t.conn for t in self.targets.values()]
+
+    def _stats(self) -> EndpointStats:
+        return dataclasses.replace(super()._stats(), held_grants=self._held_count)
 
     def _check_stalls(self, now: float) -> None:
         """An announced request never granted within ``ready_timeout_s``, or a

@@ -22,11 +22,9 @@ from typing import NamedTuple
 
 from kvstage.errors import ProtocolError
 
-# 2: landing notices say where the write went and how long it was; 3: pings;
-# 4: grants carry the request's token count and may come before the source announced the request;
-# 5: a welcome may share the destination's arena ("mapped"), and "landed" control messages;
-# 6: the shared arena's landing words, "mapped" from a source that maps it, grants naming a word and value
-PROTOCOL_VERSION = 6
+#: the handshake refuses a peer of another version by name. 7: grants name no landing words; a welcome
+#: may offer the KV regions and share the arena at once, and the direct path is chosen per request
+PROTOCOL_VERSION = 7
 MAX_FRAME = 16 << 20
 MAX_ID = 256
 _LEN = struct.Struct("!I")

@@ -3,9 +3,8 @@
  *
  * Why native: numpy and torch copy a few-KiB row with ordinary stores, which
  * read every destination line before writing it. Streaming (non-temporal)
- * stores skip that read: on the project's 2-core machines a scatter of
- * 512-byte spans runs 2x faster than with memcpy, a gather of 8 KiB page rows
- * 1.2x, and both faster than numpy's (docs/benchmarks.md, session 19). The
+ * stores skip that read, so each destination line costs one memory transfer
+ * instead of two. The
  * bytes are not read again soon (they go to a transport or to decode pages),
  * so keeping them out of the cache costs nothing.
  *

@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import collections
 import logging
+from dataclasses import dataclass
 
 import torch
 
 from kvstage.cudart import runtime
-from kvstage.transports.mapped import shared_host_buffer
+from kvstage.staging.mapped import shared_host_buffer
 
 log = logging.getLogger(__name__)
 
@@ -70,7 +71,6 @@ class _DeviceAllocation:
         if err != 0:
             raise MemoryError(f"cudaMalloc of {nbytes} bytes on {device} failed with CUDA error {err}")
         self.ptr, self.device = ptr.value, device
-        self.words = None  # (byte offset, count) of the landing words after the arena's slots, if any
         self.__cuda_array_interface__ = {"shape": (nbytes,), "typestr": "|u1", "data": (self.ptr, False), "version": 3}
 
     def __del__(self):
@@ -130,27 +130,77 @@ def allocate_arena(nbytes: int, device: torch.device, pinned: bool = False, shar
     return t
 
 
-class StagingArena:
-    """``slots`` slots of ``slot_bytes`` in one registered buffer. On a GPU, ``words``
-    32-bit words (zeroed) follow the slots in the same allocation, so a peer that maps the
-    arena reaches them too (``staging.landing``); ``self.words`` is None elsewhere."""
+#: chunk sizes by where the arena lives. On a GPU a chunk's fixed cost (messages, launches, a hop
+#: between processes) is a few hundred microseconds, so chunks of 4,096 tokens keep it small next to
+#: the copies, and a request of 8k tokens still pipelines over two chunks (measured best at 8k: 2-4
+#: chunks of 256 MiB-1 GiB against 64 MiB). On the host the copies are the cores' work: 64 MiB slots
+#: are the measured default of the CPU machine, and its request of 2,048 tokens moves in four chunks.
+CHUNK_TOKENS_DEVICE = 4096
+SLOT_BYTES_HOST = 64 << 20
+#: slots per arena by rule: a chunk lands while the next is written, with room for a second request
+SLOTS = {"device": 4, "host": 8}
+#: an asked arena too small for the rule's slots is cut into this many: still one landing while one is written
+MIN_SLOTS = 4
+#: a device arena takes at most this share of the GPU memory free when it is made
+DEVICE_SHARE = 1 / 16
+PAGE = 4096
 
-    def __init__(self, slot_bytes: int, slots: int, device: torch.device, pinned: bool = False, shared: bool = False,
-                 words: int = 0):
+
+@dataclass(frozen=True)
+class ArenaSize:
+    """An arena's slots and the reason for their size (logged once per endpoint)."""
+
+    slot_bytes: int
+    slots: int
+    why: str
+
+    @property
+    def nbytes(self) -> int:
+        return self.slot_bytes * self.slots
+
+
+def arena_size(asked_bytes: int | None, token_bytes: int, where: str, free_bytes: int | None = None) -> ArenaSize:
+    """The arena of one rank, sized by rule (pure).
+
+    ``token_bytes``: this rank's bytes per token (its whole shard, all layers, K and V);
+    ``where``: "device" or "host"; ``free_bytes``: free GPU memory (device arenas);
+    ``asked_bytes``: ``Settings.arena_mb`` in bytes, or None. A device slot holds
+    ``CHUNK_TOKENS_DEVICE`` tokens, a host slot ``SLOT_BYTES_HOST``; an asked arena
+    keeps the rule's slot if ``SLOTS`` of them fit, else is cut into ``MIN_SLOTS`` slots."""
+    if where not in SLOTS:
+        raise ValueError(f"where={where!r}: must be device or host")
+    count = SLOTS[where]
+    if where == "device":
+        slot = _pages(token_bytes * CHUNK_TOKENS_DEVICE)
+        why = f"{CHUNK_TOKENS_DEVICE} tokens of {token_bytes} B per slot"
+    else:
+        slot, why = SLOT_BYTES_HOST, f"{SLOT_BYTES_HOST >> 20} MiB per slot"
+    if asked_bytes is not None:
+        if asked_bytes < PAGE:
+            raise ValueError(f"asked_bytes={asked_bytes}: an arena holds at least one {PAGE}-byte slot")
+        if slot * count > asked_bytes:
+            slot = max(PAGE, asked_bytes // MIN_SLOTS // PAGE * PAGE)
+            why = f"arena_mb={asked_bytes / (1 << 20):g} cut into {MIN_SLOTS} slots"
+        else:
+            why += f", as many as arena_mb={asked_bytes / (1 << 20):g} holds"
+        return ArenaSize(slot, max(1, asked_bytes // slot), why)
+    if where == "device" and free_bytes is not None and slot * count > free_bytes * DEVICE_SHARE:
+        slot = max(PAGE, int(free_bytes * DEVICE_SHARE) // count // PAGE * PAGE)
+        why = f"{count} slots in 1/{round(1 / DEVICE_SHARE)} of the {free_bytes / 2**30:.1f} GiB free on the GPU"
+    return ArenaSize(slot, count, why + f", {count} slots")
+
+
+def _pages(nbytes: int) -> int:
+    return max(PAGE, -(-nbytes // PAGE) * PAGE)
+
+
+class StagingArena:
+    """``slots`` slots of ``slot_bytes`` in one registered buffer."""
+
+    def __init__(self, slot_bytes: int, slots: int, device: torch.device, pinned: bool = False, shared: bool = False):
         self.slot_bytes = slot_bytes
         self.allocator = SlotAllocator(slots)
-        nbytes = slot_bytes * slots
-        self.words = None
-        if words and device.type == "cuda":
-            at = -(-nbytes // 256) * 256
-            whole = allocate_arena(at + 4 * words, device)
-            owner = whole._kvstage_owner
-            owner.words = (at, words)  # ``transports.mapped.share`` describes them to peers
-            self.buffer = whole[:nbytes]  # what is registered: the slots alone
-            self.buffer._kvstage_owner = owner
-            self.words = whole[at:].view(torch.int32).zero_()
-        else:
-            self.buffer = allocate_arena(nbytes, device, pinned, shared)
+        self.buffer = allocate_arena(slot_bytes * slots, device, pinned, shared)
         log.debug("arena: %d slots of %d bytes on %s%s", slots, slot_bytes, device, " (pinned)" if pinned else "")
 
     def offset(self, slot: int) -> int:

@@ -16,13 +16,12 @@ move, so explicit ``uint4`` loads and stores are the whole kernel. Launched
 with the driver's ``cuLaunchKernel`` on arguments packed once per prepared
 copy (a copy launched at once, a source's gather, fills its thread's own
 argument block instead): CuPy's own call converts every argument and enters
-a device and a stream context each time, ~15 µs of host time per launch,
-which is most of a small chunk's copy. The region may be device memory or
-pinned host memory (mapped into the GPU's address space: the pinned-host
-arena); with no region
-(``None``) each piece's base is an absolute address, so one launch can fill
-several regions (a 1→N source's pieces of one chunk, each in its own
-destination's mapped arena).
+a device and a stream context each time, which is most of a small chunk's
+copy. The region may be device memory or pinned host memory (mapped into the
+GPU's address space: the pinned-host arena); with no region (``None``) each
+piece's base is an absolute address, so one launch can fill several regions
+(a 1→N source's pieces of one chunk, each in its own destination's mapped
+arena). ``staging.copier_cuda`` is the copier built on it.
 """
 
 from __future__ import annotations
@@ -357,8 +356,7 @@ class WordCopier:
     def _upload(self, values: np.ndarray) -> torch.Tensor:
         """``values`` on the device, through the next pinned buffer of the ring, copied on
         the caller's current stream. Driver calls, not torch's: torch's stream object,
-        ``copy_`` and event record took ~130 µs of a request's ~250 µs upload in place
-        on the H200 (docs/benchmarks.md, session 9)."""
+        ``copy_`` and event record were about half of a request's upload."""
         up = self._ring[self._next]
         self._next = (self._next + 1) % _RING
         dev = torch.empty(len(values), dtype=torch.int64, device=self.device)

@@ -1,11 +1,11 @@
 """Host copies of many byte spans in one native call, with streaming stores.
 
 numpy and torch copy a few-KiB row with ordinary stores, which first read every
-destination line they write. Streaming stores skip that read: on the project's
-2-core machines the default run's staged request takes ~25% less CPU with them
-(docs/benchmarks.md, session 19; ``benchmarks/host_copies.py``). ``_spans.c`` is built with the package (a
-C library loaded with ctypes; ctypes releases the GIL for the call); where it
-was not built, ``available()`` says why and the copies stay on numpy/torch.
+destination line they write; streaming stores skip that read, so a host copy
+costs less memory traffic and CPU.
+``_spans.c`` is built with the package (a C library loaded with ctypes; ctypes
+releases the GIL for the call); where it was not built, ``available()`` says
+why and ``staging.copier.choose_copier`` gives a host cache the torch copier.
 
 Every span is checked here against the buffers it reads and writes before the
 native call: the C side trusts its arguments.

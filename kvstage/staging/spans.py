@@ -3,7 +3,7 @@
 A transport that walks many spans at the cost of one (``Transport.gathers``)
 writes a chunk straight from the pages with these, instead of a gather into
 the arena first. The spans come in a region's order, ``[buffers, count, heads,
-head_dim]`` (``staging.copy``), so the bytes land exactly as a gather would
+head_dim]`` (``staging.copier``), so the bytes land exactly as a gather would
 have laid them out; spans that touch in memory are merged.
 """
 

@@ -2,8 +2,9 @@
 (one-sided, same host, host memory: ``process_vm_writev``)."""
 
 
-def make_transport(name: str, label: str):
-    """A transport by its ``Settings.transport`` name; raises TransportError if it cannot start."""
+def make_transport(name: str, label: str, ucx_error_handling: bool = False):
+    """A transport by its ``Settings.transport`` name; raises TransportError if it cannot start.
+    ``ucx_error_handling``: ``Settings.ucx_error_handling`` (the ucx transport only)."""
     if name == "nixl":
         from kvstage.transports.nixl import NixlTransport
 
@@ -11,7 +12,7 @@ def make_transport(name: str, label: str):
     if name == "ucx":
         from kvstage.transports.ucx import UcxTransport
 
-        return UcxTransport(label)
+        return UcxTransport(label, error_handling=ucx_error_handling)
     if name == "cma":
         from kvstage.transports.cma import CmaTransport
 

@@ -202,6 +202,8 @@ class CmaTransport(Transport):
     name = "cma"
     gathers = True
     host_only = True
+    #: process_vm_writev walks up to 1,024 spans per call: 512-byte spans move at ~1.1 GB/s, ~0.5 us each
+    span_cost_s = {"cpu": 0.5e-6}
 
     def __init__(self, label: str = "kvstage"):
         self._identity = _host_identity()

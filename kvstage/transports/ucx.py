@@ -133,17 +133,12 @@ class UcxTransport(Transport):
     name = "ucx"
     one_sided = False
 
-    def __init__(self, label: str = "kvstage", error_handling: bool | None = None):
-        """``error_handling``: UCX peer-failure handling on endpoints (default: the variable
-        ``KVSTAGE_UCX_ERROR_HANDLING``, else off). With it UCX 1.21 leaves shared memory and cma
+    def __init__(self, label: str = "kvstage", error_handling: bool = False):
+        """``error_handling``: UCX peer-failure handling on endpoints (``Settings.ucx_error_handling``).
+        With it UCX 1.21 leaves shared memory and cma
         out of tag rendezvous, so host-to-host bytes between processes of one host take tcp/lo
         (measured ~7x slower); without it a dead peer's writes are failed by ``disconnect``
         (the protocol calls it when the peer's control connection closes) instead of by UCX."""
-        if error_handling is None:
-            raw = os.environ.get("KVSTAGE_UCX_ERROR_HANDLING", "0").lower()
-            if raw not in ("0", "1", "true", "false", "yes", "no", "on", "off", ""):
-                raise TransportError(f"KVSTAGE_UCX_ERROR_HANDLING={raw!r}: must be 0 or 1")
-            error_handling = raw in ("1", "true", "yes", "on")
         self.error_handling = bool(error_handling)
         self._api, self._Array = load_ucxx()
         api = self._api
@@ -198,7 +193,7 @@ class UcxTransport(Transport):
         import glob
         import re
 
-        from kvstage.probe.finding import fact
+        from kvstage.link.finding import fact
 
         out = {"ucx_version": fact(".".join(map(str, self._api.get_ucx_version())), "queried",
                                    "ucxx get_ucx_version() (the libucp UCXX loaded)")}

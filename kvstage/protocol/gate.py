@@ -1,0 +1,75 @@
+"""The control port's gate: what a connection may do before it is authenticated.
+
+Everything a stranger can make a destination hold is bounded here, in time,
+size and count: a connection has ``HANDSHAKE_TIMEOUT_S`` to authenticate, its
+frames are at most ``PRE_AUTH_MAX_FRAME`` bytes until then (checked from the
+length prefix, before the body is read), it may send only a hello or a probe
+request, and at most ``MAX_UNAUTHENTICATED`` such connections are held (the
+oldest is dropped for a new one). Refusals are logged once per peer address
+and cause, with a count of the repeats in the same interval.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+#: a hello carries the spec, the agent's metadata and the link facts: tens of KiB; 1 MiB leaves
+#: room and bounds what 64 strangers can make a destination buffer to 64 MiB
+PRE_AUTH_MAX_FRAME = 1 << 20
+#: connections held before authentication: an engine has a few peers per rank, a flood gets this many
+MAX_UNAUTHENTICATED = 64
+#: the only messages a connection may send before it is authenticated
+PRE_AUTH_TYPES = ("hello", "probe")
+#: repeats of one refusal (address, cause) within this many seconds are counted, not logged
+REFUSAL_INTERVAL_S = 10.0
+#: refusal keys remembered at once; past this the oldest interval is flushed early
+MAX_REFUSAL_KEYS = 1024
+
+
+@dataclass
+class _Refusals:
+    first: float
+    count: int = 0
+
+
+@dataclass
+class RefusalLog:
+    """One log line per refused peer address and cause; repeats inside ``REFUSAL_INTERVAL_S``
+    are counted and reported in one line when the interval ends (``flush``) or the cause recurs
+    after it. ``clock``: seconds (monotonic); injected so the rule is tested without sleeping."""
+
+    log: logging.Logger
+    prefix: str
+    _seen: dict = field(default_factory=dict)
+
+    def refuse(self, address: str, cause: str, now: float) -> None:
+        key = (address, cause)
+        got = self._seen.get(key)
+        if got is not None and now - got.first < REFUSAL_INTERVAL_S:
+            got.count += 1
+            return
+        if got is not None:
+            self._report(key, got)
+        elif len(self._seen) >= MAX_REFUSAL_KEYS:
+            oldest = min(self._seen, key=lambda k: self._seen[k].first)
+            self._report(oldest, self._seen.pop(oldest))
+        self._seen[key] = _Refusals(now)
+        self.log.warning("%s: refused %s: %s", self.prefix, address, cause)
+
+    def flush(self, now: float) -> None:
+        """Report the repeats of every interval that has ended."""
+        for key, got in list(self._seen.items()):
+            if now - got.first >= REFUSAL_INTERVAL_S:
+                self._report(key, self._seen.pop(key))
+
+    def _report(self, key, got: _Refusals) -> None:
+        if got.count:
+            self.log.warning("%s: refused %s %d more times in %.0f s: %s", self.prefix, key[0], got.count,
+                             REFUSAL_INTERVAL_S, key[1])
+
+
+def host_of(peer: str) -> str:
+    """The address part of ``host:port`` (IPv6 hosts keep their colons): repeats from one host
+    on new ports are one peer address for the refusal log."""
+    return peer.rsplit(":", 1)[0] if ":" in peer else peer
