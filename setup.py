@@ -3,7 +3,7 @@
 It is a plain C library that kvstage loads with ctypes (no Python API, so no
 Python headers are needed). optional=True: without a C compiler the install
 still succeeds, host copies stay on numpy/torch, and each endpoint says so in
-its log (Settings.host_copy="native" refuses to start instead).
+its log (`kvstage bench --copier native` refuses to start instead).
 """
 
 from setuptools import Extension, setup

@@ -68,9 +68,9 @@ class Settings:
     #: a destination keeps the slots granted to a writer lost before they landed out of use this long,
     #: unless the late writes' notices arrive first: bytes queued on a cut link can land once it is back
     late_write_hold_s: float = field(default_factory=lambda: _env("KVSTAGE_LATE_WRITE_HOLD_S", 60.0, float))
-    #: the ucx transport asks UCX for peer-failure handling on its endpoints: a dead peer's writes fail in
-    #: UCX, but UCX then moves host-to-host bytes of one host over tcp/lo instead of shared memory
-    ucx_error_handling: bool = field(default_factory=lambda: _env("KVSTAGE_UCX_ERROR_HANDLING", False, bool))
+    #: a destination with no ``auth_token`` may listen on an address other than loopback, open to anyone
+    #: who reaches it (who then may take staging slots, not KV pages: the direct path needs the token)
+    allow_unauthenticated: bool = field(default_factory=lambda: _env("KVSTAGE_ALLOW_UNAUTHENTICATED", False, bool))
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -100,13 +100,21 @@ class Settings:
             )
         if self.arena not in ARENA_LOCATIONS:
             raise ConfigError(f"arena={self.arena!r}: must be one of {', '.join(ARENA_LOCATIONS)}")
-        if not isinstance(self.ucx_error_handling, bool):
-            raise ConfigError(f"ucx_error_handling={self.ucx_error_handling!r}: must be true or false")
+        if not isinstance(self.allow_unauthenticated, bool):
+            raise ConfigError(f"allow_unauthenticated={self.allow_unauthenticated!r}: must be true or false")
+        if not isinstance(self.auth_token, str):
+            raise ConfigError(f"auth_token={self.auth_token!r}: must be a string")
+        if self.direct and not self.auth_token:
+            raise ConfigError(
+                "direct=True without auth_token: the direct path lets a peer write into this rank's KV pages, "
+                "which only a peer presenting the token may; set KVSTAGE_AUTH_TOKEN (the same on every rank)"
+            )
 
     @property
     def may_go_direct(self) -> bool:
-        """Whether the direct path is allowed at all (auto or on), for this transport."""
-        return self.direct is not False and self.transport in ONE_SIDED
+        """Whether the direct path is allowed at all (auto or on): a one-sided transport, and a token
+        (a peer is given the KV pages' regions only when it presented one)."""
+        return self.direct is not False and self.transport in ONE_SIDED and bool(self.auth_token)
 
     @property
     def arena_bytes(self) -> int | None:

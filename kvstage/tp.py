@@ -41,6 +41,18 @@ class HeadRange:
         return HeadRange(lo, hi) if lo < hi else None
 
 
+def check_tp(geometry: KVGeometry, tp, side: str) -> None:
+    """A TP size that can shard ``geometry``'s heads: a positive int dividing them or a multiple (MLA: any)."""
+    heads = geometry.kv_heads
+    if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
+        raise IncompatibleGeometry(f"{side} tp={tp!r}: must be a positive integer")
+    if not geometry.mla and heads % tp and tp % heads:
+        raise IncompatibleGeometry(
+            f"{side} tp={tp} with kv_heads={heads}: tp must divide kv_heads "
+            "or be a multiple of it"
+        )
+
+
 @dataclass(frozen=True)
 class SideSpec:
     """One side of a transfer: model KV geometry, TP size and page layout."""
@@ -49,15 +61,17 @@ class SideSpec:
     tp: int
     page: PageLayout
 
+    def __post_init__(self) -> None:
+        check_tp(self.geometry, self.tp, "spec")  # refused where it is made, not when a peer connects
+
+    @classmethod
+    def of(cls, geometry: KVGeometry, tp: int, page: PageLayout, side: str) -> "SideSpec":
+        """A spec whose refusal names its ``side`` ("source", "destination")."""
+        check_tp(geometry, tp, side)
+        return cls(geometry, tp, page)
+
     def check(self, side: str) -> None:
-        tp, heads = self.tp, self.geometry.kv_heads
-        if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
-            raise IncompatibleGeometry(f"{side} tp={tp!r}: must be a positive integer")
-        if not self.geometry.mla and heads % tp and tp % heads:
-            raise IncompatibleGeometry(
-                f"{side} tp={tp} with kv_heads={heads}: tp must divide kv_heads "
-                "or be a multiple of it"
-            )
+        check_tp(self.geometry, self.tp, side)
 
     def heads_of(self, rank: int) -> HeadRange:
         """Global heads held by ``rank``."""

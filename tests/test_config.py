@@ -22,12 +22,13 @@ def test_defaults_without_variables(monkeypatch):
     s = Settings()
     assert (s.transport, s.auth_token, s.arena_mb, s.arena, s.direct, s.mapped) == ("nixl", "", None, "auto", None, "auto")
     assert (s.ready_timeout_s, s.stall_timeout_s, s.peer_timeout_s, s.late_write_hold_s) == (120.0, 5.0, 5.0, 60.0)
-    assert s.ucx_error_handling is False and s.arena_bytes is None and s.may_go_direct
+    assert s.allow_unauthenticated is False and s.arena_bytes is None
+    assert not s.may_go_direct  # no token: no peer is given the KV pages' regions
 
 
 @pytest.mark.parametrize("name,raw,want", [
     ("transport", "ucx", "ucx"), ("arena_mb", "1.5", 1.5), ("direct", "off", False), ("direct", "1", True),
-    ("mapped", "on", "on"), ("peer_timeout_s", "30", 30.0), ("ucx_error_handling", "yes", True),
+    ("mapped", "on", "on"), ("peer_timeout_s", "30", 30.0), ("allow_unauthenticated", "yes", True),
     ("auth_token", "s3cret", "s3cret"),
 ])
 def test_each_setting_reads_its_variable(monkeypatch, name, raw, want):
@@ -59,17 +60,20 @@ def test_a_malformed_variable_is_refused_by_name(monkeypatch, var, raw, needle):
     ({"peer_timeout_s": 1.5}, "peer_timeout_s=1.5: must be >= 2 s"),
     ({"stall_timeout_s": 0}, "stall_timeout_s=0: must be a number of seconds > 0"),
     ({"ready_timeout_s": float("nan")}, "ready_timeout_s=nan"),
-    ({"ucx_error_handling": "yes"}, "ucx_error_handling='yes': must be true or false"),
+    ({"allow_unauthenticated": "yes"}, "allow_unauthenticated='yes': must be true or false"),
+    ({"auth_token": 7}, "auth_token=7: must be a string"),
+    ({"auth_token": "", "direct": True}, "direct=True without auth_token"),
 ])
 def test_a_bad_value_is_refused_naming_field_value_and_rule(kw, needle):
     with pytest.raises(ConfigError, match=re.escape(needle)):
         Settings(**kw)
 
 
-def test_the_direct_path_needs_a_one_sided_transport():
-    assert not Settings(transport="ucx").may_go_direct
-    assert not Settings(direct=False).may_go_direct
-    assert Settings(transport="cma").may_go_direct
+def test_the_direct_path_needs_a_one_sided_transport_and_a_token():
+    assert not Settings(transport="ucx", auth_token="t").may_go_direct
+    assert not Settings(direct=False, auth_token="t").may_go_direct
+    assert Settings(transport="cma", auth_token="t").may_go_direct
+    assert not Settings(transport="cma", auth_token="").may_go_direct
 
 
 def test_every_setting_and_variable_is_in_the_docs_table():

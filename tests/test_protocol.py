@@ -60,16 +60,19 @@ def hello(**over):
     (hello(version=99), "version 99"),
     (hello(rank=7), "rank=7 is above 1"),
     (hello(spec=spec_to_wire(SideSpec(KVGeometry(2, 4, 16, "float16"), 2, PageLayout(4)))), "dtype differs"),
-    (hello(spec=spec_to_wire(SideSpec(GEO, 3, PageLayout(4)))), "tp=3"),
+    (hello(spec={**spec_to_wire(SRC), "tp": 3}), "tp=3"),
     (hello(slot_bytes=10), "slot too small"),
-    ({"type": "ready", "req": "a", "tokens": 4}, "before a successful hello"),
-    ({"type": "nonsense"}, "before a successful hello"),
     (hello(rank="zero"), "rank"),
 ])
 def test_hostile_hello_is_refused_with_a_clear_error(dst, msg, needle):
     reply = raw(dst.address, frame(msg))
     assert reply is not None and reply["type"] == "error"
     assert needle in reply["reason"]
+
+
+@pytest.mark.parametrize("msg", [{"type": "ready", "req": "a", "tokens": 4}, {"type": "nonsense"}, {"type": "ping"}])
+def test_anything_but_a_hello_or_probe_first_closes_the_connection_unanswered(dst, msg):
+    assert raw(dst.address, frame(msg)) is None  # closed: no reply, nothing held
 
 
 @pytest.mark.parametrize("payload", [b"\x00\x00", frame(b"not json"), struct.pack("!I", 1 << 30), frame(b"[1,2]")])

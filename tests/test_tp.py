@@ -406,30 +406,20 @@ def test_mla_on_one_side_only(src_mla):
 
 
 @pytest.mark.parametrize("heads,bad", [(8, 3), (8, 12), (8, 6), (6, 4), (6, 16), (12, 8), (2, 3), (16, 24)])
-@pytest.mark.parametrize("where", ["source", "destination"])
-def test_tp_incompatible_with_heads(heads, bad, where):
-    good = side(heads, 1)
-    wrong = side(heads, bad)
-    src, dst = (wrong, good) if where == "source" else (good, wrong)
+def test_tp_incompatible_with_heads_is_refused_where_the_spec_is_made(heads, bad):
     with pytest.raises(IncompatibleGeometry) as ei:
-        plan(src, dst)
+        side(heads, bad)
     msg = str(ei.value)
     _names(msg, "tp", bad, heads)
-    assert "kv_heads" in msg and where in msg, msg
+    assert "kv_heads" in msg, msg
 
 
-@pytest.mark.parametrize("where", ["source", "destination"])
 @pytest.mark.parametrize("bad", [0, -2, True, 2.0])
 @pytest.mark.parametrize("mla", [False, True])
-def test_tp_not_positive_int(where, bad, mla):
-    good = side(1 if mla else 8, 2, mla)
-    wrong = side(1 if mla else 8, bad, mla)
-    src, dst = (wrong, good) if where == "source" else (good, wrong)
+def test_tp_not_positive_int_is_refused_where_the_spec_is_made(bad, mla):
     with pytest.raises(IncompatibleGeometry) as ei:
-        plan(src, dst)
-    msg = str(ei.value)
-    _names(msg, "tp", bad)
-    assert where in msg, msg
+        side(1 if mla else 8, bad, mla)
+    _names(str(ei.value), "tp", bad)
 
 
 def test_mla_accepts_any_tp():

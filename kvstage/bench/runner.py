@@ -18,6 +18,7 @@ source start to the latest destination completion, on the coordinator's clock.
 from __future__ import annotations
 
 import os
+import secrets
 import statistics
 import subprocess
 import sys
@@ -45,10 +46,13 @@ def _child_stdout():
 
 class Children:
     """Rank processes started by this process (``log_level``: of their logs on stderr;
-    ``clock_sync``: they measure their clock offset to the coordinator even on its kernel)."""
+    ``clock_sync``: they measure their clock offset to the coordinator even on its kernel;
+    ``token``: the auth token their endpoints use, ``KVSTAGE_AUTH_TOKEN`` in their environment)."""
 
-    def __init__(self, coord: tuple[str, int], log_level: str = "WARNING", clock_sync: bool = False):
+    def __init__(self, coord: tuple[str, int], log_level: str = "WARNING", clock_sync: bool = False,
+                 token: str = ""):
         self.coord, self.log_level, self.clock_sync = coord, log_level, clock_sync
+        self.env = dict(os.environ, KVSTAGE_AUTH_TOKEN=token) if token else None
         self.procs: dict[tuple[int, str, int], subprocess.Popen] = {}
 
     def start(self, group: int, role: str, ranks) -> None:
@@ -58,7 +62,7 @@ class Children:
                    "--log-level", self.log_level] + (["--clock-sync"] if self.clock_sync else [])
             # own session: a terminal's Ctrl-C reaches only us, and we end the ranks in order
             self.procs[(group, role, r)] = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=_child_stdout(),
-                                                            start_new_session=True)
+                                                            start_new_session=True, env=self.env)
 
     def failed(self) -> str | None:
         for (g, role, r), p in self.procs.items():
@@ -267,16 +271,21 @@ def run_sweep(target, progress=None, role: str = "local", listen: tuple[str, int
 
     sweep = _sweep_of(target)
     token = Settings().auth_token
+    if role == "local" and not token:  # its own ranks only: each run makes one, so its ports are never open
+        token = secrets.token_hex(16)
     if role == "local":
         coord = Coordinator(("127.0.0.1", 0), token)
         listen_host = "127.0.0.1"
     elif role == "dst":
+        from kvstage.protocol.gate import check_listen
+
+        check_listen(Settings(), listen, "kvstage bench --role dst")  # before anything listens: the ranks would refuse it anyway
         coord = Coordinator(listen, token)
         listen_host = listen[0]
     else:
         raise ValueError(f"role={role!r}")
     children = Children(("127.0.0.1", coord.address[1]) if wildcard(coord.address[0]) else coord.address,
-                        log_level, clock_sync)
+                        log_level, clock_sync, token)
     total = sum(len(g.schedule()) for g in sweep.groups)
     host = host_facts(sweep.groups[0].base.device)
     agents: list[Peer] = []
@@ -508,7 +517,7 @@ def run_source_host(connect: tuple[str, int], on_event=None, connect_wait_s: flo
             if not isinstance(e.__cause__, ConnectionRefusedError) or time.monotonic() > deadline:
                 raise
             time.sleep(0.5)
-    children = Children(connect, log_level, clock_sync)
+    children = Children(connect, log_level, clock_sync, Settings().auth_token)
     ok = False
     try:
         while True:

@@ -75,11 +75,11 @@ class Scenario:
 
     @property
     def src(self) -> SideSpec:
-        return SideSpec(self.geometry, self.src_tp, self.src_page)
+        return SideSpec.of(self.geometry, self.src_tp, self.src_page, "source")
 
     @property
     def dst(self) -> SideSpec:
-        return SideSpec(self.geometry, self.dst_tp, self.dst_page)
+        return SideSpec.of(self.geometry, self.dst_tp, self.dst_page, "destination")
 
     @property
     def plan(self) -> TransferPlan:

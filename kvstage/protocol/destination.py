@@ -23,9 +23,11 @@ from dataclasses import dataclass, field as dc_field
 
 import numpy as np
 
+from kvstage.config import Settings
 from kvstage.errors import IncompatibleGeometry, KVStageError, ProtocolError
 from kvstage.protocol import grants, route
 from kvstage.protocol.endpoint import Endpoint, EndpointStats, check_pages
+from kvstage.protocol.gate import PRE_AUTH_TYPES, check_listen
 from kvstage.protocol.handshake import (HANDSHAKE_TIMEOUT_S, check_peer, hello_spec, md_from_wire, md_to_wire,
                                         spec_to_wire)
 from kvstage.protocol.request import State, TransferHandle
@@ -42,6 +44,15 @@ MAX_EARLY = 4096  # ready messages kept for requests this side has not been told
 #: how long a writer lost with writes not landed holds their slots when its host closed the connection (the link
 #: is up: what it queued arrives within round trips); when its host stopped answering, ``late_write_hold_s``
 ANSWERED_HOLD_S = 1.0
+#: a probe's lent slot goes back this long after it was lent: a measured write takes milliseconds
+PROBE_LEASE_S = 10.0
+#: probes hold at most this share of the arena's slots at once (at least one): requests keep the rest
+PROBE_SHARE = 0.25
+#: after a failed accept (out of descriptors), the listener waits this long, doubling to ``ACCEPT_BACKOFF_MAX_S``
+ACCEPT_BACKOFF_S = 0.01
+ACCEPT_BACKOFF_MAX_S = 1.0
+#: a burst of failed accepts ends with an accept this long after the last failure
+ACCEPT_QUIET_S = 2 * ACCEPT_BACKOFF_MAX_S
 
 
 def scatter_threads(transport_gathers: bool, cores: int) -> int:
@@ -124,6 +135,8 @@ class Destination(Endpoint):
     shares_arena = True
 
     def __init__(self, cache, settings=None, transport=None, listen: tuple[str, int] = ("127.0.0.1", 0)):
+        settings = settings or Settings()
+        check_listen(settings, listen, f"dst {getattr(cache, 'rank', '?')}")
         super().__init__(cache, settings, transport)
         self.plan: TransferPlan | None = None
         self.writers: dict[int, Writer] = {}
@@ -131,7 +144,7 @@ class Destination(Endpoint):
         self._early: dict[str, dict[int, int]] = {}
         self._rr: list[str] = []  # requests waiting for grants, in arrival order (``grants.grant_order``)
         self._scattering: list = []  # (request, chunk, time its last piece landed) of chunks still scattering
-        self._probes: dict[Connection, tuple[int, str]] = {}  # probe connection -> (lent slot, prober agent)
+        self._probes: dict[Connection, tuple[int, str, float]] = {}  # probe connection -> (slot, prober agent, lease end)
         self._routes: set = set()  # (writer rank, direct?) whose route was logged
         # what a source on this host needs to map the arena and gather straight into it (None: not shared)
         self._shared = share(self.arena.buffer) if self.settings.mapped != "off" and self.transport.one_sided else None
@@ -142,6 +155,10 @@ class Destination(Endpoint):
         threading.Thread(target=self._accept, name=f"kvstage-accept{self.rank}", daemon=True).start()
         log.info("dst %d: listening on %s:%d (%d slots of %d bytes)", self.rank, *self.address,
                  self.arena.allocator.count, self.arena.slot_bytes)
+        if not self.settings.auth_token:
+            log.warning("dst %d: no auth token: anyone who can reach %s:%d can connect and use staging slots (the "
+                        "direct path and probe leases are off without one); set KVSTAGE_AUTH_TOKEN, the same on "
+                        "every rank", self.rank, *self.address)
 
     def _copy_threads(self) -> CopyThreads | None:
         """The threads a host cache's scatters share (``scatter_threads``), or None for one (logged when more)."""
@@ -155,13 +172,33 @@ class Destination(Endpoint):
         return CopyThreads(n)
 
     def _accept(self) -> None:
+        """Accept connections until closed. A failed accept (out of descriptors, a connection
+        aborted before it was taken) is logged once per burst; the listener backs off and goes on,
+        and says so when it has accepted again with no failure for ``ACCEPT_QUIET_S``."""
+        failed, last_failure, backoff = 0, 0.0, ACCEPT_BACKOFF_S
         while not self._closing:
             try:
                 sock, addr = self._listener.accept()
-            except OSError:
-                return
-            conn = Connection(sock, f"{addr[0]}:{addr[1]}")
-            self._watch(conn, first_timeout=HANDSHAKE_TIMEOUT_S)
+            except OSError as e:
+                if self._closing or self._listener.fileno() < 0:
+                    return
+                if not failed:
+                    log.warning("dst %d: accept failed: %s; retrying, backing off up to %g s", self.rank, e,
+                                ACCEPT_BACKOFF_MAX_S)
+                failed, last_failure = failed + 1, time.monotonic()
+                time.sleep(backoff)
+                backoff = min(2 * backoff, ACCEPT_BACKOFF_MAX_S)
+                continue
+            backoff = ACCEPT_BACKOFF_S
+            if failed and time.monotonic() - last_failure > ACCEPT_QUIET_S:
+                log.warning("dst %d: accepting again after %d failed accepts", self.rank, failed)
+                failed = 0
+            try:
+                conn = Connection(sock, f"{addr[0]}:{addr[1]}")
+            except OSError:  # reset before its options could be set
+                sock.close()
+                continue
+            self._watch(conn, authenticate_within=HANDSHAKE_TIMEOUT_S)
 
     # -- public --------------------------------------------------------------
     def expect(self, req: str, page_ids, tokens: int) -> TransferHandle:
@@ -227,16 +264,22 @@ class Destination(Endpoint):
     def _on_message(self, conn: Connection, msg: dict) -> None:
         kind = msg["type"]
         writer = next((w for w in self.writers.values() if w.conn is conn), None)
+        if writer is None and kind in PRE_AUTH_TYPES:
+            try:
+                (self._on_hello if kind == "hello" else self._on_probe)(conn, msg)
+            except KVStageError as e:
+                try:  # the peer hears why (one message), then the connection closes
+                    conn.send({"type": "error", "reason": str(e), "about": kind})
+                except OSError:
+                    pass
+                self._refuse(conn, f"{kind}: {e}")
+            return
         try:
-            if kind == "hello":
-                if writer is not None:
-                    raise ProtocolError("second hello on one connection")
-                self._on_hello(conn, msg)
-            elif kind == "probe" and writer is None:
-                self._on_probe(conn, msg)
-            elif writer is None:
-                raise ProtocolError(f"{kind!r} before a successful hello")
-            elif kind == "ready":
+            if kind in PRE_AUTH_TYPES:
+                raise ProtocolError(f"{kind} on a connection that is already authenticated")
+            if writer is None:  # a prober: it writes into its lent slot and sends nothing more
+                raise ProtocolError(f"{kind!r} on a probe's connection")
+            if kind == "ready":
                 self._on_ready(writer, msg)
             elif kind == "mapped":  # it maps this arena: its chunks land by its own stores, with ``landed``
                 if self._shared is None:
@@ -269,8 +312,6 @@ class Destination(Endpoint):
                 raise ProtocolError(f"unknown message type {kind!r}")
         except KVStageError as e:
             self._reject(conn, msg, e)
-            if kind == "hello":
-                conn.close()
 
     def _on_hello(self, conn: Connection, msg: dict) -> None:
         check_peer(msg, self.settings.auth_token, self.transport.name, "source")
@@ -282,6 +323,7 @@ class Destination(Endpoint):
         welcome = {"type": "welcome", "version": PROTOCOL_VERSION, "spec": spec_to_wire(self.spec), "rank": self.rank,
                    "transport": self.transport.name}
         if piece is None:  # nothing to send here; the source closes this connection
+            self._admit(conn)
             conn.send(welcome)
             return
         if rank in self.writers:
@@ -305,6 +347,7 @@ class Destination(Endpoint):
             log.info("dst %d: %s: the direct path is not offered (its KV link is judged above); requests go staged",
                      self.rank, conn.peer)
         self.writers[rank] = Writer(rank, conn, agent, piece, slot_bytes, direct=direct)
+        self._admit(conn)
         kv = [r.to_wire() for r in self.kv_regions()] if direct else []  # registered before the metadata is taken
         conn.send(welcome | {
             "metadata": md_to_wire(self.transport.metadata()), "arena": self.arena_region.to_wire(), "kv": kv,
@@ -319,10 +362,16 @@ class Destination(Endpoint):
         """``kvstage probe --peer``: lend one free arena slot for a measured write.
 
         The prober writes into that slot only, the same memory KV chunks land
-        in; the slot returns to the allocator when the prober disconnects."""
+        in. A lease needs the auth token (a destination without one lends
+        nothing), one per connection, at most ``PROBE_SHARE`` of the slots at
+        once; the slot returns when the prober disconnects or after
+        ``PROBE_LEASE_S``, when its connection is closed."""
         if conn in self._probes:
             raise ProtocolError("one probe per connection")
         check_peer(msg, self.settings.auth_token, self.transport.name, "prober")
+        if not self.settings.auth_token:
+            raise ProtocolError("probe: this destination has no auth token and lends slots only to peers presenting "
+                                "one; set KVSTAGE_AUTH_TOKEN on both sides")
         if not self.transport.one_sided:
             raise ProtocolError(
                 f"probe: this destination moves bytes with transport={self.transport.name}; `kvstage probe --peer` "
@@ -330,15 +379,38 @@ class Destination(Endpoint):
             )
         nbytes = min(field(msg, "nbytes", int, minimum=1), self.arena.slot_bytes)
         agent = field(msg, "agent", str)
+        most = max(1, int(self.arena.allocator.count * PROBE_SHARE))
+        if len(self._probes) >= most:
+            raise ProtocolError(f"busy: {len(self._probes)} probes hold the {most} slots probes may use; probe again later")
         slot = self.arena.allocator.acquire()
         if slot is None:
             raise ProtocolError(f"busy: all {self.arena.allocator.count} arena slots are in use; probe again later")
-        self._probes[conn] = (slot, agent)
+        self._probes[conn] = (slot, agent, time.monotonic() + PROBE_LEASE_S)
+        self._admit(conn)
         base = self.arena_region
         region = Region(base.addr + self.arena.offset(slot), nbytes, base.device, base.device_id)
         conn.send({"type": "probe_ok", "facts": self.facts, "metadata": md_to_wire(self.transport.metadata()),
-                   "region": region.to_wire(), "rank": self.rank})
-        log.info("dst %d: lent slot %d (%d bytes) to a probe from %s", self.rank, slot, nbytes, conn.peer)
+                   "region": region.to_wire(), "rank": self.rank, "lease_s": PROBE_LEASE_S})
+        log.info("dst %d: lent slot %d (%d bytes) to a probe from %s for %g s", self.rank, slot, nbytes, conn.peer,
+                 PROBE_LEASE_S)
+
+    def _forgive(self, gap: float) -> None:
+        for inc in self.requests.values():
+            inc.touched += gap
+            if inc.announced is not None:
+                inc.announced += gap
+            for ch in inc.open.values():
+                ch.granted += gap
+        for conn, (slot, agent, until) in self._probes.items():
+            self._probes[conn] = (slot, agent, until + gap)
+
+    def _end_leases(self, now: float) -> None:
+        for conn, (slot, _, until) in list(self._probes.items()):
+            if now > until:
+                log.info("dst %d: the probe lease of %s ended after %g s: slot %d returns", self.rank, conn.peer,
+                         PROBE_LEASE_S, slot)
+                conn.close()
+                self._drop(conn, "probe lease ended")
 
     def _on_ready(self, writer: Writer, msg: dict) -> None:
         req = field(msg, "req", str)
@@ -509,7 +581,7 @@ class Destination(Endpoint):
         chunk out of range, not granted yet, or already landed. A notice for
         a granted chunk whose write went elsewhere or had another length than
         the grant fails that request: its slot does not hold the chunk."""
-        if any(agent == a for _, a in self._probes.values()):
+        if any(agent == a for _, a, _ in self._probes.values()):
             return  # a probe's measured write into its lent slot
         notice = decode_notice(data)
         if self._late_landing(agent, notice):
@@ -729,6 +801,7 @@ class Destination(Endpoint):
         Waiting for a free slot is back-pressure, never a failure. A lost
         writer's slots are reused when their hold ends (``_on_closed``) if no
         notice of their writes came by then."""
+        self._end_leases(now)
         over: dict = {}  # (rank, agent, answered) -> chunks released
         for inc in list(self.requests.values()):
             for c, ch in list(inc.quarantine.items()):

@@ -40,7 +40,8 @@ from kvstage.layout import pages_needed, token_bytes
 from kvstage.link.connect import connect_line
 from kvstage.link.facts import collect_local, memory_facts, value
 from kvstage.link.finding import Finding, Severity
-from kvstage.protocol.wire import Connection
+from kvstage.protocol.gate import PRE_AUTH_MAX_FRAME, PRE_AUTH_TYPES, RefusalLog, host_of, pending_cap
+from kvstage.protocol.wire import MAX_FRAME, Connection
 from kvstage.staging.arena import ArenaSize, StagingArena, arena_size, choose_arena
 from kvstage.staging.cache import RankCache
 from kvstage.staging.copy import copy_stream
@@ -58,6 +59,9 @@ _BUSY_WAIT = {"cuda": 0.00002, "cpu": 0.0002}
 #: CUDA call or message read 0.1-0.2 ms late; on a host cache the cores do the copies, so it sleeps
 POLL_S = {"cuda": 0.05, "cpu": 0.0}
 _IDLE_WAIT = 0.05
+#: a loop that did not run for this long, though it wakes every ``_IDLE_WAIT``, was stopped or starved
+#: (SIGSTOP, a host too busy): the time it lost is not held against its peers
+PAUSE_S = 1.0
 _SELECT_LIMIT = 1024  # select(2) sees no descriptor from here on (FD_SETSIZE)
 _PR_SET_TIMERSLACK = 29
 MAX_ABORTED = 4096
@@ -85,9 +89,15 @@ def check_pages(cache: RankCache, page_ids, tokens: int) -> np.ndarray:
     keep a copy of it: a chunk's copy reads it later, on the host or in its launch.
     The checks work on a Python list: on a request's critical path, which runs cold,
     that is about half the time of numpy's reductions and ``unique``."""
-    if not isinstance(tokens, (int, np.integer)) or tokens < 1:
-        raise ConfigError(f"tokens={tokens!r}: must be a positive integer")
-    ids = np.array(page_ids, dtype=np.int64).reshape(-1)  # a copy: the caller may reuse its list once this returns
+    if not isinstance(tokens, (int, np.integer)) or isinstance(tokens, (bool, np.bool_)) or tokens < 1:
+        raise ConfigError(f"tokens={tokens!r}: must be a positive integer (not a bool)")
+    try:
+        given = np.array(page_ids)  # a copy: the caller may reuse its list once this returns
+    except (ValueError, TypeError) as e:  # ragged, or not a sequence numpy can read
+        raise ConfigError(f"page_ids: must be a flat sequence of integers: {e}") from None
+    if given.size and given.dtype.kind not in "iu":  # a float would be truncated, a bool or string read as a number
+        raise ConfigError(f"page_ids: must be integers, got {given.dtype} values (e.g. {given.reshape(-1)[:3].tolist()})")
+    ids = given.astype(np.int64, copy=False).reshape(-1) if given.size else np.zeros(0, dtype=np.int64)
     need = pages_needed(int(tokens), cache.spec.page.page_size)
     if len(ids) < need:
         raise ConfigError(
@@ -160,8 +170,7 @@ class Endpoint:
         if transport is None:
             from kvstage.transports import make_transport
 
-            return make_transport(self.settings.transport, f"kvstage-{self.role}{self.rank}",
-                                  ucx_error_handling=self.settings.ucx_error_handling), True
+            return make_transport(self.settings.transport, f"kvstage-{self.role}{self.rank}"), True
         if self.settings.direct and not transport.one_sided:
             raise ConfigError(
                 f"direct=True with a {transport.name} transport: {transport.name} is two-sided and has no direct "
@@ -224,7 +233,9 @@ class Endpoint:
         self._watched: dict = {self._wake: None}  # socket -> its connection (None: the wake-up socket)
         self._socks, self._low = [self._wake], True
         self._sockets_changed()
-        self._first: dict = {}  # watched connection -> deadline of its first message
+        self._pending: dict = {}  # connection not authenticated yet -> (deadline, seconds given); insertion order = age
+        self._refusals = RefusalLog(log, f"{self.role} {self.rank}")
+        self._turned = time.monotonic()  # the end of the loop's last turn: a long gap is a pause (``PAUSE_S``)
         device = "cuda" if self.cache.device.type == "cuda" else "cpu"
         self._busy_wait, self._poll = _BUSY_WAIT[device], POLL_S[device]
         self._stirred = 0.0  # the loop's last event: a message other than a ping, a call, a send (loop thread only)
@@ -287,10 +298,23 @@ class Endpoint:
             raise box["error"]
         return box.get("value")
 
-    def _watch(self, conn: Connection, first_timeout: float | None = None) -> None:
-        """Have the loop read ``conn``'s messages from now on; with ``first_timeout``, a
-        connection whose first message is not there within that many seconds is dropped."""
-        self._post("watch", conn, first_timeout)
+    def _watch(self, conn: Connection, authenticate_within: float | None = None) -> None:
+        """Have the loop read ``conn``'s messages from now on. With ``authenticate_within``, the
+        peer is a stranger until ``_admit``: it is dropped if not admitted within that many seconds,
+        its frames are held to ``PRE_AUTH_MAX_FRAME``, and at most ``MAX_UNAUTHENTICATED``
+        strangers are held (the oldest goes for a new one)."""
+        self._post("watch", conn, authenticate_within)
+
+    def _admit(self, conn: Connection) -> None:
+        """``conn``'s peer authenticated: no deadline, the full frame size."""
+        self._pending.pop(conn, None)
+        conn.max_frame = MAX_FRAME
+
+    def _refuse(self, conn: Connection, cause: str) -> None:
+        """Close a stranger's connection: one log line per address and cause (``gate.RefusalLog``)."""
+        self._refusals.refuse(host_of(conn.peer), cause, time.monotonic())
+        conn.close()
+        self._drop(conn, cause)
 
     def _run(self) -> None:
         _tight_timer()
@@ -316,6 +340,8 @@ class Endpoint:
             return self._handle(readable)
 
     def _handle(self, readable: list[Connection]) -> bool:
+        self._check_pause(self._turned)
+        started = time.monotonic()
         for conn in readable:  # first: what had arrived before a call posted since was made
             self._read(conn)
         while True:
@@ -328,21 +354,51 @@ class Endpoint:
             if kind == "call":
                 args[0]()
             elif kind == "watch" and not args[0].closed:
-                self._watched[args[0].sock] = args[0]
-                self._sockets_changed()
-                if args[1] is not None:
-                    self._first[args[0]] = time.monotonic() + args[1]
+                self._watch_now(*args)
         now = time.monotonic()
-        for conn, deadline in list(self._first.items()):
+        for conn, (deadline, within) in list(self._pending.items()):
             if now > deadline:
-                conn.close()
-                self._drop(conn, "timed out")
+                self._refuse(conn, f"not authenticated within {within:g} s")
         self._progress()
         if now - self._pinged >= PING_INTERVAL_S:
             self._pinged = now
             self._ping()
+            self._refusals.flush(now)
+        if self._check_pause(started):  # stopped while handling: the deadlines below moved on
+            now = time.monotonic()
         self._check_stalls(now)
+        self._turned = time.monotonic()
         return True
+
+    def _watch_now(self, conn: Connection, authenticate_within: float | None) -> None:
+        if authenticate_within is not None:
+            most = pending_cap()
+            while len(self._pending) >= most:
+                self._refuse(next(iter(self._pending)), f"dropped for a newer one: at most {most} connections are "
+                                                        "held before they authenticate")
+            self._pending[conn] = (time.monotonic() + authenticate_within, authenticate_within)
+            conn.max_frame = PRE_AUTH_MAX_FRAME
+        self._watched[conn.sock] = conn
+        self._sockets_changed()
+
+    def _check_pause(self, since: float) -> bool:
+        """Whether the loop lost more than ``PAUSE_S`` since ``since`` (then handled: ``_resumed``)."""
+        gap = time.monotonic() - since
+        if gap <= PAUSE_S:
+            return False
+        self._resumed(gap)
+        return True
+
+    def _resumed(self, gap: float) -> None:
+        """The loop did not run for ``gap`` seconds: this process was stopped or starved. Every
+        deadline is moved on by that much (``_forgive``), so that no peer is blamed for it."""
+        log.warning("%s %d: this process did not run for %.1f s (stopped or starved); its deadlines move on by "
+                    "that much, so its peers are not blamed for the time it lost", self.role, self.rank, gap)
+        for conn in self._heard:
+            self._heard[conn] += gap
+        for conn, (deadline, within) in self._pending.items():
+            self._pending[conn] = (deadline + gap, within)
+        self._forgive(gap)
 
     def _wait(self, fence, busy: bool, poll_until: float = 0.0) -> list[Connection]:
         """The connections with bytes to read, once something is to be done: a message,
@@ -423,7 +479,10 @@ class Endpoint:
         """Handle every whole message ``conn`` holds now; a closed or broken connection is dropped."""
         try:
             for msg in conn.feed():
-                self._first.pop(conn, None)
+                if conn in self._pending and msg["type"] not in PRE_AUTH_TYPES:
+                    self._refuse(conn, f"sent {str(msg['type'])[:32]!r} before authenticating (only a hello or a "
+                                       "probe request may come first)")
+                    return
                 self._heard[conn] = time.monotonic()
                 if msg["type"] != "ping":  # a ping is no event: the peers' pings do not keep a loop polling
                     self._stirred = time.perf_counter()
@@ -433,7 +492,14 @@ class Endpoint:
                         log.exception("%s %d: handling %s from %s", self.role, self.rank, msg["type"], conn.peer)
                 if conn.closed:
                     return
-        except (ConnectionError, OSError, ProtocolError) as e:
+        except ProtocolError as e:  # a frame that is not one (too large, not JSON): the stream cannot go on
+            if conn in self._pending:
+                self._refuse(conn, str(e))
+                return
+            log.warning("%s %d: dropped %s: %s", self.role, self.rank, conn.peer, e)
+            conn.close()
+            self._drop(conn, str(e))
+        except (ConnectionError, OSError) as e:
             self._drop(conn, str(e) or type(e).__name__, answered=getattr(e, "errno", None) not in _UNANSWERED)
 
     def _drop(self, conn: Connection, reason: str, answered: bool = True) -> None:
@@ -441,7 +507,7 @@ class Endpoint:
         see ``_on_closed``)."""
         if self._watched.pop(conn.sock, None) is not None:
             self._sockets_changed()
-        self._first.pop(conn, None)
+        self._pending.pop(conn, None)
         self._heard.pop(conn, None)
         self._on_closed(conn, reason, answered)
 
@@ -478,6 +544,9 @@ class Endpoint:
 
     def _busy(self) -> bool:
         return False
+
+    def _forgive(self, gap: float) -> None:
+        """Move the subclass's deadlines on by ``gap`` seconds this process did not run (``_resumed``)."""
 
     def _copying(self):
         """The oldest ``CopyFence`` of a device copy still running, if any. With

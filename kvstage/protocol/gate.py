@@ -11,14 +11,23 @@ and cause, with a count of the repeats in the same interval.
 
 from __future__ import annotations
 
+import ipaddress
 import logging
+import os
+import resource
+import socket
 from dataclasses import dataclass, field
+
+from kvstage.errors import ConfigError
 
 #: a hello carries the spec, the agent's metadata and the link facts: tens of KiB; 1 MiB leaves
 #: room and bounds what 64 strangers can make a destination buffer to 64 MiB
 PRE_AUTH_MAX_FRAME = 1 << 20
-#: connections held before authentication: an engine has a few peers per rank, a flood gets this many
+#: connections held before authentication: an engine has a few peers per rank, a flood gets this many,
+#: and never more than a quarter of the descriptors the process has left (``pending_cap``): the
+#: transport's own sockets (UCX's listener) must not meet EMFILE
 MAX_UNAUTHENTICATED = 64
+MIN_UNAUTHENTICATED = 4
 #: the only messages a connection may send before it is authenticated
 PRE_AUTH_TYPES = ("hello", "probe")
 #: repeats of one refusal (address, cause) within this many seconds are counted, not logged
@@ -69,7 +78,47 @@ class RefusalLog:
                              REFUSAL_INTERVAL_S, key[1])
 
 
+def pending_cap() -> int:
+    """How many unauthenticated connections to hold now: ``MAX_UNAUTHENTICATED``, or a quarter of
+    the descriptors left under ``RLIMIT_NOFILE`` when that is fewer (at least ``MIN_UNAUTHENTICATED``)."""
+    soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    if soft == resource.RLIM_INFINITY:
+        return MAX_UNAUTHENTICATED
+    try:
+        used = len(os.listdir("/proc/self/fd"))
+    except OSError:  # no procfs: the limit alone
+        used = 0
+    return max(MIN_UNAUTHENTICATED, min(MAX_UNAUTHENTICATED, (soft - used) // 4))
+
+
 def host_of(peer: str) -> str:
     """The address part of ``host:port`` (IPv6 hosts keep their colons): repeats from one host
     on new ports are one peer address for the refusal log."""
     return peer.rsplit(":", 1)[0] if ":" in peer else peer
+
+
+def is_loopback(host: str) -> bool:
+    """Whether every address ``host`` names is a loopback one (``""`` is every interface: no)."""
+    if not host:
+        return False
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        pass
+    try:
+        infos = socket.getaddrinfo(host, None)
+    except OSError:
+        return False
+    return bool(infos) and all(ipaddress.ip_address(info[4][0].split("%")[0]).is_loopback for info in infos)
+
+
+def check_listen(settings, listen: tuple, who: str) -> None:
+    """A control port without an auth token listens on loopback only, unless the operator says
+    otherwise by name (``Settings.allow_unauthenticated``). ``who``: the port's owner, for the error."""
+    if settings.auth_token or settings.allow_unauthenticated or is_loopback(listen[0]):
+        return
+    raise ConfigError(
+        f"{who}: listen address {listen[0]!r} is not loopback and no auth token is set: anyone who reaches it "
+        "could connect; set KVSTAGE_AUTH_TOKEN (the same on every rank), or KVSTAGE_ALLOW_UNAUTHENTICATED=1 to "
+        "accept that"
+    )

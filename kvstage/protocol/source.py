@@ -657,6 +657,12 @@ class Source(Endpoint):
                 self._fail(w.job.req, f"destination rank {w.job.dst}", "write",
                            f"write not complete after {self.settings.stall_timeout_s:g} s", tell=True)
 
+    def _forgive(self, gap: float) -> None:
+        for out in self.requests.values():
+            out.touched += gap
+        for w in self._inflight:
+            w.posted += gap
+
     def _shutdown(self) -> None:
         for req in list(self.requests):
             self._fail(req, "local", "shutdown", "source closed", tell=True)

@@ -117,6 +117,9 @@ class Connection:
         self.sock, self.peer = sock, peer
         self._send_lock = threading.Lock()
         self._inbox = bytearray()  # bytes read by ``feed`` not yet a whole frame
+        #: the largest frame read from this peer, checked from its length prefix before the body is
+        #: read; an endpoint lowers it until the peer is authenticated (``gate.PRE_AUTH_MAX_FRAME``)
+        self.max_frame = MAX_FRAME
         self.closed = False
 
     def send(self, msg: dict) -> None:
@@ -136,7 +139,7 @@ class Connection:
     def recv(self) -> dict:
         """Next message; ``ConnectionError`` when closed, ``ProtocolError`` when malformed."""
         (n,) = _LEN.unpack(self._exact(_LEN.size))
-        return _decode(self._exact(_frame_size(n)))
+        return _decode(self._exact(_frame_size(n, self.max_frame)))
 
     def feed(self):
         """The messages completed by one read of a readable socket (which then does not
@@ -147,7 +150,7 @@ class Connection:
             raise ConnectionError("peer closed the connection")
         self._inbox += part
         while len(self._inbox) >= _LEN.size:
-            n = _frame_size(_LEN.unpack_from(self._inbox)[0])
+            n = _frame_size(_LEN.unpack_from(self._inbox)[0], self.max_frame)
             if len(self._inbox) < _LEN.size + n:
                 return
             data = bytes(self._inbox[_LEN.size : _LEN.size + n])
@@ -155,6 +158,7 @@ class Connection:
             yield _decode(data)
 
     def close(self) -> None:
+        self._inbox = bytearray()  # what a peer left unfinished is not held past its connection
         if not self.closed:
             self.closed = True
             try:
@@ -164,9 +168,9 @@ class Connection:
             self.sock.close()
 
 
-def _frame_size(n: int) -> int:
-    if n > MAX_FRAME:
-        raise ProtocolError(f"frame of {n} bytes exceeds the {MAX_FRAME}-byte limit")
+def _frame_size(n: int, limit: int = MAX_FRAME) -> int:
+    if n > limit:
+        raise ProtocolError(f"frame of {n} bytes exceeds the {limit}-byte limit")
     return n
 
 

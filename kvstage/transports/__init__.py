@@ -2,9 +2,8 @@
 (one-sided, same host, host memory: ``process_vm_writev``)."""
 
 
-def make_transport(name: str, label: str, ucx_error_handling: bool = False):
-    """A transport by its ``Settings.transport`` name; raises TransportError if it cannot start.
-    ``ucx_error_handling``: ``Settings.ucx_error_handling`` (the ucx transport only)."""
+def make_transport(name: str, label: str):
+    """A transport by its ``Settings.transport`` name; raises TransportError if it cannot start."""
     if name == "nixl":
         from kvstage.transports.nixl import NixlTransport
 
@@ -12,7 +11,7 @@ def make_transport(name: str, label: str, ucx_error_handling: bool = False):
     if name == "ucx":
         from kvstage.transports.ucx import UcxTransport
 
-        return UcxTransport(label, error_handling=ucx_error_handling)
+        return UcxTransport(label)
     if name == "cma":
         from kvstage.transports.cma import CmaTransport
 

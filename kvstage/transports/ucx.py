@@ -129,17 +129,18 @@ def _error_of(request) -> str | None:
     return None
 
 
+#: UCX's peer-failure handling on endpoints stays off: with it UCX 1.21 moves host-to-host bytes of one
+#: host over tcp/lo (about 7x slower) and may finish a send eagerly before the bytes landed, which the
+#: protocol's completion relies on; without it ``disconnect`` (called when a peer's control connection
+#: closes) fails a dead peer's writes, which is all kvstage needs
+ERROR_HANDLING = False
+
+
 class UcxTransport(Transport):
     name = "ucx"
     one_sided = False
 
-    def __init__(self, label: str = "kvstage", error_handling: bool = False):
-        """``error_handling``: UCX peer-failure handling on endpoints (``Settings.ucx_error_handling``).
-        With it UCX 1.21 leaves shared memory and cma
-        out of tag rendezvous, so host-to-host bytes between processes of one host take tcp/lo
-        (measured ~7x slower); without it a dead peer's writes are failed by ``disconnect``
-        (the protocol calls it when the peer's control connection closes) instead of by UCX."""
-        self.error_handling = bool(error_handling)
+    def __init__(self, label: str = "kvstage"):
         self._api, self._Array = load_ucxx()
         api = self._api
         self._id = f"{label}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
@@ -246,7 +247,7 @@ class UcxTransport(Transport):
             return peer
         try:
             addr = self._api.UCXAddress.create_from_buffer(bytearray(address))
-            self._eps[peer] = self._worker.create_endpoint_from_worker_address(addr, self.error_handling)
+            self._eps[peer] = self._worker.create_endpoint_from_worker_address(addr, ERROR_HANDLING)
         except Exception as e:
             raise TransportError(f"ucx: could not reach peer {peer} from its worker address: {type(e).__name__}: {e}") from e
         return peer

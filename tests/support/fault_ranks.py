@@ -54,14 +54,15 @@ class PagePool:
         self.rng.shuffle(self.free)
 
 
-def send_one(address, rank: int, tp: int, tokens: int, seed: int, report) -> None:
-    """Connect as source ``rank`` of ``tp``, send one request ``r{seed}``, report the outcome."""
+def send_one(address, rank: int, tp: int, tokens: int, seed: int, report, over: dict | None = None) -> None:
+    """Connect as source ``rank`` of ``tp``, send one request ``r{seed}``, report the outcome.
+    ``over``: settings that differ from ``SETTINGS``."""
     from kvstage.protocol.source import Source
 
     cache = RankCache.allocate(src_spec(tp), rank, pages_needed(tokens, 16) + 3)
     pages = np.random.default_rng(seed).permutation(cache.pages)[: pages_needed(tokens, 16)]
     fill_shard(cache, seed, pages, tokens)
-    src = Source(cache, Settings(**SETTINGS))
+    src = Source(cache, Settings(**(SETTINGS | (over or {}))))
     src.connect([tuple(address)])
     report.put(("sending", rank))
     h = src.send(f"r{seed}", pages, tokens)

@@ -57,6 +57,7 @@ from kvstage.errors import ConfigError, KVStageError
 from kvstage.plugin.vllm.pull import PullError, PullServer, pull
 from kvstage.plugin.vllm.layout import VllmKVLayout, describe
 from kvstage.protocol.request import State
+from kvstage.protocol.gate import check_listen
 
 if TYPE_CHECKING:
     import torch
@@ -391,6 +392,7 @@ class _Worker:
         if self.layout.duplicated_last:
             self.settings.direct = False  # one layer stands in two buffers: never register it twice
         if self.producer:
+            check_listen(self.settings, (self.extra["host"], 0), f"kvstage prefill rank {self.rank}'s pull port")
             self.server = PullServer(self.extra["host"], self._on_pull, token=self.settings.auth_token)
         for role, wanted in (("src", self.producer), ("dst", self.consumer)):
             if wanted:

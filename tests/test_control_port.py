@@ -1,0 +1,515 @@
+"""The control port against a hostile client on its host: real destinations,
+real sockets, real NIXL sources; every loop here is bounded.
+
+What a stranger gets before it authenticates is bounded in time (a deadline,
+whatever it sends), size (1 MiB frames, checked from the length prefix), count
+(64 connections) and kind (a hello or a probe request only). The accept loop
+survives running out of descriptors. A destination without a token listens on
+loopback only and gives no one its KV regions or a probe slot. Refusals are
+logged once per address and cause. Bad API input is refused where it is given.
+"""
+
+import json
+import logging
+import multiprocessing as mp
+import os
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from support import fault_ranks as fr
+from support.port_dst import PREFIX
+from kvstage.bench.reference import fill_shard
+from kvstage.config import Settings
+from kvstage.errors import ConfigError, IncompatibleGeometry
+from kvstage.layout import KVGeometry, PageLayout, pages_needed
+from kvstage.protocol import destination as destination_mod
+from kvstage.protocol.destination import Destination
+from kvstage.protocol.gate import MAX_UNAUTHENTICATED, PRE_AUTH_MAX_FRAME
+from kvstage.protocol.handshake import HANDSHAKE_TIMEOUT_S, spec_to_wire
+from kvstage.protocol.source import Source
+from kvstage.protocol.wire import PROTOCOL_VERSION
+from kvstage.staging.cache import RankCache
+from kvstage.tp import SideSpec
+
+TESTS = Path(__file__).resolve().parent
+CTX = mp.get_context("spawn")
+TOKEN = "s3cret"
+
+
+def _frame(msg) -> bytes:
+    data = msg if isinstance(msg, bytes) else json.dumps(msg).encode()
+    return struct.pack("!I", len(data)) + data
+
+
+def _closed_within(sock: socket.socket, seconds: float) -> bool:
+    """Whether the destination closed ``sock`` within ``seconds`` (what it sent before is skipped)."""
+    sock.settimeout(seconds)
+    deadline = time.monotonic() + seconds
+    try:
+        while time.monotonic() < deadline:
+            if sock.recv(1 << 16) == b"":
+                return True
+    except ConnectionResetError:
+        return True
+    except socket.timeout:
+        return False
+    return False
+
+
+def _reply(sock: socket.socket, timeout: float = 5.0) -> dict | None:
+    sock.settimeout(timeout)
+    try:
+        head = sock.recv(4, socket.MSG_WAITALL)
+        if len(head) < 4:
+            return None
+        return json.loads(sock.recv(struct.unpack("!I", head)[0], socket.MSG_WAITALL))
+    except (OSError, ValueError):
+        return None
+
+
+def _dst(**over) -> Destination:
+    return Destination(RankCache.allocate(fr.dst_spec(), 0, 128), Settings(**(fr.SETTINGS | {"auth_token": TOKEN} | over)))
+
+
+def _transfer(address, dst: Destination | None = None, seed: int = 3, tokens: int = 300, token: str = TOKEN,
+              remote=None):
+    """One request from a real source to ``address``, checked byte for byte: by ``dst`` in this
+    process, or by a ``PortDst`` (``remote``), whose answer is returned. The source stays
+    connected until the destination is done."""
+    cache = RankCache.allocate(fr.src_spec(1), 0, pages_needed(tokens, 16) + 2)
+    pages = np.random.default_rng(seed).permutation(cache.pages)[: pages_needed(tokens, 16)]
+    fill_shard(cache, seed, pages, tokens)
+    src = Source(cache, Settings(**(fr.SETTINGS | {"auth_token": token})))
+    box: dict = {}
+    t = threading.Thread(target=lambda: box.setdefault("r", remote.ask(cmd="expect", tokens=tokens, seed=seed)))
+    try:
+        if remote:
+            t.start()
+        src.connect([tuple(address)])
+        dpages = np.random.default_rng(seed + 1).permutation(dst.cache.pages)[: pages_needed(tokens, 4)] if dst else None
+        hd = dst.expect(f"r{seed}", dpages, tokens) if dst else None
+        src.send(f"r{seed}", pages, tokens).wait(30)
+        if dst:
+            hd.wait(30)
+            assert fr.check(dst.cache, seed, dpages, tokens) == []
+        if remote:
+            t.join(60)
+            assert box.get("r") == {"ok": True, "wrong": []}, box
+    finally:
+        src.close()
+
+
+class PortDst:
+    """tests/support/port_dst.py: a destination in its own process."""
+
+    def __init__(self, cfg: dict, env: dict | None = None):
+        self.p = subprocess.Popen([sys.executable, str(TESTS / "support" / "port_dst.py"), json.dumps(cfg)],
+                                  stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                  env=dict(os.environ, KVSTAGE_AUTH_TOKEN=TOKEN, **(env or {})))
+        self.port = self._answer()["port"]
+        self.address = ("127.0.0.1", self.port)
+
+    def ask(self, **cmd) -> dict:
+        self.p.stdin.write(json.dumps(cmd) + "\n")
+        self.p.stdin.flush()
+        return self._answer()
+
+    def _answer(self) -> dict:
+        for line in self.p.stdout:
+            if line.startswith(PREFIX):
+                return json.loads(line[len(PREFIX):])
+        raise AssertionError(f"port_dst exited: {self.p.stderr.read()[-3000:]}")
+
+    def stop(self) -> str:
+        """End the process; its log."""
+        try:
+            self.p.stdin.write(json.dumps({"cmd": "quit"}) + "\n")
+            self.p.stdin.close()
+        except OSError:
+            pass
+        try:
+            self.p.wait(30)
+        except subprocess.TimeoutExpired:
+            self.p.kill()
+            self.p.wait(10)
+        return self.p.stderr.read()
+
+
+# -- 1. the accept loop survives ------------------------------------------------------------------
+
+def _flood(address, n: int = 300) -> list:
+    socks = []
+    for _ in range(n):
+        try:
+            socks.append(socket.create_connection(address, timeout=0.5))
+        except OSError:  # the backlog is full: the kernel refuses more
+            break
+    return socks
+
+
+def test_a_descriptor_flood_cannot_take_the_descriptors_the_transport_needs():
+    """300 connections against a process with 40 descriptors to spare. Strangers are held up to a
+    quarter of what is left (the oldest dropped for a new one), so UCX's own listener never meets
+    EMFILE (when it did, later sources got "Connection refused" from UCX); a real request then
+    arrives byte-exact."""
+    dst = PortDst({"spare_fds": 40})
+    flood = []
+    try:
+        flood = _flood(dst.address)
+        assert len(flood) > 40
+        time.sleep(1.5)
+        for s in flood:
+            s.close()
+        flood.clear()
+        time.sleep(0.5)
+        _transfer(dst.address, seed=5, remote=dst)
+    finally:
+        for s in flood:
+            s.close()
+        log = dst.stop()
+    assert "dropped for a newer one" in log, log[-3000:]
+    assert sum("accept failed" in line for line in log.splitlines()) <= 1, log[-3000:]
+
+
+def test_the_accept_loop_survives_running_out_of_descriptors():
+    """Two descriptors to spare: accepts fail with EMFILE. That used to end the accept thread for
+    good, with no log line. Now the failures are one line, the listener backs off and goes on, and
+    once the flood closes it accepts (and answers) again, and says so in one line."""
+    dst = PortDst({"spare_fds": 2})
+    flood = []
+    try:
+        flood = _flood(dst.address, 40)
+        time.sleep(1.5)  # the accept thread meets EMFILE and backs off
+        for s in flood:
+            s.close()
+        flood.clear()
+        time.sleep(destination_mod.ACCEPT_QUIET_S + 2.0)  # the burst is over (the backlog drained, then quiet)
+        s = socket.create_connection(dst.address)
+        s.sendall(_frame(_hello(token="guess")))
+        reply = _reply(s)
+        s.close()
+        assert reply is not None and reply["type"] == "error" and "auth token" in reply["reason"], reply
+    finally:
+        for s in flood:
+            s.close()
+        log = dst.stop()
+    failed = [line for line in log.splitlines() if "accept failed" in line]
+    assert len(failed) == 1 and "Too many open files" in failed[0], log[-3000:]
+    assert sum("accepting again after" in line for line in log.splitlines()) == 1, log[-3000:]
+
+
+# -- 2. a deadline until authenticated, whatever is sent ---------------------------------------------
+
+def test_a_ping_before_authenticating_closes_the_connection():
+    """A complete frame used to cancel the handshake deadline: 200 ping-only connections stayed
+    open. Now anything but a hello or a probe request first closes the connection."""
+    dst = _dst()
+    socks = []
+    try:
+        for _ in range(20):
+            s = socket.create_connection(dst.address)
+            s.sendall(_frame({"type": "ping"}))
+            socks.append(s)
+        assert all(_closed_within(s, 2.0) for s in socks)
+        _transfer(dst.address, dst)  # still serving
+    finally:
+        for s in socks:
+            s.close()
+        dst.close()
+
+
+def test_an_unfinished_hello_is_dropped_at_the_deadline():
+    dst = _dst()
+    try:
+        s = socket.create_connection(dst.address)
+        t0 = time.monotonic()
+        s.sendall(struct.pack("!I", 1000) + b"{" * 100)  # a frame begun, never finished
+        assert _closed_within(s, HANDSHAKE_TIMEOUT_S + 3)
+        assert HANDSHAKE_TIMEOUT_S - 0.2 < time.monotonic() - t0 < HANDSHAKE_TIMEOUT_S + 2
+        s.close()
+    finally:
+        dst.close()
+
+
+# -- 3. memory before authentication is bounded ------------------------------------------------------
+
+def test_tens_of_huge_unfinished_frames_are_refused_from_their_length_and_memory_stays_bounded():
+    """40 connections each announce a 15 MiB frame and send 4 MiB of it: the destination used to
+    buffer them all (600 MB after 40). A stranger's frame is at most 1 MiB, checked from the prefix."""
+    dst = PortDst({})
+    socks = []
+    try:
+        before = dst.ask(cmd="rss")["rss"]
+        chunk = b"x" * (1 << 20)
+        for _ in range(40):
+            s = socket.create_connection(dst.address)
+            socks.append(s)
+            try:
+                s.sendall(struct.pack("!I", 15 << 20))
+                for _ in range(4):
+                    s.sendall(chunk)
+            except OSError:  # closed by the destination as soon as it read the length
+                pass
+        assert all(_closed_within(s, 3.0) for s in socks)
+        grown = dst.ask(cmd="rss")["rss"] - before
+        assert grown < 32 << 20, f"the destination grew by {grown / 2**20:.0f} MiB"
+        # frames within the cap, unfinished: held until the deadline, at most the cap each
+        held = []
+        for _ in range(40):
+            s = socket.create_connection(dst.address)
+            s.sendall(struct.pack("!I", PRE_AUTH_MAX_FRAME) + chunk[: PRE_AUTH_MAX_FRAME - 1])
+            held.append(s)
+        socks += held
+        time.sleep(0.5)
+        grown = dst.ask(cmd="rss")["rss"] - before
+        assert grown < (40 * PRE_AUTH_MAX_FRAME) + (48 << 20), f"the destination grew by {grown / 2**20:.0f} MiB"
+        assert all(_closed_within(s, HANDSHAKE_TIMEOUT_S + 3) for s in held)
+        _transfer(dst.address, seed=6, remote=dst)
+    finally:
+        for s in socks:
+            s.close()
+        dst.stop()
+
+
+def test_at_most_64_strangers_are_held_the_oldest_dropped_first(caplog):
+    dst = _dst()
+    socks = []
+    try:
+        with caplog.at_level(logging.WARNING, logger="kvstage"):
+            for _ in range(MAX_UNAUTHENTICATED + 6):
+                socks.append(socket.create_connection(dst.address))
+                time.sleep(0.005)  # accepted in this order
+            assert all(_closed_within(s, 2.0) for s in socks[:6])
+            assert not any(_closed_within(s, 0.05) for s in socks[6:])
+        lines = [r for r in caplog.records if "dropped for a newer one" in r.getMessage()]
+        assert len(lines) == 1, [r.getMessage() for r in lines]  # one line for the burst, not six
+        for s in socks:
+            s.close()
+        _transfer(dst.address, dst)
+    finally:
+        for s in socks:
+            s.close()
+        dst.close()
+
+
+# -- 4. no KV regions and no slots for a peer without the token ------------------------------------
+
+def _hello(**over) -> dict:
+    spec = SideSpec(fr.GEO, 1, PageLayout(4))  # equal TP and paging: the direct path applies
+    msg = {"type": "hello", "version": PROTOCOL_VERSION, "token": "", "spec": spec_to_wire(spec), "rank": 0,
+           "agent": "stranger", "metadata": "", "slot_bytes": 1 << 14, "transport": "nixl"}
+    return msg | over
+
+
+def test_a_destination_without_a_token_gives_no_one_its_kv_regions():
+    """A stranger's hello with no token was given every KV region of the decode rank on the
+    direct path. A destination without a token offers the direct path to no one."""
+    dst = _dst(auth_token="")
+    try:
+        s = socket.create_connection(dst.address)
+        s.sendall(_frame(_hello()))
+        welcome = _reply(s)
+        assert welcome is not None and welcome["type"] == "welcome", welcome
+        assert welcome["kv"] == [] and "kv_facts" not in welcome
+        s.close()
+    finally:
+        dst.close()
+    # a real source of the same spec (equal TP and paging, host memory: direct by the cost rule when
+    # a token is set) goes staged, byte-exact
+    dst = _dst(auth_token="")
+    spec, tokens, seed = SideSpec(fr.GEO, 1, PageLayout(4)), 200, 8
+    cache = RankCache.allocate(spec, 0, pages_needed(tokens, 4) + 2)
+    pages = np.random.default_rng(seed).permutation(cache.pages)[: pages_needed(tokens, 4)]
+    fill_shard(cache, seed, pages, tokens)
+    src = Source(cache, Settings(**fr.SETTINGS, auth_token=""))
+    try:
+        src.connect([dst.address])
+        dpages = np.random.default_rng(seed + 1).permutation(dst.cache.pages)[: pages_needed(tokens, 4)]
+        hd = dst.expect("t", dpages, tokens)
+        src.send("t", pages, tokens).wait(30)
+        hd.wait(30)
+        assert hd.path == "staged" and fr.check(dst.cache, seed, dpages, tokens) == []
+    finally:
+        src.close()
+        dst.close()
+
+
+def test_a_destination_with_a_token_refuses_a_stranger_and_closes():
+    dst = _dst()
+    try:
+        s = socket.create_connection(dst.address)
+        s.sendall(_frame(_hello(token="guess")))
+        reply = _reply(s)
+        assert reply["type"] == "error" and "auth token" in reply["reason"] and "kv" not in reply
+        assert _closed_within(s, 2.0)
+    finally:
+        dst.close()
+
+
+def _probe(address, token: str) -> tuple[socket.socket, dict | None]:
+    s = socket.create_connection(address)
+    s.sendall(_frame({"type": "probe", "version": PROTOCOL_VERSION, "token": token, "nbytes": 4096,
+                      "agent": "prober", "facts": {}, "transport": "nixl"}))
+    return s, _reply(s)
+
+
+def test_probe_leases_need_the_token_are_limited_and_expire(monkeypatch):
+    monkeypatch.setattr(destination_mod, "PROBE_LEASE_S", 1.0)
+    tokenless = _dst(auth_token="")
+    try:
+        s, reply = _probe(tokenless.address, "")
+        assert reply["type"] == "error" and "no auth token" in reply["reason"]
+        assert tokenless.slots_free() == 4
+        s.close()
+    finally:
+        tokenless.close()
+    dst = _dst()
+    socks = []
+    try:
+        s, reply = _probe(dst.address, "guess")
+        socks.append(s)
+        assert reply["type"] == "error" and "auth token" in reply["reason"]
+        leases = []
+        for _ in range(3):
+            s, reply = _probe(dst.address, TOKEN)
+            socks.append(s)
+            leases.append(reply)
+        assert leases[0]["type"] == "probe_ok"  # a quarter of 4 slots: one lease at a time
+        leased = socks[1]
+        leased.sendall(_frame({"type": "probe", "version": PROTOCOL_VERSION, "token": TOKEN, "nbytes": 4096,
+                               "agent": "prober", "facts": {}, "transport": "nixl"}))
+        again = _reply(leased)  # a second lease on the same connection: refused, and the connection closes
+        assert again["type"] == "error" and "one probe per connection" in again["reason"]
+        fr.until(lambda: dst.slots_free() == 4, 3)
+        s, reply = _probe(dst.address, TOKEN)  # its slot came back: the next prober gets it
+        socks.append(s)
+        assert reply["type"] == "probe_ok"
+        assert all(r["type"] == "error" and "busy" in r["reason"] for r in leases[1:])
+        assert dst.slots_free() == 3
+        assert _closed_within(socks[-1], 3.0)  # the lease ends: its connection is closed
+        fr.until(lambda: dst.slots_free() == 4, 3)
+    finally:
+        for s in socks:
+            s.close()
+        dst.close()
+
+
+# -- 5. the start-up warning and the non-loopback refusal -----------------------------------------
+
+def test_no_token_means_loopback_only_with_one_warning(caplog):
+    cache = RankCache.allocate(fr.dst_spec(), 0, 16)
+    with pytest.raises(ConfigError, match="KVSTAGE_AUTH_TOKEN") as err:
+        Destination(cache, Settings(**fr.SETTINGS, auth_token=""), listen=("0.0.0.0", 0))
+    assert "'0.0.0.0' is not loopback" in str(err.value) and "KVSTAGE_ALLOW_UNAUTHENTICATED" in str(err.value)
+    for listen, settings in ((("127.0.0.1", 0), {}), (("0.0.0.0", 0), {"allow_unauthenticated": True})):
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="kvstage"):
+            d = Destination(cache, Settings(**fr.SETTINGS, auth_token="", **settings), listen=listen)
+            d.close()
+        warned = [r.getMessage() for r in caplog.records if "no auth token" in r.getMessage()]
+        assert len(warned) == 1 and "anyone who can reach" in warned[0] and "KVSTAGE_AUTH_TOKEN" in warned[0]
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="kvstage"):
+        Destination(cache, Settings(**fr.SETTINGS, auth_token=TOKEN), listen=("0.0.0.0", 0)).close()
+    assert not [r for r in caplog.records if "no auth token" in r.getMessage()]
+
+
+# -- refusals are logged once, not amplified -----------------------------------------------------------
+
+def test_repeated_refusals_are_one_line_per_address_and_cause(caplog):
+    dst = _dst()
+    try:
+        with caplog.at_level(logging.WARNING, logger="kvstage"):
+            for _ in range(30):
+                s = socket.create_connection(dst.address)
+                s.sendall(_frame(_hello(token="guess")))
+                _closed_within(s, 2.0)
+                s.close()
+            s = socket.create_connection(dst.address)
+            s.sendall(b"".join(_frame({"type": "ready", "req": f"r{i}", "tokens": 4}) for i in range(2000)))
+            assert _closed_within(s, 2.0)
+            s.close()
+            for bad in (struct.pack("!I", 1 << 30), _frame(b"not json")):
+                s = socket.create_connection(dst.address)
+                s.sendall(bad)
+                assert _closed_within(s, 2.0)
+                s.close()
+            time.sleep(0.2)
+        lines = [r.getMessage() for r in caplog.records if "refused 127.0.0.1" in r.getMessage()]
+        assert sum("auth token" in m for m in lines) == 1, lines
+        assert sum("'ready' before authenticating" in m for m in lines) == 1, lines
+        assert sum("exceeds the" in m for m in lines) == 1 and sum("not JSON" in m for m in lines) == 1, lines
+        assert len(caplog.records) < 10, [r.getMessage() for r in caplog.records]
+    finally:
+        dst.close()
+
+
+# -- 6. bad API input is refused where it is given ---------------------------------------------------
+
+@pytest.mark.parametrize("pages", [[0.9, 1.7], ["0", "1"], [True, False], None, [[0, 1], [2]], [None, 1]])
+def test_page_ids_that_are_not_integers_are_refused_naming_page_ids(pages):
+    dst = _dst()
+    try:
+        with pytest.raises(ConfigError, match="page_ids"):
+            dst.expect("bad", pages, 4)
+    finally:
+        dst.close()
+
+
+@pytest.mark.parametrize("tokens", [True, 1.0, "4", 0])
+def test_tokens_must_be_a_positive_int_and_not_a_bool(tokens):
+    dst = _dst()
+    try:
+        with pytest.raises(ConfigError, match="tokens="):
+            dst.expect("bad", [0, 1], tokens)
+    finally:
+        dst.close()
+
+
+def test_a_spec_whose_tp_does_not_fit_its_heads_or_a_rank_out_of_range_is_refused_at_construction():
+    with pytest.raises(IncompatibleGeometry, match="tp=3 with kv_heads=4"):
+        SideSpec(KVGeometry(2, 4, 16, "bfloat16"), 3, PageLayout(4))
+    with pytest.raises(ConfigError, match=r"rank=-1: must be an integer in \[0, 1\)"):
+        RankCache.allocate(fr.dst_spec(), -1, 4)
+
+
+# -- 7. the frozen side is named ------------------------------------------------------------------------
+
+def test_a_source_resumed_after_a_stop_blames_itself_not_its_destination(capfd):
+    """SIGSTOP the source for 3 s, past its own 1.5 s stall timeout. It used to fail the request
+    with "write not complete after 1.5 s" against its destination. It now says its own process
+    did not run, moves its deadlines on, and the request completes byte-exact."""
+    big = 20_000
+    dst = Destination(RankCache.allocate(fr.dst_spec(), 0, pages_needed(big, 4) + 8),
+                      Settings(**(fr.SETTINGS | {"stall_timeout_s": 30.0, "peer_timeout_s": 600.0})))
+    q = CTX.Queue()
+    p = CTX.Process(target=fr.send_one, args=(dst.address, 0, 1, big, 4, q, {"stall_timeout_s": 1.5}))
+    try:
+        pages = np.random.default_rng(5).permutation(dst.cache.pages)[: pages_needed(big, 4)]
+        h = dst.expect("r4", pages, big)
+        p.start()
+        assert q.get(timeout=60)[0] == "sending"
+        fr.until(lambda: h.bytes > 0, 30)
+        os.kill(p.pid, signal.SIGSTOP)
+        time.sleep(3.0)
+        os.kill(p.pid, signal.SIGCONT)
+        kind, rank, error = q.get(timeout=60)
+        assert kind == "done", error
+        h.wait(30)
+        assert fr.check(dst.cache, 4, pages, big) == []
+    finally:
+        if p.pid:
+            os.kill(p.pid, signal.SIGCONT)
+        p.join(10)
+        dst.close()
+    err = capfd.readouterr().err
+    assert "src 0: this process did not run for" in err and "stopped or starved" in err, err[-2000:]
