@@ -20,8 +20,7 @@ from kvstage.staging import cuda_copy, hostcopy
 from kvstage.staging.cache import RankCache
 from kvstage.staging.copier import choose_copier
 from kvstage.staging.copy import (CopyThreads, TokenIndex, gather, gather_pieces, prepare_piece_scatters,
-                                  prepare_scatter, region_bytes, scatter, scatter_chunk, upload_pages,
-                                  use_host_copies)
+                                  prepare_scatter, region_bytes, scatter, scatter_chunk, upload_pages)
 from kvstage.tp import SideSpec
 
 SPEC = SideSpec(KVGeometry(2, 2, 8, "bfloat16"), 1, PageLayout(4, "nhd"))
@@ -120,23 +119,10 @@ def test_host_copiers_upload_nothing_and_index_on_the_host():
     for name in ("torch", "native"):
         cache = RankCache.allocate(SPEC, 0, 8, copier=name)
         assert upload_pages(cache, np.array([0, 12])) is None
-        assert cache.copier.prepare_piece_scatters(cache.copier.index(np.arange(4), 0, 8), [(0, 1, 0), (1, 1, 64)],
+        assert cache.copier.prepare_piece_scatters(TokenIndex(cache, np.arange(4), 0, 8), [(0, 1, 0), (1, 1, 64)],
                                                    torch.zeros(128, dtype=torch.uint8)) is None
         with pytest.raises(IndexError, match=r"page ids must lie in \[0, 8\); got 0\.\.12"):
-            cache.copier.index(np.array([0, 12]), 0, 8)
-
-
-@pytest.mark.parametrize("mode,want", [("auto", "native"), ("native", "native"), ("numpy", "numpy")])
-def test_the_protocols_host_copy_shim_maps_onto_the_rule(mode, want):
-    cache = RankCache.allocate(SPEC, 0, 8)
-    got, why = use_host_copies(cache, mode)
-    assert (got, cache.copier.name) == (want, "native" if want == "native" else "torch") and why == cache.copier.why
-
-
-def test_the_shim_refuses_native_where_it_is_not_built(unbuilt):
-    with pytest.raises(ConfigError, match=r"copier='native': kvstage.staging._spans is not built"):
-        use_host_copies(RankCache.allocate(SPEC, 0, 8), "native")
-    assert use_host_copies(RankCache.allocate(SPEC, 0, 8), "auto") == ("numpy", f"torch/numpy indexed copies: {NOT_BUILT}")
+            TokenIndex(cache, np.array([0, 12]), 0, 8)
 
 
 def _gpu():

@@ -19,21 +19,9 @@ import torch
 from kvstage.errors import TransportError
 from kvstage.transports import make_transport
 from kvstage.transports.base import Region, Spans, WriteState
-from support.transport_pair import transport_pair
+from support.transport_pair import finish_write, transport_pair
 
 TRANSPORTS = ["nixl", "ucx", "cma"]
-
-
-def _finish(a, b, h, timeout: float = 20.0) -> list:
-    """Progress writer ``a`` and receiver ``b`` from one thread (a two-sided transport needs both)
-    until the write is done and its notification arrived; the notifications."""
-    notes, done = [], False
-    deadline = time.monotonic() + timeout
-    while not (done and notes):
-        done = done or a.poll(h) is WriteState.DONE
-        notes += b.notifications()
-        assert time.monotonic() < deadline, f"write done={done}, notifications={notes} after {timeout} s"
-    return notes
 
 
 def _receiver(name: str, conn, nbytes: int) -> None:
@@ -106,7 +94,7 @@ def test_writes_in_one_process_land_where_they_say(pair):
     for note, l_off, r_off, n in ((b"one", [0, 100], [5000, 6000], [10, 20]), (b"two", [4096], [60000], [8192])):
         remote = Spans.single(rb, r_off, n)
         h = a.write(peer, Spans.single(ra, l_off, n), remote, note, b.expect(a.id, remote))
-        assert _finish(a, b, h) == [(a.id, note)]
+        assert finish_write(a, b, h) == [(a.id, note)]
         a.release(h)
     want = torch.zeros_like(dst)
     want[5000:5010], want[6000:6020], want[60000:68192] = src[:10], src[100:120], src[4096:12288]
@@ -130,7 +118,7 @@ def test_a_prepared_write_moves_nothing_until_posted_and_a_dropped_one_never(pai
     time.sleep(0.2)
     assert not dst.any() and not b.notifications()
     h = ready.post()
-    assert _finish(a, b, h) == [(a.id, b"chunk 0")]
+    assert finish_write(a, b, h) == [(a.id, b"chunk 0")]
     a.release(h)
     assert torch.equal(dst[4096 : 4096 + n], src[:n]) and not dst[:4096].any() and not dst[4096 + n :].any()
 

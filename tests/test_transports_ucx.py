@@ -18,21 +18,9 @@ from kvstage.protocol.destination import Destination
 from kvstage.protocol.source import Source
 from kvstage.staging.cache import RankCache
 from kvstage.tp import SideSpec
-from support.transport_pair import transport_pair
+from support.transport_pair import finish_write, transport_pair
 from kvstage.transports.base import Spans, WriteState
 from kvstage.transports.ucx import UcxTransport
-
-
-def _both(a, b, h, timeout=20.0):
-    """Progress writer ``a`` and receiver ``b`` (one thread: two-sided needs both) until the write
-    is done and its notification arrived; return the notifications."""
-    notes, done = [], False
-    deadline = time.monotonic() + timeout
-    while not (done and notes):
-        done = done or a.poll(h) is WriteState.DONE
-        notes += b.notifications()
-        assert time.monotonic() < deadline, f"write done={done}, notifications={notes} after {timeout} s"
-    return notes
 
 
 @pytest.fixture
@@ -58,7 +46,7 @@ def test_tickets_never_repeat_and_each_write_lands_where_its_ticket_says(pair):
     assert t1 != t2
     for ticket, off, note in ((t2, 0, b"second"), (t1, 4096, b"first")):
         h = a.write(peer, Spans.single(ra, [off], [4096]), spans, note, ticket)
-        got = _both(a, b, h)
+        got = finish_write(a, b, h)
         assert got == [(a.id, note)]
         assert torch.equal(dst[8192:12288], src[off : off + 4096])
     assert not dst[:8192].any() and not dst[12288:].any()
@@ -73,7 +61,7 @@ def test_a_write_completes_only_once_the_receiver_took_the_bytes(pair):
     deadline = time.monotonic() + 0.5
     while time.monotonic() < deadline:
         assert a.poll(h) is WriteState.PENDING
-    assert _both(a, b, h) == [(a.id, b"tiny")]
+    assert finish_write(a, b, h) == [(a.id, b"tiny")]
     assert torch.equal(dst[:16], src[64:80])
 
 
@@ -150,7 +138,7 @@ def test_cuda_spans_between_two_workers_are_byte_exact():
         ticket = b.expect(a.id, remote)
         torch.cuda.synchronize()
         h = a.write(peer, Spans.single(ra, [1 << 20, 8 << 20], [4096, 16 << 20]), remote, b"gpu", ticket)
-        assert _both(a, b, h) == [(a.id, b"gpu")]
+        assert finish_write(a, b, h) == [(a.id, b"gpu")]
         assert torch.equal(dst[:4096], src[1 << 20 : (1 << 20) + 4096])
         assert torch.equal(dst[32 << 20 : 48 << 20], src[8 << 20 : 24 << 20])
         assert int(dst[4096 : 32 << 20].count_nonzero()) == 0

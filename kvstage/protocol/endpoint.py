@@ -65,6 +65,8 @@ PAUSE_S = 1.0
 _SELECT_LIMIT = 1024  # select(2) sees no descriptor from here on (FD_SETSIZE)
 _PR_SET_TIMERSLACK = 29
 MAX_ABORTED = 4096
+#: peer links whose judgement ``stats`` keeps: every live peer of an engine, not every connection it ever had
+MAX_LINKS = 256
 
 
 def _tight_timer() -> None:
@@ -161,7 +163,7 @@ class Endpoint:
             raise
         self._kv_regions: list[Region] | None = None
         self._kv_facts: dict | None = None
-        self._links: list[dict] = []  # the connect-time finding of each peer link, as logged
+        self._links: dict = {}  # (peer, KV pages?) -> its connect-time finding, as logged; the latest MAX_LINKS
         self._init_loop()
 
     # -- construction, in order ------------------------------------------------
@@ -301,7 +303,7 @@ class Endpoint:
     def _watch(self, conn: Connection, authenticate_within: float | None = None) -> None:
         """Have the loop read ``conn``'s messages from now on. With ``authenticate_within``, the
         peer is a stranger until ``_admit``: it is dropped if not admitted within that many seconds,
-        its frames are held to ``PRE_AUTH_MAX_FRAME``, and at most ``MAX_UNAUTHENTICATED``
+        its frames are held to ``PRE_AUTH_MAX_FRAME``, and at most ``gate.pending_cap()``
         strangers are held (the oldest goes for a new one)."""
         self._post("watch", conn, authenticate_within)
 
@@ -609,7 +611,7 @@ class Endpoint:
             return None
         finding.path = ("KV pages, direct: " if kv else "") + finding.path
         finding.log(log)
-        self._links.append(finding.to_dict())
+        remember(self._links, (peer_name, kv), finding.to_dict(), MAX_LINKS)
         return finding
 
     def _log_link(self, peer_facts, peer_name: str, peer_kv_facts=None, direct: bool = False) -> bool:
@@ -635,7 +637,7 @@ class Endpoint:
         a = self.arena.allocator
         return EndpointStats(self.role, self.rank, a.count, a.free, len(self.requests), len(self._peers()),
                              aborts_remembered=len(self._aborted), polling=self._busy(),
-                             wait="select" if self._low else "epoll", links=tuple(self._links))
+                             wait="select" if self._low else "epoll", links=tuple(self._links.values()))
 
     # -- public --------------------------------------------------------------
     def close(self) -> None:

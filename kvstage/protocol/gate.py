@@ -46,7 +46,8 @@ class _Refusals:
 class RefusalLog:
     """One log line per refused peer address and cause; repeats inside ``REFUSAL_INTERVAL_S``
     are counted and reported in one line when the interval ends (``flush``) or the cause recurs
-    after it. ``clock``: seconds (monotonic); injected so the rule is tested without sleeping."""
+    after it. ``now``: the caller's monotonic seconds, so the rule is tested without sleeping.
+    Keys are kept in order of age (insertion order): the oldest goes first past ``MAX_REFUSAL_KEYS``."""
 
     log: logging.Logger
     prefix: str
@@ -59,9 +60,9 @@ class RefusalLog:
             got.count += 1
             return
         if got is not None:
-            self._report(key, got)
+            self._report(key, self._seen.pop(key))
         elif len(self._seen) >= MAX_REFUSAL_KEYS:
-            oldest = min(self._seen, key=lambda k: self._seen[k].first)
+            oldest = next(iter(self._seen))
             self._report(oldest, self._seen.pop(oldest))
         self._seen[key] = _Refusals(now)
         self.log.warning("%s: refused %s: %s", self.prefix, address, cause)

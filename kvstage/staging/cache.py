@@ -75,11 +75,6 @@ class RankCache:
                 chosen = self._chosen
         return chosen
 
-    @property
-    def copier_chosen(self) -> bool:
-        """Whether ``copier`` has been chosen (after that, ``copier_name`` changes nothing)."""
-        return self._chosen is not None
-
     @classmethod
     def allocate(cls, spec: SideSpec, rank: int, pages: int, device="cpu", fill: float | None = 0,
                  copier: str | None = None) -> "RankCache":

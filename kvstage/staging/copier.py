@@ -14,7 +14,7 @@ Three implementations, one per file, chosen once per cache by ``choose_copier``
 - ``torch`` (``copier_torch``): torch and numpy indexed copies, on any device.
 
 ``pieces`` are ``(head_lo, heads, byte offset in the region)``, one per writer of
-a chunk; ``idx`` is a ``staging.copy.TokenIndex`` (``Copier.index``).
+a chunk; ``idx`` is a ``staging.copy.TokenIndex``, built once per chunk.
 """
 
 from __future__ import annotations
@@ -43,11 +43,6 @@ class Copier(abc.ABC):
         """A request's page ids where this copier reads them, once when the request is posted,
         so no chunk's copy waits for an upload; None where the copies index on the host."""
         return None
-
-    def index(self, page_ids, start: int, count: int, kernel_pages=None) -> TokenIndex:
-        """Where tokens ``start .. start+count`` sit in the cache: what every copy of a chunk
-        needs, built once per chunk (``kernel_pages`` from ``upload_pages``, if any)."""
-        return TokenIndex(self.cache, page_ids, start, count, kernel_pages)
 
     def supports(self, region, pieces, count: int) -> bool:
         """Whether this copier runs these pieces of ``region`` itself, so a caller can tell

@@ -166,19 +166,3 @@ def prepare_scatter(cache: RankCache, idx: TokenIndex, pieces, region: torch.Ten
 def prepare_piece_scatters(cache: RankCache, idx: TokenIndex, pieces, region: torch.Tensor) -> list | None:
     """One prepared scatter per piece, or None where a chunk's pieces scatter in one pass."""
     return cache.copier.prepare_piece_scatters(idx, pieces, region)
-
-
-def use_host_copies(cache: RankCache, mode: str) -> tuple[str, str]:
-    """How this host cache's gathers and scatters copy, as ("native"|"numpy", why), for a
-    ``mode`` of "auto" (the rule), "native" or "numpy" (forced: the torch copier). Kept
-    for the protocol until its call site reads ``cache.copier``; the choice is the
-    cache's own (``RankCache.copier``), so only a cache whose copier is not chosen yet
-    can still be given one here."""
-    if mode not in ("auto", "native", "numpy"):
-        from kvstage.errors import ConfigError
-
-        raise ConfigError(f"host_copy={mode!r}: must be one of auto, native, numpy")
-    if mode != "auto" and cache.device.type == "cpu" and not cache.copier_chosen:
-        cache.copier_name = {"native": "native", "numpy": "torch"}[mode]
-    copier = cache.copier
-    return ("native" if copier.name == "native" else "numpy"), copier.why

@@ -377,11 +377,6 @@ class PreparedCopy:
     def __call__(self) -> None:
         self._copier._launch(self._function, self._grid, self._params)
 
-    def load(self) -> None:
-        """Load the kernel now if it is not yet (``staging.landing`` queues a launch behind a wait:
-        loading a module then could wait for the whole device, that wait included)."""
-        self._copier.load()
-
 
 class _Upload:
     """One slot of the upload ring: a pinned host buffer and an event after the

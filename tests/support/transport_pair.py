@@ -1,12 +1,15 @@
-"""Two endpoints of one transport in this process: a writer connected to a receiver."""
+"""Two endpoints of one transport in this process: a writer connected to a receiver, and
+progressing a write between them."""
 
 from __future__ import annotations
 
 import contextlib
+import time
 
 import torch
 
 from kvstage.transports import make_transport
+from kvstage.transports.base import WriteState
 
 
 @contextlib.contextmanager
@@ -22,3 +25,15 @@ def transport_pair(name: str, src_bytes: int, dst_bytes: int):
     finally:
         a.close()
         b.close()
+
+
+def finish_write(a, b, h, timeout: float = 20.0) -> list:
+    """Progress writer ``a`` and receiver ``b`` from one thread (a two-sided transport needs both)
+    until write ``h`` is done and its notification arrived; the notifications."""
+    notes, done = [], False
+    deadline = time.monotonic() + timeout
+    while not (done and notes):
+        done = done or a.poll(h) is WriteState.DONE
+        notes += b.notifications()
+        assert time.monotonic() < deadline, f"write done={done}, notifications={notes} after {timeout} s"
+    return notes
