@@ -61,10 +61,11 @@ class Settings:
     mapped: str = field(default_factory=lambda: _env("KVSTAGE_MAPPED", "auto", str))
     #: a request waits this long for its other side to announce it
     ready_timeout_s: float = field(default_factory=lambda: _env("KVSTAGE_READY_TIMEOUT_S", 120.0, float))
-    #: a granted chunk not landed (a write not complete) this long after its grant fails its request
-    stall_timeout_s: float = field(default_factory=lambda: _env("KVSTAGE_STALL_TIMEOUT_S", 5.0, float))
-    #: a peer silent (no ping) this long is taken for frozen, and its requests fail
-    peer_timeout_s: float = field(default_factory=lambda: _env("KVSTAGE_PEER_TIMEOUT_S", 5.0, float))
+    #: a granted chunk not landed (a write not complete) this long after its grant fails its request, if
+    #: the peer it waits for runs (its pings say its loop turns); a busy peer's request is only slow
+    stall_timeout_s: float = field(default_factory=lambda: _env("KVSTAGE_STALL_TIMEOUT_S", 30.0, float))
+    #: a peer silent (no ping) this long is taken for stopped or hung, and its requests fail
+    peer_timeout_s: float = field(default_factory=lambda: _env("KVSTAGE_PEER_TIMEOUT_S", 30.0, float))
     #: a destination keeps the slots granted to a writer lost before they landed out of use this long,
     #: unless the late writes' notices arrive first: bytes queued on a cut link can land once it is back
     late_write_hold_s: float = field(default_factory=lambda: _env("KVSTAGE_LATE_WRITE_HOLD_S", 60.0, float))

@@ -21,7 +21,7 @@ def test_defaults_without_variables(monkeypatch):
         monkeypatch.delenv(f"KVSTAGE_{f.name.upper()}", raising=False)
     s = Settings()
     assert (s.transport, s.auth_token, s.arena_mb, s.arena, s.direct, s.mapped) == ("nixl", "", None, "auto", None, "auto")
-    assert (s.ready_timeout_s, s.stall_timeout_s, s.peer_timeout_s, s.late_write_hold_s) == (120.0, 5.0, 5.0, 60.0)
+    assert (s.ready_timeout_s, s.stall_timeout_s, s.peer_timeout_s, s.late_write_hold_s) == (120.0, 30.0, 30.0, 60.0)
     assert s.allow_unauthenticated is False and s.arena_bytes is None
     assert not s.may_go_direct  # no token: no peer is given the KV pages' regions
 

@@ -305,7 +305,7 @@ def test_at_most_64_strangers_are_held_the_oldest_dropped_first(caplog):
 
 def _hello(**over) -> dict:
     spec = SideSpec(fr.GEO, 1, PageLayout(4))  # equal TP and paging: the direct path applies
-    msg = {"type": "hello", "version": PROTOCOL_VERSION, "token": "", "spec": spec_to_wire(spec), "rank": 0,
+    msg = {"type": "hello", "version": PROTOCOL_VERSION, "token": "", "engine": "", "spec": spec_to_wire(spec), "rank": 0,
            "agent": "stranger", "metadata": "", "slot_bytes": 1 << 14, "transport": "nixl"}
     return msg | over
 

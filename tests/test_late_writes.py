@@ -48,7 +48,7 @@ def _lost_with_four_grants(dst: Destination, answered: bool):
     if answered:
         old.conn.close()
     else:
-        dst._call(lambda: dst._drop(dst.writers[0].conn, "[Errno 110] Connection timed out", answered=False))
+        dst._call(lambda: dst._drop(dst.engines[""].writers[0].conn, "[Errno 110] Connection timed out", answered=False))
     with pytest.raises(TransferFailed) as err:
         h.wait(10)
     assert err.value.peer == "source rank 0" and "connection lost" in err.value.cause, err.value
@@ -157,7 +157,7 @@ def test_a_lost_direct_writer_keeps_its_requests_pages_held():
         old.announce("d", 4 * CHUNK, 3)
         g = old.grant("d", 0)
         assert g["chunks"] == 1 and "pages" in g, g  # one direct write into the request's pages
-        dst._call(lambda: dst._drop(dst.writers[0].conn, "[Errno 110] Connection timed out", answered=False))
+        dst._call(lambda: dst._drop(dst.engines[""].writers[0].conn, "[Errno 110] Connection timed out", answered=False))
         with pytest.raises(TransferFailed):
             h.wait(10)
         t_lost = time.monotonic()

@@ -49,7 +49,7 @@ def frame(msg) -> bytes:
 
 
 def hello(**over):
-    msg = {"type": "hello", "version": PROTOCOL_VERSION, "token": "s3cret", "spec": spec_to_wire(SRC), "rank": 0,
+    msg = {"type": "hello", "version": PROTOCOL_VERSION, "token": "s3cret", "engine": "", "spec": spec_to_wire(SRC), "rank": 0,
            "agent": "x", "metadata": "", "slot_bytes": 1 << 16}
     msg.update(over)
     return msg

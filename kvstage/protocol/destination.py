@@ -1,5 +1,12 @@
 """The destination (decode) side: grants slots, scatters landed chunks.
 
+One destination serves the source ranks of any number of prefill engines at
+once, each engine with its own plan (its own TP size): a writer is known by
+its engine and rank, a request by its engine and id. The arena, the
+transport and the loop are shared by every engine; ``grants`` shares the
+slots fairly among the engines that wait for them, and a writer that leaves
+fails only its own engine's requests.
+
 Per request: grant one arena slot per chunk to all writers at once. The first
 chunks are granted as soon as the request is expected (``grants.EARLY_CHUNKS``),
 so a source that already holds its grant gathers and writes the moment its
@@ -26,10 +33,10 @@ import numpy as np
 from kvstage.config import Settings
 from kvstage.errors import IncompatibleGeometry, KVStageError, ProtocolError
 from kvstage.protocol import grants, route
-from kvstage.protocol.endpoint import Endpoint, EndpointStats, check_pages
+from kvstage.protocol.endpoint import SLOW_S, Endpoint, EndpointStats, check_engine, check_pages, rank_name, remember
 from kvstage.protocol.gate import PRE_AUTH_TYPES, check_listen
 from kvstage.protocol.handshake import (HANDSHAKE_TIMEOUT_S, check_peer, hello_spec, md_from_wire, md_to_wire,
-                                        spec_to_wire)
+                                        peer_engine, spec_to_wire)
 from kvstage.protocol.request import State, TransferHandle
 from kvstage.protocol.wire import PROTOCOL_VERSION, Connection, decode_notice, field, notice_from_message
 from kvstage.staging.copy import CopyThreads, TokenIndex, prepare_piece_scatters, prepare_scatter, upload_pages
@@ -41,6 +48,8 @@ from kvstage.transports.base import Region, Spans
 log = logging.getLogger("kvstage")
 
 MAX_EARLY = 4096  # ready messages kept for requests this side has not been told about yet
+#: agents of lost writers remembered (agent -> engine), so a late write's notice finds its request
+MAX_LOST_AGENTS = 1024
 #: how long a writer lost with writes not landed holds their slots when its host closed the connection (the link
 #: is up: what it queued arrives within round trips); when its host stopped answering, ``late_write_hold_s``
 ANSWERED_HOLD_S = 1.0
@@ -64,6 +73,7 @@ def scatter_threads(transport_gathers: bool, cores: int) -> int:
 
 @dataclass
 class Writer:
+    engine: str
     rank: int
     conn: Connection
     agent: str
@@ -71,6 +81,27 @@ class Writer:
     slot_bytes: int
     direct: bool = False  # it was offered the KV regions: its requests may go direct (``route``)
     mapped: bool = False  # it gathers into this arena (its ``mapped`` message says so): no notice to poll for
+
+    @property
+    def name(self) -> str:
+        return rank_name(self.engine, "source", self.rank)
+
+
+@dataclass
+class SourceEngine:
+    """One prefill engine's ranks as this destination sees them: its plan, fixed by its first
+    hello, and its connected writers by source rank."""
+
+    name: str
+    plan: TransferPlan
+    writers: dict = dc_field(default_factory=dict)  # source rank -> Writer
+
+    def pieces(self, rank: int) -> list[Piece]:
+        """The pieces that write into destination rank ``rank``."""
+        return self.plan.writers_of(rank)
+
+    def ranks(self, rank: int) -> list[int]:
+        return [p.src_rank for p in self.plan.writers_of(rank)]
 
 
 @dataclass
@@ -113,6 +144,7 @@ class Chunk:
 class Incoming:
     handle: TransferHandle
     pages: np.ndarray
+    engine: str  # the prefill engine whose writers send it
     ready: dict = dc_field(default_factory=dict)  # writer rank -> tokens announced
     direct: bool = False
     chunk_tokens: int = 0
@@ -125,27 +157,37 @@ class Incoming:
     stage: str = "waiting for writers"
     touched: float = dc_field(default_factory=time.monotonic)  # expected, or the last writer announced it
     announced: float | None = None  # when the last writer announced it
+    slow: bool = False  # said to be slow (once: ``Destination._check_slow``)
+    slot_blocked: float | None = None  # since when its next chunk waits for a slot (``stages["slot_wait"]``)
     kernel_pages: object = None  # the page ids where the GPU copies read them (``upload_pages``), before any chunk lands
+
+    @property
+    def key(self) -> tuple[str, str]:
+        return self.engine, self.handle.req
 
 
 class Destination(Endpoint):
-    """A destination rank. ``address`` is where sources connect."""
+    """A destination rank. ``address`` is where sources connect: the ranks of any number of
+    prefill engines (``engine``: this rank's own engine id, told to every source)."""
 
     role = "dst"
     shares_arena = True
 
-    def __init__(self, cache, settings=None, transport=None, listen: tuple[str, int] = ("127.0.0.1", 0)):
+    def __init__(self, cache, settings=None, transport=None, listen: tuple[str, int] = ("127.0.0.1", 0),
+                 engine: str = ""):
         settings = settings or Settings()
         check_listen(settings, listen, f"dst {getattr(cache, 'rank', '?')}")
-        super().__init__(cache, settings, transport)
-        self.plan: TransferPlan | None = None
-        self.writers: dict[int, Writer] = {}
-        self.requests: dict[str, Incoming] = {}
-        self._early: dict[str, dict[int, int]] = {}
-        self._rr: list[str] = []  # requests waiting for grants, in arrival order (``grants.grant_order``)
+        super().__init__(cache, settings, transport, engine)
+        self.engines: dict[str, SourceEngine] = {}
+        self._writers: dict[Connection, Writer] = {}  # every connected writer, by its control connection
+        self._agents: dict[str, Writer] = {}  # and by its transport agent (notices name an agent)
+        self._lost_agents: dict[str, str] = {}  # agent of a lost writer -> its engine (late notices)
+        self.requests: dict[tuple[str, str], Incoming] = {}
+        self._early: dict[tuple[str, str], dict[int, int]] = {}
+        self._rr: list[tuple[str, str]] = []  # requests waiting for grants, in arrival order (``grants.grant_order``)
         self._scattering: list = []  # (request, chunk, time its last piece landed) of chunks still scattering
         self._probes: dict[Connection, tuple[int, str, float]] = {}  # probe connection -> (slot, prober agent, lease end)
-        self._routes: set = set()  # (writer rank, direct?) whose route was logged
+        self._routes: dict = {}  # (engine, writer rank, direct?) whose route was logged, the latest ones
         # what a source on this host needs to map the arena and gather straight into it (None: not shared)
         self._shared = share(self.arena.buffer) if self.settings.mapped != "off" and self.transport.one_sided else None
         self._scatter_threads = self._copy_threads()
@@ -201,14 +243,17 @@ class Destination(Endpoint):
             self._watch(conn, authenticate_within=HANDSHAKE_TIMEOUT_S)
 
     # -- public --------------------------------------------------------------
-    def expect(self, req: str, page_ids, tokens: int) -> TransferHandle:
-        """Receive ``tokens`` tokens of request ``req`` into ``page_ids`` (this rank's pages)."""
+    def expect(self, req: str, page_ids, tokens: int, engine: str = "") -> TransferHandle:
+        """Receive ``tokens`` tokens of request ``req`` into ``page_ids`` (this rank's pages) from
+        the ranks of prefill engine ``engine`` (the id its sources were made with)."""
         if not isinstance(req, str) or not 0 < len(req) <= 256:
             raise ValueError(f"req={req!r}: must be a non-empty string of at most 256 characters")
+        check_engine(engine)
         pages = check_pages(self.cache, page_ids, tokens)
         handle = TransferHandle(req, "dst", int(tokens))
-        handle._abort = lambda reason: self._post("call", lambda: self._fail(req, "local", "abort", reason, tell=True))
-        self._call(lambda: self._add(handle, pages))
+        key = (engine, req)
+        handle._abort = lambda reason: self._post("call", lambda: self._fail(key, "local", "abort", reason, tell=True))
+        self._call(lambda: self._add(handle, pages, engine))
         return handle
 
     def slots_free(self) -> int:
@@ -218,29 +263,33 @@ class Destination(Endpoint):
         """Slots held for writes of lost writers that may still land (``Chunk.lost``)."""
         return self.stats().late_holds
 
-    def tracks(self, req: str) -> bool:
-        """Whether this rank still holds request ``req``: a failed request is held until
-        no write of it can still land (its pages must not be reused before then)."""
-        return bool(self._call(lambda: req in self.requests))
+    def tracks(self, req: str, engine: str = "") -> bool:
+        """Whether this rank still holds request ``req`` of ``engine``: a failed request is held
+        until no write of it can still land (its pages must not be reused before then)."""
+        return bool(self._call(lambda: (engine, req) in self.requests))
 
     def _stats(self) -> EndpointStats:
         holds = sum(ch.slot is not None for inc in self.requests.values() for ch in inc.quarantine.values() if ch.lost)
         return dataclasses.replace(super()._stats(), late_holds=holds, unknown_announced=len(self._early),
                                    announced=sum(inc.announced is not None for inc in self.requests.values()),
-                                   mapped_peers=sum(w.mapped for w in self.writers.values()))
+                                   mapped_peers=sum(w.mapped for w in self._writers.values()),
+                                   engines=len(self.engines))
 
     # -- loop thread -----------------------------------------------------------
-    def _add(self, handle: TransferHandle, pages: np.ndarray) -> None:
-        if handle.req in self.requests:
-            raise ValueError(f"request {handle.req!r} is already in flight on destination rank {self.rank}")
-        if self._take_abort(handle):  # a writer aborted it already: the others hear of it now
-            self._early.pop(handle.req, None)
-            for p in self.plan.writers_of(self.rank) if self.plan else []:
-                self._send(p.src_rank, {"type": "abort", "req": handle.req, "reason": handle.error.cause})
+    def _add(self, handle: TransferHandle, pages: np.ndarray, engine: str) -> None:
+        key = (engine, handle.req)
+        if key in self.requests:
+            raise ValueError(f"request {handle.req!r} of engine {engine!r} is already in flight on destination "
+                             f"rank {self.rank}")
+        if self._take_abort(key, handle):  # a writer aborted it already: the others hear of it now
+            self._early.pop(key, None)
+            eng = self.engines.get(engine)
+            for r in eng.ranks(self.rank) if eng else []:
+                self._send(engine, r, {"type": "abort", "req": handle.req, "reason": handle.error.cause})
             return
-        inc = Incoming(handle, pages, kernel_pages=upload_pages(self.cache, pages, checked=True))
-        self.requests[handle.req] = inc
-        for w, tokens in self._early.pop(handle.req, {}).items():
+        inc = Incoming(handle, pages, engine, kernel_pages=upload_pages(self.cache, pages, checked=True))
+        self.requests[key] = inc
+        for w, tokens in self._early.pop(key, {}).items():
             self._on_ready_tokens(inc, w, tokens)
         self._refresh(inc)
 
@@ -253,17 +302,22 @@ class Destination(Endpoint):
         for r in self.requests.values():
             if any(ch.pending - ch.lost.keys() for ch in r.quarantine.values()):  # a lost writer's notice can wait
                 return True
-            if r.open and r.announced and any(not getattr(self.writers.get(w), "mapped", False)
+            if r.open and r.announced and any(not self._mapped_writer(r.engine, w)
                                               for c in r.open.values() for w in c.pending):
                 return True
         return False
+
+    def _mapped_writer(self, engine: str, rank: int) -> bool:
+        eng = self.engines.get(engine)
+        w = eng.writers.get(rank) if eng is not None else None
+        return w is not None and w.mapped
 
     def _copying(self):
         return next((f for _, c, _ in self._scattering for f in c.fences if not f.done()), None)
 
     def _on_message(self, conn: Connection, msg: dict) -> None:
         kind = msg["type"]
-        writer = next((w for w in self.writers.values() if w.conn is conn), None)
+        writer = self._writers.get(conn)
         if writer is None and kind in PRE_AUTH_TYPES:
             try:
                 (self._on_hello if kind == "hello" else self._on_probe)(conn, msg)
@@ -292,21 +346,20 @@ class Destination(Endpoint):
                 writer.mapped = True  # decided at its connect: every chunk of it lands this way
                 self._on_landed(notice_from_message(msg), writer, mapped=True)
             elif kind == "abort":
-                req = field(msg, "req", str)
+                key = (writer.engine, field(msg, "req", str))
                 cause = "source aborted: " + str(msg.get("reason"))[:200]
-                if req in self.requests:  # the other writers of the request hear of it too
-                    self._fail(req, f"source rank {writer.rank}", "abort", cause, tell=True, skip=writer.rank)
+                if key in self.requests:  # the other writers of the request hear of it too
+                    self._fail(key, writer.name, "abort", cause, tell=True, skip=writer.rank)
                 else:
-                    self._early.pop(req, None)
-                    self._remember_abort(req, f"source rank {writer.rank}", cause)
+                    self._early.pop(key, None)
+                    self._remember_abort(key, writer.name, cause)
             elif kind == "abort_ack":
-                self._on_abort_ack(writer.rank, field(msg, "req", str))
+                self._on_abort_ack(writer, field(msg, "req", str))
             elif kind == "error":  # the source refused a grant of ours: that request cannot complete
                 reason = str(msg.get("reason"))[:300]
-                log.warning("dst %d: source rank %d refused our %s: %s", self.rank, writer.rank,
-                            str(msg.get("about"))[:32], reason)
+                log.warning("dst %d: %s refused our %s: %s", self.rank, writer.name, str(msg.get("about"))[:32], reason)
                 if isinstance(msg.get("req"), str):
-                    self._fail(msg["req"], f"source rank {writer.rank}", str(msg.get("about"))[:32],
+                    self._fail((writer.engine, msg["req"]), writer.name, str(msg.get("about"))[:32],
                                f"refused: {reason}", tell=True)
             else:
                 raise ProtocolError(f"unknown message type {kind!r}")
@@ -316,18 +369,22 @@ class Destination(Endpoint):
     def _on_hello(self, conn: Connection, msg: dict) -> None:
         check_peer(msg, self.settings.auth_token, self.transport.name, "source")
         src, rank = hello_spec(msg)
+        engine = peer_engine(msg)
         p = plan(src, self.spec)
-        if self.plan is not None and p.src != self.plan.src:
-            raise IncompatibleGeometry(f"source spec {src} differs from the first source's {self.plan.src}")
+        eng = self.engines.get(engine)
+        if eng is not None and p.src != eng.plan.src:
+            if eng.writers or any(inc.engine == engine for inc in self.requests.values()):
+                raise IncompatibleGeometry(f"source spec {src} differs from the spec {eng.plan.src} engine {engine!r}'s "
+                                           "other ranks connected with; one engine's ranks share one spec")
+            log.info("dst %d: prefill engine %r comes back with spec %s (was %s)", self.rank, engine, src, eng.plan.src)
+            eng = None
         piece = next((x for x in p.writers_of(self.rank) if x.src_rank == rank), None)
         welcome = {"type": "welcome", "version": PROTOCOL_VERSION, "spec": spec_to_wire(self.spec), "rank": self.rank,
-                   "transport": self.transport.name}
+                   "transport": self.transport.name, "engine": self.engine}
         if piece is None:  # nothing to send here; the source closes this connection
             self._admit(conn)
             conn.send(welcome)
             return
-        if rank in self.writers:
-            raise ProtocolError(f"source rank {rank} is already connected from {self.writers[rank].conn.peer}")
         slot_bytes = field(msg, "slot_bytes", int, minimum=1)
         agent = field(msg, "agent", str)
         md_from_wire(field(msg, "metadata", str))  # well-formed; the destination only receives
@@ -337,8 +394,18 @@ class Destination(Endpoint):
                 f"slot too small for one token: source slot {slot_bytes} B (needs {need}), destination slot "
                 f"{self.arena.slot_bytes} B (needs {p.dst_token_bytes()}); raise KVSTAGE_ARENA_MB"
             )
-        self.plan = p
-        conn.peer = f"source rank {rank} ({conn.peer})"
+        if eng is None:
+            eng = self.engines[engine] = SourceEngine(engine, p)
+            log.info("dst %d: prefill engine %r connects: %s -> %s", self.rank, engine, p.src, p.dst)
+        old = eng.writers.get(rank)
+        if old is not None:  # the same identity again (a restarted or reconnected rank): the new one replaces it
+            log.warning("dst %d: %s connects again from %s; its connection from %s is closed", self.rank, old.name,
+                        conn.peer, old.conn.peer)
+            old.conn.close()
+            self._drop(old.conn, "replaced by a new connection from the same source rank")
+            eng = self.engines.setdefault(engine, eng)  # kept anew if the old connection was its last
+        name = rank_name(engine, "source", rank)
+        conn.peer = f"{name} ({conn.peer})"
         may_direct = p.direct and self.settings.may_go_direct
         # the link judged on the memory each path registers; a direct path whose KV memory UCX cannot
         # reach well (a WARNING) is not offered: its requests go staged
@@ -346,17 +413,21 @@ class Destination(Endpoint):
         if may_direct and not direct:
             log.info("dst %d: %s: the direct path is not offered (its KV link is judged above); requests go staged",
                      self.rank, conn.peer)
-        self.writers[rank] = Writer(rank, conn, agent, piece, slot_bytes, direct=direct)
+        writer = eng.writers[rank] = Writer(engine, rank, conn, agent, piece, slot_bytes, direct=direct)
+        self._writers[conn] = writer
+        self._agents[agent] = writer
         self._admit(conn)
+        self._pinged_peer(conn)
         kv = [r.to_wire() for r in self.kv_regions()] if direct else []  # registered before the metadata is taken
         conn.send(welcome | {
             "metadata": md_to_wire(self.transport.metadata()), "arena": self.arena_region.to_wire(), "kv": kv,
             "facts": self.facts,
         } | ({"kv_facts": self.kv_facts()} if direct else {}) | ({"mapped": self._shared} if self._shared else {}))
-        log.debug("dst %d: source rank %d connected from %s, heads %d..%d%s", self.rank, rank, conn.peer,
-                  piece.heads.start, piece.heads.stop, ", direct offered" if direct else "")
+        log.debug("dst %d: %s connected, heads %d..%d%s", self.rank, conn.peer, piece.heads.start, piece.heads.stop,
+                  ", direct offered" if direct else "")
         for inc in list(self.requests.values()):  # requests expected before every writer was connected
-            self._refresh(inc)
+            if inc.engine == engine:
+                self._refresh(inc)
 
     def _on_probe(self, conn: Connection, msg: dict) -> None:
         """``kvstage probe --peer``: lend one free arena slot for a measured write.
@@ -413,13 +484,13 @@ class Destination(Endpoint):
                 self._drop(conn, "probe lease ended")
 
     def _on_ready(self, writer: Writer, msg: dict) -> None:
-        req = field(msg, "req", str)
+        key = (writer.engine, field(msg, "req", str))
         tokens = field(msg, "tokens", int, minimum=1)
-        inc = self.requests.get(req)
+        inc = self.requests.get(key)
         if inc is None:
-            early = self._early.setdefault(req, {})
+            early = self._early.setdefault(key, {})
             if len(self._early) > MAX_EARLY:
-                self._early.pop(req)
+                self._early.pop(key)
                 raise ProtocolError(f"more than {MAX_EARLY} announced requests unknown to this destination")
             early[writer.rank] = tokens
             return
@@ -430,7 +501,7 @@ class Destination(Endpoint):
         if inc.handle.done():
             return
         if tokens != inc.handle.tokens:
-            self._fail(inc.handle.req, f"source rank {rank}", "ready",
+            self._fail(inc.key, rank_name(inc.engine, "source", rank), "ready",
                        f"source announced {tokens} tokens, destination expects {inc.handle.tokens}", tell=True)
             return
         inc.ready[rank] = tokens
@@ -442,23 +513,24 @@ class Destination(Endpoint):
         early ones included, can then go out); it is TRANSFERRING once every
         writer announced it, and DONE only then (each announcement checks the
         token count)."""
-        if inc.handle.done() or self.plan is None:
+        eng = self.engines.get(inc.engine)
+        if inc.handle.done() or eng is None:
             return
-        pieces = self.plan.writers_of(self.rank)
+        pieces = eng.pieces(self.rank)
         if not inc.chunks:
-            if any(p.src_rank not in self.writers for p in pieces):
+            if any(p.src_rank not in eng.writers for p in pieces):
                 return
-            inc.direct = self._route(inc, pieces)
+            inc.direct = self._route(inc, eng, pieces)
             if inc.direct:
                 inc.chunk_tokens, inc.chunks = inc.handle.tokens, 1
             else:
-                per = min(self.writers[p.src_rank].slot_bytes // self.plan.piece_token_bytes(p) for p in pieces)
-                fit = min(per, self.arena.slot_bytes // self.plan.dst_token_bytes())
-                inc.chunk_tokens = grants.chunk_tokens(inc.handle.tokens, fit, self.plan.src.page.page_size,
+                per = min(eng.writers[p.src_rank].slot_bytes // eng.plan.piece_token_bytes(p) for p in pieces)
+                fit = min(per, self.arena.slot_bytes // eng.plan.dst_token_bytes())
+                inc.chunk_tokens = grants.chunk_tokens(inc.handle.tokens, fit, eng.plan.src.page.page_size,
                                                        self.spec.page.page_size)
                 inc.chunks = -(-inc.handle.tokens // inc.chunk_tokens)
             inc.handle.path = "direct" if inc.direct else "staged"
-            self._rr.append(inc.handle.req)
+            self._rr.append(inc.key)
             log.debug("dst %d: %s starts, %d chunks of %d tokens, %s", self.rank, inc.handle.req, inc.chunks,
                       inc.chunk_tokens, inc.handle.path)
         if inc.announced is None and all(p.src_rank in inc.ready for p in pieces):
@@ -468,11 +540,11 @@ class Destination(Endpoint):
             log.debug("dst %d: %s announced by every writer", self.rank, inc.handle.req)
             self._maybe_done(inc)
 
-    def _route(self, inc: Incoming, pieces) -> bool:
+    def _route(self, inc: Incoming, eng: SourceEngine, pieces) -> bool:
         """Whether this request's page runs go in place (``route``): only for a writer offered the
         KV regions, and only where that is expected to be at least as fast as staging. The choice
         is logged once per writer and path, with the estimate behind it."""
-        if not (self.plan.direct and all(self.writers[p.src_rank].direct for p in pieces)):
+        if not (eng.plan.direct and all(eng.writers[p.src_rank].direct for p in pieces)):
             return False
         memory = "cuda" if self.cache.device.type == "cuda" else "cpu"
         cost = self.transport.span_cost_s.get(memory, self.transport.span_cost_s.get("cpu", 0.0))
@@ -480,25 +552,38 @@ class Destination(Endpoint):
         r = route.choose(inc.pages, len(self.cache.buffers), page_bytes, cost, memory,
                          forced=self.settings.direct is True)
         for p in pieces:
-            key = (p.src_rank, r.direct)
+            key = (inc.engine, p.src_rank, r.direct)
             if key not in self._routes:
-                self._routes.add(key)
-                log.info("dst %d: requests from source rank %d go %s: %s (first: %s)", self.rank, p.src_rank,
+                remember(self._routes, key, True, MAX_LOST_AGENTS)
+                log.info("dst %d: requests from %s go %s: %s (first: %s)", self.rank,
+                         rank_name(inc.engine, "source", p.src_rank),
                          "direct (page runs in place)" if r.direct else "staged", r.reason, inc.handle.req)
         return r.direct
 
     def _grant(self) -> None:
         """Hand free slots to waiting chunks in ``grants.grant_order``."""
         waiting = []
-        for req in list(self._rr):
-            inc = self.requests.get(req)
+        for key in list(self._rr):
+            inc = self.requests.get(key)
             if inc is None or inc.handle.done() or inc.next_chunk >= inc.chunks:
-                self._rr.remove(req)
+                self._rr.remove(key)
                 continue
-            waiting.append(grants.Waiting(req, inc.announced is not None, inc.next_chunk, inc.chunks, inc.direct))
+            waiting.append(grants.Waiting(key, inc.announced is not None, inc.next_chunk, inc.chunks, inc.direct,
+                                          inc.engine))
+        if not waiting:
+            return
         a = self.arena.allocator
-        for req in grants.grant_order(waiting, a.free, a.count):
-            inc = self.requests.get(req)
+        held = self._slots_held() if a.free and (len(self.engines) > 1 or len({w.peer for w in waiting}) > 1) else None
+        order = grants.grant_order(waiting, a.free, a.count, held, len(self.engines))
+        now = time.perf_counter()
+        served = set(order)
+        for w in waiting:  # announced, wanting a chunk, and given none: it waits for a slot
+            if w.announced and not w.direct and w.req not in served:
+                inc = self.requests[w.req]
+                if inc.slot_blocked is None:
+                    inc.slot_blocked = now
+        for key in order:
+            inc = self.requests.get(key)
             if inc is None or inc.handle.done():
                 continue
             if inc.direct:
@@ -507,34 +592,52 @@ class Destination(Endpoint):
             slot = a.acquire()
             if slot is None:
                 return
+            if inc.slot_blocked is not None:
+                inc.handle.stages["slot_wait"] += now - inc.slot_blocked
+                inc.slot_blocked = None
             self._grant_chunk(inc, slot)
 
+    def _slots_held(self) -> dict[str, int]:
+        """Arena slots each source engine's requests hold now: granted, landing, scattering, or kept
+        for a lost writer's late write (``grants.grant_order`` shares the slots by it)."""
+        held: dict[str, int] = {}
+        for inc in self.requests.values():
+            n = sum(ch.slot is not None for ch in (*inc.open.values(), *inc.quarantine.values()))
+            if n:
+                held[inc.engine] = held.get(inc.engine, 0) + n
+        for inc, chunk, _ in self._scattering:
+            if chunk.slot is not None:
+                held[inc.engine] = held.get(inc.engine, 0) + 1
+        return held
+
     def _grant_direct(self, inc: Incoming) -> None:
-        (piece,) = self.plan.writers_of(self.rank)
+        eng = self.engines[inc.engine]
+        (piece,) = eng.pieces(self.rank)
         inc.open[0] = Chunk(0, 0, inc.handle.tokens, None, {piece.src_rank})
         inc.next_chunk = 1
-        self.writers[piece.src_rank].conn.send({
+        self._send(inc.engine, piece.src_rank, {
             "type": "grant", "req": inc.handle.req, "tokens": inc.handle.tokens, "chunk": 0, "chunks": 1, "start": 0,
             "count": inc.handle.tokens, "pages": inc.pages.tolist(),
         })
 
     def _grant_chunk(self, inc: Incoming, slot: int) -> None:
+        eng = self.engines[inc.engine]
         c = inc.next_chunk
         start = c * inc.chunk_tokens
         count = min(inc.chunk_tokens, inc.handle.tokens - start)
-        offsets = self.plan.writer_offsets(self.rank, count)
+        offsets = eng.plan.writer_offsets(self.rank, count)
         base = self.arena.offset(slot)
         tickets = {}
         try:  # a two-sided transport posts its receives now, before any writer can send
             for rank, off in offsets.items():
-                nbytes = self.plan.piece_token_bytes(self.writers[rank].piece) * count
-                tickets[rank] = self.transport.expect(self.writers[rank].agent,
+                nbytes = eng.plan.piece_token_bytes(eng.writers[rank].piece) * count
+                tickets[rank] = self.transport.expect(eng.writers[rank].agent,
                                                       Spans.single(self.arena_region, [base + off], [nbytes]))
         except KVStageError as e:
             self.arena.allocator.release(slot)
-            return self._fail(inc.handle.req, "local", "grant", f"posting receives: {e}", tell=True)
+            return self._fail(inc.key, "local", "grant", f"posting receives: {e}", tell=True)
         idx = TokenIndex(self.cache, inc.pages, start, count, inc.kernel_pages)
-        writers = self.plan.writers_of(self.rank)
+        writers = eng.pieces(self.rank)
         pieces = [(p.dst_offset, p.heads.count, offsets[p.src_rank]) for p in writers]
         region = self.arena.view(self.arena.offset(slot), self.arena.slot_bytes)
         chunk = inc.open[c] = Chunk(c, start, count, slot, set(offsets))
@@ -551,7 +654,7 @@ class Destination(Endpoint):
                      "chunks": inc.chunks, "start": start, "count": count, "offset": base + off}
             if tickets[rank]:
                 grant["ticket"] = md_to_wire(tickets[rank])
-            self.writers[rank].conn.send(grant)
+            self._send(inc.engine, rank, grant)
         log.debug("dst %d: %s chunk %d granted (slot %d)%s", self.rank, inc.handle.req, c, slot,
                   "" if inc.announced else ", early")
 
@@ -567,8 +670,8 @@ class Destination(Endpoint):
     def _reject_notice(self, agent: str, data: bytes, err: ProtocolError) -> None:
         """A notice that breaks the protocol changes nothing but what it names
         (see ``_on_notice``); its writer hears why on its control connection."""
-        writer = next((w for w in self.writers.values() if w.agent == agent), None)
-        who = f"source rank {writer.rank} (agent {agent})" if writer else f"agent {agent}, not a connected source"
+        writer = self._agents.get(agent)
+        who = f"{writer.name} (agent {agent})" if writer else f"agent {agent}, not a connected source"
         log.warning("dst %d: rejected a landing notice from %s: %s", self.rank, who, err)
         if writer is not None:
             self._reject(writer.conn, {"type": "landed"}, err)
@@ -586,21 +689,22 @@ class Destination(Endpoint):
         notice = decode_notice(data)
         if self._late_landing(agent, notice):
             return
-        writer = self.writers.get(notice.writer)
-        if writer is None or writer.agent != agent:
+        writer = self._agents.get(agent)
+        if writer is None or writer.rank != notice.writer:
             raise ProtocolError(f"notice names writer {notice.writer}, but agent {agent} is not that source rank's")
         self._on_landed(notice, writer)
 
     def _late_landing(self, agent: str, notice) -> bool:
         """The notice of a write from a writer lost before it landed: that write is
         over (a notice follows its bytes), so its slot can be reused."""
-        inc = self.requests.get(notice.req)
+        engine = self._lost_agents.get(agent)
+        inc = self.requests.get((engine, notice.req)) if engine is not None else None
         chunk = inc.quarantine.get(notice.chunk) if inc is not None else None
         lost = chunk.lost.get(notice.writer) if chunk is not None else None
         if lost is None or lost[0] != agent:
             return False
-        log.warning("dst %d: chunk %d of %s from lost source rank %d landed after the loss; its slot is reused",
-                    self.rank, notice.chunk, notice.req, notice.writer)
+        log.warning("dst %d: chunk %d of %s from lost %s landed after the loss; its slot is reused",
+                    self.rank, notice.chunk, notice.req, rank_name(engine, "source", notice.writer))
         self._unquarantine(inc, notice.chunk, notice.writer)
         return True
 
@@ -610,7 +714,8 @@ class Destination(Endpoint):
         req, c, rank, offset, nbytes = notice
         if rank != writer.rank:
             raise ProtocolError(f"landed message names writer {rank}, but came from source rank {writer.rank}")
-        inc = self.requests.get(req)
+        inc = self.requests.get((writer.engine, req))
+        plan_ = self.engines[writer.engine].plan
         if inc is None:
             raise ProtocolError(f"notice for unknown request {req!r}")
         if c in inc.quarantine:
@@ -630,18 +735,18 @@ class Destination(Endpoint):
         if inc.direct:
             want_offset, want = None, len(inc.pages) * sum(b.nbytes // self.cache.pages for b in self.cache.buffers)
         else:
-            want_offset = self.arena.offset(chunk.slot) + self.plan.writer_offsets(self.rank, chunk.count)[rank]
-            want = self.plan.piece_token_bytes(writer.piece) * chunk.count
+            want_offset = self.arena.offset(chunk.slot) + plan_.writer_offsets(self.rank, chunk.count)[rank]
+            want = plan_.piece_token_bytes(writer.piece) * chunk.count
         if offset != want_offset or nbytes != want:
             chunk.pending.discard(rank)  # its write is over, if not where it belongs
             what = "wrong slot" if offset != want_offset else "wrong size"
-            self._fail(req, f"source rank {rank}", "write",
+            self._fail(inc.key, writer.name, "write",
                        f"{what}: chunk {c} was written as {nbytes} bytes at arena offset {offset}; its grant was "
                        f"{want} bytes at {want_offset}", tell=True)
             raise ProtocolError(f"{what}: chunk {c} of {req!r} written as {nbytes} bytes at arena offset {offset}, "
                                 f"granted {want} bytes at {want_offset}; the request failed")
         chunk.pending.discard(rank)
-        log.debug("dst %d: %s chunk %d landed from source rank %d%s", self.rank, req, c, rank, " (mapped)" if mapped else "")
+        log.debug("dst %d: %s chunk %d landed from %s%s", self.rank, req, c, writer.name, " (mapped)" if mapped else "")
         if not inc.direct:  # "mapped" while every landing so far came by the writers' own stores
             way = "mapped" if mapped else "staged"
             inc.handle.path = way if not inc.landings or inc.handle.path == way else "staged+mapped"
@@ -686,35 +791,36 @@ class Destination(Endpoint):
 
     def _landed(self, inc: Incoming, chunk: Chunk) -> None:
         """A chunk is in this rank's pages."""
-        inc.handle.bytes += self.plan.dst_token_bytes() * chunk.count
+        inc.handle.bytes += self.engines[inc.engine].plan.dst_token_bytes() * chunk.count
         inc.scattered += 1
         self._maybe_done(inc)
 
     def _maybe_done(self, inc: Incoming) -> None:
         """Done with its last chunk scattered, once every writer announced it
         (early grants can land before a writer's ``ready``, which checks its token count)."""
-        req = inc.handle.req
         if inc.chunks and inc.scattered == inc.chunks and inc.announced is not None and not inc.handle.done():
             inc.handle._move(State.DONE)
-            del self.requests[req]
-            if req in self._rr:
-                self._rr.remove(req)
-            for p in self.plan.writers_of(self.rank):
-                self._send(p.src_rank, {"type": "done", "req": req})
+            del self.requests[inc.key]
+            if inc.key in self._rr:
+                self._rr.remove(inc.key)
+            for r in self.engines[inc.engine].ranks(self.rank):
+                self._send(inc.engine, r, {"type": "done", "req": inc.handle.req})
 
-    def _send(self, rank: int, msg: dict) -> None:
-        w = self.writers.get(rank)
+    def _send(self, engine: str, rank: int, msg: dict) -> None:
+        eng = self.engines.get(engine)
+        w = eng.writers.get(rank) if eng is not None else None
         if w is not None:
             try:
                 w.conn.send(msg)
             except OSError as e:
-                log.debug("dst %d: send to source rank %d failed: %s", self.rank, rank, e)
+                log.debug("dst %d: send to %s failed: %s", self.rank, w.name, e)
 
     # -- failures --------------------------------------------------------------
-    def _fail(self, req: str, peer: str, stage: str, cause: str, tell: bool, skip: int | None = None) -> None:
-        inc = self.requests.get(req)
+    def _fail(self, key: tuple, peer: str, stage: str, cause: str, tell: bool, skip: int | None = None) -> None:
+        inc = self.requests.get(key)
         if inc is None or inc.handle.done():
             return
+        req = inc.handle.req
         # the handle says FAILED (its pages may be reused at once) only when no scatter of ours still writes them
         for chunk in inc.open.values():
             chunk.settle()
@@ -723,18 +829,19 @@ class Destination(Endpoint):
                 chunk.wait()
         inc.handle._fail(peer, stage, cause)
         log.warning("dst %d: request %s failed at %s with %s: %s", self.rank, req, stage, peer, cause)
-        if req in self._rr:
-            self._rr.remove(req)
+        if key in self._rr:
+            self._rr.remove(key)
         for c, chunk in list(inc.open.items()):
             if chunk.pending:  # a lost writer's too (``Chunk.lost``): its write may still land
                 inc.quarantine[c] = chunk
             elif chunk.slot is not None:
                 self.arena.allocator.release(chunk.slot)
         inc.open.clear()
-        if tell and self.plan is not None:
-            for p in self.plan.writers_of(self.rank):
-                if p.src_rank != skip:
-                    self._send(p.src_rank, {"type": "abort", "req": req, "reason": cause})
+        eng = self.engines.get(inc.engine)
+        if tell and eng is not None:
+            for r in eng.ranks(self.rank):
+                if r != skip:
+                    self._send(inc.engine, r, {"type": "abort", "req": req, "reason": cause})
         self._forget_if_clear(inc)
 
     def _unquarantine(self, inc: Incoming, c: int, rank: int) -> None:
@@ -749,49 +856,61 @@ class Destination(Endpoint):
 
     def _forget_if_clear(self, inc: Incoming) -> None:
         if inc.handle.done() and not inc.quarantine and not inc.open:
-            self.requests.pop(inc.handle.req, None)
+            self.requests.pop(inc.key, None)
 
-    def _on_abort_ack(self, rank: int, req: str) -> None:
+    def _on_abort_ack(self, writer: Writer, req: str) -> None:
         """The writer has no write in flight for ``req`` any more: its slots can be reused."""
-        inc = self.requests.get(req)
+        inc = self.requests.get((writer.engine, req))
         if inc is None:
             return
+        rank = writer.rank
         for c in [c for c, ch in inc.quarantine.items() if rank in ch.pending and rank not in ch.lost]:
             self._unquarantine(inc, c, rank)  # a lost writer's chunks wait for their notices (``_late_landing``)
 
     def _on_closed(self, conn: Connection, reason: str, answered: bool) -> None:
-        writer = next((w for w in self.writers.values() if w.conn is conn), None)
+        writer = self._writers.pop(conn, None)
         conn.close()
         probe = self._probes.pop(conn, None)
         if probe is not None:  # the prober waited for its writes before closing
             self.arena.allocator.release(probe[0])
         if writer is None:
             return
-        del self.writers[writer.rank]
-        live = [r for r, inc in self.requests.items() if not inc.handle.done()]
-        (log.warning if live else log.info)("dst %d: source rank %d disconnected (%s), %d requests affected",
-                                            self.rank, writer.rank, reason, len(live))
+        eng = self.engines[writer.engine]
+        if eng.writers.get(writer.rank) is writer:
+            del eng.writers[writer.rank]
+        if self._agents.get(writer.agent) is writer:
+            del self._agents[writer.agent]
+        remember(self._lost_agents, writer.agent, writer.engine, MAX_LOST_AGENTS)
+        live = [k for k, inc in self.requests.items() if inc.engine == writer.engine and not inc.handle.done()]
+        (log.warning if live else log.info)("dst %d: %s disconnected (%s), %d requests affected",
+                                            self.rank, writer.name, reason, len(live))
         # a closed control connection does not end the data path: UCX keeps its own connections, and what
         # the writer queued before the loss may still land in its granted slots. Its host answered (the
         # link is up): that is a matter of round trips. It stopped answering: whenever the link is back
         hold = min(ANSWERED_HOLD_S, self.settings.late_write_hold_s) if answered else self.settings.late_write_hold_s
         until, held = time.monotonic() + hold, 0
         for inc in self.requests.values():
+            if inc.engine != writer.engine:
+                continue
             for ch in (*inc.open.values(), *inc.quarantine.values()):
                 if writer.rank in ch.pending:
                     ch.lost[writer.rank] = (writer.agent, until, answered)
                     held += 1
         if held:  # a staged chunk holds its slot; a direct one its request's pages (``tracks``)
-            log.warning("dst %d: source rank %d was lost with %d granted chunks not landed; their slots and pages stay "
-                        "out of use until its late writes' notices arrive or %g s pass (%s)", self.rank, writer.rank,
+            log.warning("dst %d: %s was lost with %d granted chunks not landed; their slots and pages stay "
+                        "out of use until its late writes' notices arrive or %g s pass (%s)", self.rank, writer.name,
                         held, hold, "its host closed the connection" if answered
                         else "its host stopped answering: late_write_hold_s")
-        for req, inc in list(self.requests.items()):
-            if not inc.handle.done():
-                self._fail(req, f"source rank {writer.rank}", inc.stage, f"connection lost ({reason})", tell=True)
+        for key in live:
+            inc = self.requests.get(key)
+            if inc is not None:
+                self._fail(key, writer.name, inc.stage, f"connection lost ({reason})", tell=True)
+        if not eng.writers:  # an engine gone whole leaves nothing behind but its failed requests' holds
+            del self.engines[writer.engine]
+            log.info("dst %d: prefill engine %r has no rank connected any more", self.rank, writer.engine)
 
     def _peers(self) -> list:
-        return [w.conn for w in self.writers.values()]
+        return list(self._writers)
 
     def _check_stalls(self, now: float) -> None:
         """A request waiting for its announcement past ``ready_timeout_s``, or a
@@ -815,34 +934,61 @@ class Destination(Endpoint):
                 "dst %d: hold over for lost source rank %d (agent %s): %d chunks released with no notice of their writes; "
                 "their slots and pages are reused%s", self.rank, rank, agent, n,
                 "" if answered else " (a write of them landing later would overwrite what is placed there next)")
-        for rank, w in list(self.writers.items()):
+        for w in list(self._writers.values()):
             quiet = self._silent(w.conn, now)
             if quiet is None:
                 continue
-            for req, inc in list(self.requests.items()):
-                if not inc.handle.done():
-                    self._fail(req, f"source rank {rank}", inc.stage,
-                               f"no control message for {quiet:.1f} s: the source is frozen or hung, or the link is down", tell=True)
-        for req, inc in list(self.requests.items()):
+            for key, inc in list(self.requests.items()):
+                if inc.engine == w.engine and not inc.handle.done():
+                    owes = any(w.rank in c.pending for c in inc.open.values())  # its writes are what the request waits for
+                    self._fail(key, w.name, "write" if owes else inc.stage,
+                               f"no control message for {quiet:.1f} s: the source is stopped or hung, or the link is down",
+                               tell=True)
+        for key, inc in list(self.requests.items()):
             if inc.handle.done():
                 continue
             if inc.announced is None:
                 if now - inc.touched > self.settings.ready_timeout_s:
-                    missing = sorted({p.src_rank for p in self.plan.writers_of(self.rank)} - set(inc.ready)) if self.plan else []
+                    eng = self.engines.get(inc.engine)
+                    missing = sorted(set(eng.ranks(self.rank)) - set(inc.ready)) if eng else []
                     who = "source ranks " + ",".join(map(str, missing)) if missing else "sources"
-                    self._fail(req, who, "waiting for writers", f"not announced within {self.settings.ready_timeout_s:g} s", tell=True)
+                    if inc.engine:
+                        who += f" of engine {inc.engine}"
+                    self._fail(key, who, "waiting for writers", f"not announced within {self.settings.ready_timeout_s:g} s", tell=True)
                 continue
-            late = [c for c in inc.open.values() if now - max(c.granted, inc.announced) > self.settings.stall_timeout_s]
-            if late:
-                who = "source ranks " + ",".join(map(str, sorted(set().union(*(c.pending for c in late)))))
-                self._fail(req, who, "write", f"chunk {late[0].index} not landed {self.settings.stall_timeout_s:g} s after its grant", tell=True)
+            self._check_slow(inc, now)
+
+    def _check_slow(self, inc: Incoming, now: float) -> None:
+        """A granted chunk not landed ``SLOW_S`` after its grant (or after the last announcement,
+        for early grants) makes the request slow: said once. It fails past ``stall_timeout_s``
+        only while every writer it waits for runs (its pings say its loop turns): a busy engine
+        is waited for, a running one that does not deliver is stuck."""
+        waited = {c.index: now - max(c.granted, inc.announced) for c in inc.open.values()}
+        slow = min(SLOW_S, self.settings.stall_timeout_s)
+        if not waited or max(waited.values()) <= slow:
+            return
+        eng = self.engines.get(inc.engine)
+        late = [c for c in inc.open.values() if waited[c.index] > slow]
+        pending = sorted(set().union(*(c.pending for c in late)))
+        who = "source ranks " + ",".join(map(str, pending)) + (f" of engine {inc.engine}" if inc.engine else "")
+        writers = [eng.writers.get(r) for r in pending] if eng else []
+        running = all(w is not None and self._peer_running(w.conn, now) for w in writers)
+        if not inc.slow:
+            inc.slow = True
+            log.warning("dst %d: request %s is slow: chunk %d not landed %.1f s after its grant; waiting for %s (%s)",
+                        self.rank, inc.handle.req, late[0].index, waited[late[0].index], who,
+                        "running" if running else "alive, busy: its loop does not turn")
+        stuck = [c for c in late if waited[c.index] > self.settings.stall_timeout_s]
+        if stuck and running:
+            self._fail(inc.key, who, "write", f"chunk {stuck[0].index} not landed {self.settings.stall_timeout_s:g} s "
+                       "after its grant, while the source runs", tell=True)
 
     def _shutdown(self) -> None:
         self._listener.close()
-        for w in list(self.writers.values()):
-            w.conn.close()
-        for req in list(self.requests):
-            self._fail(req, "local", "shutdown", "destination closed", tell=False)
+        for conn in list(self._writers):
+            conn.close()
+        for key in list(self.requests):
+            self._fail(key, "local", "shutdown", "destination closed", tell=False)
         unshare(self.arena.buffer)  # no new source can map it; those that did keep their mapping until they close
         if self._scatter_threads is not None:
             self._scatter_threads.close()

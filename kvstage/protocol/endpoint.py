@@ -40,8 +40,9 @@ from kvstage.layout import pages_needed, token_bytes
 from kvstage.link.connect import connect_line
 from kvstage.link.facts import collect_local, memory_facts, value
 from kvstage.link.finding import Finding, Severity
+from kvstage.protocol import beat
 from kvstage.protocol.gate import PRE_AUTH_MAX_FRAME, PRE_AUTH_TYPES, RefusalLog, host_of, pending_cap
-from kvstage.protocol.wire import MAX_FRAME, Connection
+from kvstage.protocol.wire import MAX_ENGINE_ID, MAX_FRAME, Connection
 from kvstage.staging.arena import ArenaSize, StagingArena, arena_size, choose_arena
 from kvstage.staging.cache import RankCache
 from kvstage.staging.copy import copy_stream
@@ -67,6 +68,25 @@ _PR_SET_TIMERSLACK = 29
 MAX_ABORTED = 4096
 #: peer links whose judgement ``stats`` keeps: every live peer of an engine, not every connection it ever had
 MAX_LINKS = 256
+#: a peer whose last ping says its loop turned within this is running: a request it stalls is stuck, not
+#: waiting for a busy engine (pings come every ``PING_INTERVAL_S`` from a thread that needs no GIL)
+LIVE_LOOP_S = 2.0
+#: a request whose next step has waited this long (a chunk not landed after its grant, a write not complete)
+#: is reported slow once, in one log line; it fails only as ``stall_timeout_s`` says
+SLOW_S = 5.0
+
+
+def check_engine(engine) -> str:
+    """An engine id as given by a caller: a string of at most ``MAX_ENGINE_ID`` printable characters."""
+    if not isinstance(engine, str) or len(engine) > MAX_ENGINE_ID or not engine.isprintable():
+        raise ConfigError(f"engine={str(engine)[:40]!r}: must be a string of at most {MAX_ENGINE_ID} printable "
+                          "characters (the same on every rank of one engine)")
+    return engine
+
+
+def rank_name(engine: str, role: str, rank: int) -> str:
+    """How a peer rank is named in logs and failures: ``source rank 2`` or ``source rank 2 of engine E``."""
+    return f"{role} rank {rank}" + (f" of engine {engine}" if engine else "")
 
 
 def _tight_timer() -> None:
@@ -129,7 +149,8 @@ class EndpointStats:
     slots_total: int
     slots_free: int
     requests: int  # in flight (a failed request is held until no write of it can land)
-    peers: int  # connected peer ranks
+    peers: int  # connected peer ranks, of every peer engine
+    engines: int = 0  # peer engines known (each with its own plan)
     late_holds: int = 0  # destination: slots held for late writes of lost writers
     held_grants: int = 0  # source: grants kept for requests not sent here yet
     unknown_announced: int = 0  # destination: announcements of requests it was not told of yet
@@ -147,8 +168,10 @@ class Endpoint:
     role = "endpoint"
     shares_arena = False  # offers its arena to sources on this host (``staging.mapped``)
 
-    def __init__(self, cache: RankCache, settings: Settings | None = None, transport: Transport | None = None):
+    def __init__(self, cache: RankCache, settings: Settings | None = None, transport: Transport | None = None,
+                 engine: str = ""):
         self.cache, self.spec, self.rank = cache, cache.spec, cache.rank
+        self.engine = check_engine(engine)
         self.settings = settings or Settings()
         self.transport, made = self._open_transport(transport)
         try:
@@ -226,7 +249,7 @@ class Endpoint:
 
     def _init_loop(self) -> None:
         """The loop's state and thread (started by the subclass, last in its constructor)."""
-        self._aborted: dict[str, tuple[str, str]] = {}  # req -> (peer, cause): aborted by a peer before this side knew it
+        self._aborted: dict[tuple, tuple[str, str]] = {}  # (engine, req) -> (peer, cause): aborted before this side knew it
         self._events: queue.Queue = queue.Queue()
         self._selector = None  # epoll over the watched sockets, made only while one is past select's reach
         self._wake, self._waker = socket.socketpair()  # a byte on _waker: the queue holds an event
@@ -241,9 +264,12 @@ class Endpoint:
         device = "cuda" if self.cache.device.type == "cuda" else "cpu"
         self._busy_wait, self._poll = _BUSY_WAIT[device], POLL_S[device]
         self._stirred = 0.0  # the loop's last event: a message other than a ping, a call, a send (loop thread only)
-        self.requests: dict = {}  # req -> the subclass's record of a request in flight
+        self.requests: dict = {}  # (peer engine, req) -> the subclass's record of a request in flight
         self._heard: dict = {}  # control connection -> when its peer last sent anything
+        self._peer_loop: dict = {}  # control connection -> (when, its loop's age) from the peer's last ping
         self._pinged = 0.0
+        self.silence_max_s = 0.0  # the longest a connected peer was quiet, as this loop saw it
+        self._clock = beat.LoopClock() if beat.available() else None
         self._closing = False
         self._state = threading.Lock()  # held while state changes: by the loop, or by a caller in ``_here``
         self._thread = threading.Thread(target=self._run, name=f"kvstage-{self.role}{self.rank}", daemon=True)
@@ -364,12 +390,15 @@ class Endpoint:
         self._progress()
         if now - self._pinged >= PING_INTERVAL_S:
             self._pinged = now
-            self._ping()
+            if self._clock is None:  # no native pinger: the loop pings itself
+                self._ping()
             self._refusals.flush(now)
         if self._check_pause(started):  # stopped while handling: the deadlines below moved on
             now = time.monotonic()
         self._check_stalls(now)
         self._turned = time.monotonic()
+        if self._clock is not None:
+            self._clock.turned(self._turned)
         return True
 
     def _watch_now(self, conn: Connection, authenticate_within: float | None) -> None:
@@ -398,6 +427,8 @@ class Endpoint:
                     "that much, so its peers are not blamed for the time it lost", self.role, self.rank, gap)
         for conn in self._heard:
             self._heard[conn] += gap
+        for conn, (when, age) in self._peer_loop.items():
+            self._peer_loop[conn] = (when + gap, age)
         for conn, (deadline, within) in self._pending.items():
             self._pending[conn] = (deadline + gap, within)
         self._forgive(gap)
@@ -485,8 +516,14 @@ class Endpoint:
                     self._refuse(conn, f"sent {str(msg['type'])[:32]!r} before authenticating (only a hello or a "
                                        "probe request may come first)")
                     return
-                self._heard[conn] = time.monotonic()
-                if msg["type"] != "ping":  # a ping is no event: the peers' pings do not keep a loop polling
+                now = time.monotonic()
+                self.silence_max_s = max(self.silence_max_s, now - self._heard.get(conn, now))
+                self._heard[conn] = now
+                if msg["type"] == "ping":
+                    loop_s = msg.get("loop_s", 0.0)  # absent: the peer's loop pinged itself
+                    if isinstance(loop_s, (int, float)) and not isinstance(loop_s, bool) and loop_s >= 0:
+                        self._peer_loop[conn] = (now, float(loop_s))
+                else:  # a ping is no event: the peers' pings do not keep a loop polling
                     self._stirred = time.perf_counter()
                     try:
                         self._on_message(conn, msg)
@@ -511,6 +548,7 @@ class Endpoint:
             self._sockets_changed()
         self._pending.pop(conn, None)
         self._heard.pop(conn, None)
+        self._peer_loop.pop(conn, None)
         self._on_closed(conn, reason, answered)
 
     def _ping(self) -> None:
@@ -520,10 +558,26 @@ class Endpoint:
             except OSError:
                 pass  # a broken connection is reported by its reader
 
+    def _pinged_peer(self, conn: Connection) -> None:
+        """``conn`` leads to a peer endpoint: the native pinger pings it from now on (without
+        one, ``_ping`` does, from this loop), and this side's messages go through the pinger's
+        sends so a ping never lands inside one."""
+        if self._clock is not None:
+            self._clock.watch(conn.sock.fileno())
+            conn.native = True
+
+    def _peer_running(self, conn: Connection, now: float) -> bool:
+        """Whether the peer's loop turned within ``LIVE_LOOP_S`` of its last ping, and that ping
+        is the latest due (pings come every ``PING_INTERVAL_S``): it runs, so what it stalls is
+        stuck. A late ping says nothing either way, and nothing is failed on it. A peer whose
+        loop pings itself (no native pinger there) runs whenever it pings."""
+        when, age = self._peer_loop.get(conn, (self._heard.get(conn, now), 0.0))
+        return age <= LIVE_LOOP_S and now - when <= 1.5 * PING_INTERVAL_S
+
     def _silent(self, conn: Connection, now: float) -> float | None:
         """Seconds since ``conn``'s peer last sent anything, if past ``peer_timeout_s``.
-        A live peer pings every second from its loop; a frozen or hung one (its
-        kernel still answering TCP) goes quiet."""
+        A live peer pings every second, from a native thread however busy its Python
+        is; a stopped or hung one (its kernel still answering TCP) goes quiet."""
         quiet = now - self._heard.setdefault(conn, now)
         return quiet if quiet > self.settings.peer_timeout_s else None
 
@@ -532,14 +586,14 @@ class Endpoint:
         """The control connections to peer endpoints (pinged, watched for silence)."""
         return []
 
-    def _remember_abort(self, req: str, peer: str, cause: str) -> None:
-        """A peer aborted ``req`` before this side was told of it: fail it the
-        moment it is added instead of waiting for a grant or a writer that will
+    def _remember_abort(self, key: tuple, peer: str, cause: str) -> None:
+        """A peer aborted request ``key`` (peer engine, request id) before this side was told of
+        it: fail it the moment it is added instead of waiting for a grant or a writer that will
         never come. At most ``MAX_ABORTED`` are kept, the oldest dropped first."""
-        remember(self._aborted, req, (peer, cause), MAX_ABORTED)
+        remember(self._aborted, key, (peer, cause), MAX_ABORTED)
 
-    def _take_abort(self, handle) -> bool:
-        got = self._aborted.pop(handle.req, None)
+    def _take_abort(self, key: tuple, handle) -> bool:
+        got = self._aborted.pop(key, None)
         if got is not None:
             handle._fail(got[0], "abort", got[1])
         return got is not None

@@ -12,7 +12,7 @@ import hmac
 
 from kvstage.errors import ConfigError, ProtocolError
 from kvstage.layout import KVGeometry, PageLayout
-from kvstage.protocol.wire import PROTOCOL_VERSION, field
+from kvstage.protocol.wire import MAX_ENGINE_ID, PROTOCOL_VERSION, field
 from kvstage.tp import SideSpec
 
 #: a connection sends its hello (a destination) or answers it (a source) within this: a live peer
@@ -76,6 +76,14 @@ def check_peer(msg: dict, token: str, transport: str, who: str) -> None:
     check_version(msg, who)
     check_token(msg, token)
     check_transport(msg, transport, who)
+
+
+def peer_engine(msg: dict) -> str:
+    """The engine a hello or a welcome names: its ranks share one plan (``MAX_ENGINE_ID`` printable characters)."""
+    engine = field(msg, "engine", str)
+    if len(engine) > MAX_ENGINE_ID or not engine.isprintable():
+        raise ProtocolError(f"engine: {engine[:40]!r} is not an engine id (at most {MAX_ENGINE_ID} printable characters)")
+    return engine
 
 
 def hello_spec(msg: dict) -> tuple[SideSpec, int]:

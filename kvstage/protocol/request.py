@@ -33,7 +33,9 @@ class TransferHandle:
     chunks (one loop gathers them in turn) and ``slot_wait`` only the time the
     arena had no free slot for it; ``start`` runs from ``send`` to its first copy
     (a gather launched or a direct write posted), including any wait for the
-    first grant."""
+    first grant. On a destination, ``slot_wait`` is the time the announced
+    request's next chunk waited for a free slot of its arena (a full arena, or
+    its engine at its share of the slots)."""
 
     def __init__(self, req: str, role: str, tokens: int):
         self.req, self.role, self.tokens = req, role, tokens

@@ -11,6 +11,11 @@ replaces the write and its notice. A transport that walks many spans at the
 cost of one (``Transport.gathers``: ``cma``) writes the chunk straight from
 this rank's pages into the granted slot, with no gather and no slot here.
 
+One source serves any number of decode engines, each with its own plan (its
+own TP size): a destination is known by its engine (the id its welcome names)
+and rank, a request by that engine and its id. A destination is connected
+once; later ``connect`` calls to the same address reuse the connection.
+
 A destination grants the first chunks of a request as soon as it expects it,
 often before this side's ``send``: such grants are checked on arrival and held
 until the request is sent (its first gather then starts at once), or until
@@ -32,9 +37,9 @@ import numpy as np
 from kvstage.errors import KVStageError, ProtocolError, TransferFailed
 from kvstage.layout import pages_needed
 from kvstage.link.context import link_context
-from kvstage.protocol.endpoint import Endpoint, EndpointStats, check_pages, remember
+from kvstage.protocol.endpoint import SLOW_S, Endpoint, EndpointStats, check_engine, check_pages, rank_name, remember
 from kvstage.protocol.handshake import (HANDSHAKE_TIMEOUT_S, check_transport, check_version, md_from_wire, md_to_wire,
-                                        spec_from_wire, spec_to_wire)
+                                        peer_engine, spec_from_wire, spec_to_wire)
 from kvstage.protocol.request import State, TransferHandle
 from kvstage.protocol.wire import PROTOCOL_VERSION, Connection, field, notice_fields
 from kvstage.protocol.writes import DirectPageRuns, FromPages, InFlight, MappedGather, StagedWrite, WritePath
@@ -48,6 +53,9 @@ log = logging.getLogger("kvstage")
 
 MAX_HELD = 4096  # grants kept for requests not sent here yet
 MAX_FINISHED = 4096  # finished request ids remembered, so a late grant for one is refused, not held
+#: destination addresses remembered that this rank writes nothing to (another source rank covers them),
+#: so a later ``connect`` to them needs no handshake
+MAX_IDLE_ADDRESSES = 1024
 #: a ``send`` whose gathers are the whole request (a small one, granted early, into mapped arenas) waits
 #: this long on the caller's thread for them and says ``landed`` from there: the loop would first have
 #: to wake, which takes longer on a GPU host than such a gather
@@ -56,14 +64,31 @@ SEND_WAIT_S = 200e-6
 
 @dataclass
 class Target:
+    engine: str
     rank: int
     conn: Connection
     agent: str
+    plan: TransferPlan
     piece: Piece
     arena: Region
     kv: list[Region]
+    address: tuple = ()  # (host, port) it was connected at
     mapped: MappedArena | None = None  # the destination's arena mapped here: gathers go straight into it
     path: WritePath | None = None  # how its staged chunks go (decided at connect); direct grants go direct
+
+    @property
+    def name(self) -> str:
+        return rank_name(self.engine, "destination", self.rank)
+
+
+@dataclass
+class DestinationEngine:
+    """One decode engine's ranks as this source sees them: the plan from its welcomes, and the
+    connected ranks this source writes to."""
+
+    name: str
+    plan: TransferPlan
+    targets: dict = dc_field(default_factory=dict)  # destination rank -> Target
 
 
 @dataclass
@@ -73,7 +98,7 @@ class Job:
     chunk: int
     start: int
     count: int
-    offset: int = 0
+    engine: str = ""  # the destination's engine    offset: int = 0
     pages: np.ndarray | None = None
     ticket: bytes = b""  # from the destination's transport.expect (two-sided transports)
     queued: float = dc_field(default_factory=time.perf_counter)  # granted (or sent, for a held grant)
@@ -84,31 +109,40 @@ class Job:
 class Outgoing:
     handle: TransferHandle
     pages: np.ndarray
+    engine: str  # the decode engine it goes to
     chunks: dict = dc_field(default_factory=dict)  # dst rank -> chunks it will grant
     granted: dict = dc_field(default_factory=dict)  # dst rank -> set of chunk indices granted
     written: dict = dc_field(default_factory=dict)  # dst rank -> chunks fully written
     inflight: int = 0
+    slow: bool = False  # said to be slow (once: ``Source._check_stalls``)
     stage: str = "waiting for grant"
     touched: float = dc_field(default_factory=time.monotonic)
     kernel_pages: object = None  # the page ids where the GPU copies read them (``upload_pages``), once at ``send``
 
+    @property
+    def key(self) -> tuple[str, str]:
+        return self.engine, self.handle.req
+
 
 class Source(Endpoint):
-    """A source rank. ``connect`` it to every destination rank, then ``send``."""
+    """A source rank. ``connect`` it to the destination ranks of a decode engine, then ``send``
+    to that engine; any number of decode engines (``engine``: this rank's own engine id, told to
+    every destination, which names the requests it expects from it)."""
 
     role = "src"
 
-    def __init__(self, cache, settings=None, transport=None):
-        super().__init__(cache, settings, transport)
-        self.plan: TransferPlan | None = None
-        self.targets: dict[int, Target] = {}
-        self.requests: dict[str, Outgoing] = {}
+    def __init__(self, cache, settings=None, transport=None, engine: str = ""):
+        super().__init__(cache, settings, transport, engine)
+        self.engines: dict[str, DestinationEngine] = {}
+        self._targets: dict[Connection, Target] = {}  # every connected destination, by its control connection
+        self._idle: dict[tuple, tuple[str, int]] = {}  # address this rank writes nothing to -> (engine, rank)
+        self.requests: dict[tuple[str, str], Outgoing] = {}
         self._jobs: collections.deque[Job] = collections.deque()
         self._inflight: list = []  # writes.InFlight
         self._gathering: list = []  # writes.Gathering
-        self._held: dict[str, dict] = {}  # req not sent yet -> {(dst rank, chunk): (Job, chunks, tokens)}
+        self._held: dict[tuple, dict] = {}  # (engine, req) not sent yet -> {(dst rank, chunk): (Job, chunks, tokens)}
         self._held_count = 0
-        self._finished: dict[str, str] = {}  # req -> final state, oldest first
+        self._finished: dict[tuple, str] = {}  # (engine, req) -> final state, oldest first
         self._direct = DirectPageRuns(self)
         self._staged = FromPages(self) if self.transport.gathers else StagedWrite(self)
         self._mapped = MappedGather(self)
@@ -119,27 +153,50 @@ class Source(Endpoint):
 
     # -- public --------------------------------------------------------------
     def connect(self, addresses) -> list[int]:
-        """Handshake with each destination rank at ``addresses`` (host, port).
+        """Handshake with each destination rank at ``addresses`` (host, port) this source is not
+        connected to yet; an address connected before is reused as it is.
 
         Keeps the connections to ranks this source writes to and returns their
         ranks. Raises ``TransferFailed`` when a destination refuses."""
         kept = []
         for host, port in addresses:
-            rank = self._handshake(host, int(port))
-            if rank is not None:
-                kept.append(rank)
+            address = (host, int(port))
+            known = self._here(lambda: self._known(address))
+            if known is None:
+                known = self._handshake(host, int(port))
+            if known is not None and known >= 0:
+                kept.append(known)
         return kept
 
-    def send(self, req: str, page_ids, tokens: int) -> TransferHandle:
-        """Send ``tokens`` tokens of request ``req`` held in ``page_ids`` (this rank's pages)."""
+    def send(self, req: str, page_ids, tokens: int, engine: str = "") -> TransferHandle:
+        """Send ``tokens`` tokens of request ``req`` held in ``page_ids`` (this rank's pages) to
+        the ranks of decode engine ``engine`` (the id its destinations were made with)."""
         if not isinstance(req, str) or not 0 < len(req) <= 256:
             raise ValueError(f"req={req!r}: must be a non-empty string of at most 256 characters")
+        check_engine(engine)
         pages = check_pages(self.cache, page_ids, tokens)
         handle = TransferHandle(req, "src", int(tokens))
         log.debug("src %d: %s sent by the caller, %d tokens", self.rank, req, tokens)
-        handle._abort = lambda reason: self._post("call", lambda: self._fail(req, "local", "abort", reason, tell=True))
-        self._here(lambda: self._add(handle, pages))  # on this thread: it is awake, the loop may not be
+        key = (engine, req)
+        handle._abort = lambda reason: self._post("call", lambda: self._fail(key, "local", "abort", reason, tell=True))
+        self._here(lambda: self._add(handle, pages, engine))  # on this thread: it is awake, the loop may not be
         return handle
+
+    def target_of(self, job: Job) -> Target | None:
+        """The connected destination rank a granted job writes to (None once it is gone)."""
+        eng = self.engines.get(job.engine)
+        return eng.targets.get(job.dst) if eng is not None else None
+
+    def _known(self, address: tuple) -> int | None:
+        """The destination rank already connected at ``address`` (-1: known, written to by another
+        source rank), or None: a handshake is needed."""
+        for t in self._targets.values():
+            if t.address == address and not t.conn.closed:
+                return t.rank
+        idle = self._idle.get(address)
+        if idle is not None and idle[0] in self.engines:
+            return -1
+        return None
 
     # -- construction ------------------------------------------------------------
     def _arena_size(self, where: str) -> ArenaSize:
@@ -163,7 +220,7 @@ class Source(Endpoint):
         conn = Connection(sock, peer)
         try:
             conn.send({
-                "type": "hello", "version": PROTOCOL_VERSION, "token": self.settings.auth_token,
+                "type": "hello", "version": PROTOCOL_VERSION, "token": self.settings.auth_token, "engine": self.engine,
                 "spec": spec_to_wire(self.spec), "rank": self.rank, "agent": self.transport.id,
                 "transport": self.transport.name,
                 "metadata": md_to_wire(self.transport.metadata()), "slot_bytes": self.slot_bytes,
@@ -181,13 +238,14 @@ class Source(Endpoint):
                 raise ProtocolError(f"expected welcome, got {msg['type']!r}")
             check_version(msg, "destination")
             check_transport(msg, self.transport.name, "destination")
+            engine = peer_engine(msg)
             dst = spec_from_wire(field(msg, "spec", dict))
             p = plan(self.spec, dst)
             rank = field(msg, "rank", int, minimum=0, maximum=dst.tp - 1)
             piece = next((x for x in p.targets_of(self.rank) if x.dst_rank == rank), None)
             if piece is None:  # another source rank covers this destination
                 conn.close()
-                self._call(lambda: self._set_plan(p, conn))
+                self._call(lambda: self._set_idle(engine, p, rank, (host, port), conn))
                 return None
             arena = Region.from_wire(field(msg, "arena", dict))
             kv = [Region.from_wire(r) for r in field(msg, "kv", list)]
@@ -196,31 +254,52 @@ class Source(Endpoint):
             conn.close()
             raise TransferFailed("-", f"destination {peer}", "handshake", str(e)) from e
         conn.sock.settimeout(None)
-        self._call(lambda: self._add_target(p, rank, conn, md, piece, arena, kv, msg))
+        self._call(lambda: self._add_target(engine, p, rank, conn, md, piece, arena, kv, msg, (host, port)))
         self._watch(conn)
         return rank
 
     # -- loop thread -----------------------------------------------------------
-    def _set_plan(self, p: TransferPlan, conn: Connection) -> None:
-        if self.plan is not None and p.dst != self.plan.dst:
-            conn.close()
-            raise TransferFailed("-", conn.peer, "handshake", f"destination spec {p.dst} differs from {self.plan.dst}")
-        self.plan = p
+    def _engine(self, engine: str, p: TransferPlan, conn: Connection) -> DestinationEngine:
+        """The decode engine ``engine`` with plan ``p``: one engine's ranks share one spec. An engine
+        none of whose ranks is connected any more may come back with another."""
+        eng = self.engines.get(engine)
+        if eng is not None and p.dst != eng.plan.dst:
+            if eng.targets:
+                conn.close()
+                raise TransferFailed("-", conn.peer, "handshake", f"destination spec {p.dst} differs from "
+                                     f"{eng.plan.dst}, which engine {engine!r}'s other ranks connected with")
+            eng = None
+        if eng is None:
+            eng = self.engines[engine] = DestinationEngine(engine, p)
+            log.info("src %d: decode engine %r: %s -> %s", self.rank, engine, p.src, p.dst)
+        return eng
 
-    def _add_target(self, p: TransferPlan, rank: int, conn: Connection, md: bytes, piece: Piece, arena: Region,
-                    kv: list[Region], welcome: dict) -> None:
-        self._set_plan(p, conn)
+    def _set_idle(self, engine: str, p: TransferPlan, rank: int, address: tuple, conn: Connection) -> None:
+        self._engine(engine, p, conn)
+        remember(self._idle, address, (engine, rank), MAX_IDLE_ADDRESSES)
+
+    def _add_target(self, engine: str, p: TransferPlan, rank: int, conn: Connection, md: bytes, piece: Piece,
+                    arena: Region, kv: list[Region], welcome: dict, address: tuple) -> None:
+        eng = self._engine(engine, p, conn)
         if kv and len(kv) != len(self.cache.buffers):
             conn.close()
             raise TransferFailed("-", conn.peer, "handshake", f"destination offered {len(kv)} KV regions, need {len(self.cache.buffers)}")
+        old = eng.targets.get(rank)
+        if old is not None:  # the same identity again (a restarted or reconnected rank): the new one replaces it
+            log.warning("src %d: %s connected again at %s; its connection at %s is closed", self.rank, old.name,
+                        conn.peer, old.conn.peer)
+            old.conn.close()
+            self._drop(old.conn, "replaced by a new connection to the same destination rank")
+            eng = self._engine(engine, p, conn)  # made anew if the old connection was its last
         facts = welcome.get("facts")
         mapped = self._map_arena(conn, arena, welcome.get("mapped"), facts)
-        if rank in self.targets:
-            self._close_target(self.targets[rank])
         agent = self.transport.connect(md)
-        conn.peer = f"destination rank {rank} ({conn.peer})"
+        name = rank_name(engine, "destination", rank)
+        conn.peer = f"{name} ({conn.peer})"
         path = self._mapped if mapped is not None else self._staged
-        self.targets[rank] = Target(rank, conn, agent, piece, arena, kv, mapped, path)
+        target = eng.targets[rank] = Target(engine, rank, conn, agent, p, piece, arena, kv, address, mapped, path)
+        self._targets[conn] = target
+        self._pinged_peer(conn)
         log.debug("src %d: connected to %s, heads %d..%d, %s path%s", self.rank, conn.peer, piece.heads.start,
                   piece.heads.stop, path.name, ", direct offered" if kv else "")
         self._log_link(facts, conn.peer, welcome.get("kv_facts"), direct=bool(kv))
@@ -267,40 +346,45 @@ class Source(Endpoint):
         target.conn.close()
         if target.mapped is not None:
             for g in self._gathering:
-                if g.slot is None and any(j.dst == target.rank for j in g.jobs):
+                if g.slot is None and any((j.engine, j.dst) == (target.engine, target.rank) for j in g.jobs):
                     g.fence.wait()
             target.mapped.close()
 
-    def _add(self, handle: TransferHandle, pages: np.ndarray) -> None:
+    def _add(self, handle: TransferHandle, pages: np.ndarray, engine: str) -> None:
         """A sent request (caller's thread, state lock held): announce it, apply the grants
         held for it and launch the gathers they allow. Writes, slots and the transport's
         polls stay the loop's."""
-        if handle.req in self.requests:
-            raise ValueError(f"request {handle.req!r} is already in flight on source rank {self.rank}")
-        if self.plan is None:
-            raise TransferFailed(handle.req, "-", "send", "not connected to any destination rank; call connect() first")
-        want = [p.dst_rank for p in self.plan.targets_of(self.rank)]
-        missing = [d for d in want if d not in self.targets]
+        key = (engine, handle.req)
+        if key in self.requests:
+            raise ValueError(f"request {handle.req!r} to engine {engine!r} is already in flight on source rank {self.rank}")
+        eng = self.engines.get(engine)
+        if eng is None:
+            known = ", ".join(repr(e) for e in self.engines) or "none"
+            raise TransferFailed(handle.req, "-", "send", f"not connected to any destination rank of engine {engine!r} "
+                                 f"(engines connected: {known}); call connect() first")
+        want = [p.dst_rank for p in eng.plan.targets_of(self.rank)]
+        missing = [d for d in want if d not in eng.targets]
         if missing:
-            raise TransferFailed(handle.req, f"destination ranks {missing}", "send", "not connected")
+            raise TransferFailed(handle.req, f"destination ranks {missing}" + (f" of engine {engine}" if engine else ""),
+                                 "send", "not connected")
         if not want:  # replicas or MLA: another source rank covers these heads
             handle._move(State.DONE)
             return
-        self._finished.pop(handle.req, None)
-        if self._take_abort(handle):  # every destination hears of it: none keeps slots granted to it
+        self._finished.pop(key, None)
+        if self._take_abort(key, handle):  # every destination hears of it: none keeps slots granted to it
             for d in want:
-                self._send(d, {"type": "abort", "req": handle.req, "reason": handle.error.cause})
-                self._send(d, {"type": "abort_ack", "req": handle.req})
+                self._send(engine, d, {"type": "abort", "req": handle.req, "reason": handle.error.cause})
+                self._send(engine, d, {"type": "abort_ack", "req": handle.req})
             return
-        out = Outgoing(handle, pages)
-        self.requests[handle.req] = out
-        held = self._drop_held(handle.req)
+        out = Outgoing(handle, pages, engine)
+        self.requests[key] = out
+        held = self._drop_held(key)
         # the announcements go first: each destination handles its ``ready`` while this side gathers
         ready = {"type": "ready", "req": handle.req, "tokens": handle.tokens}
         for d in want:
             out.written[d] = 0
             out.granted[d] = set()
-            self._send(d, ready)  # a send that fails here fails the request when the loop sees the closed connection
+            self._send(engine, d, ready)  # a send that fails here fails the request when the loop sees the closed connection
         out.kernel_pages = upload_pages(self.cache, pages, checked=True)
         for job, chunks, tokens in sorted(held.values(), key=lambda g: (g[0].chunk, g[0].dst)):
             if not handle.done():  # a grant naming other tokens fails it
@@ -319,7 +403,8 @@ class Source(Endpoint):
         started on the GPU (work queued before them, an engine's model step, would hold the
         caller for the whole bound): the loop does it then."""
         req = out.handle.req
-        if any(j.req == req for j in self._jobs) or any(len(out.granted[d]) != out.chunks.get(d) for d in out.written):
+        if any((j.engine, j.req) == out.key for j in self._jobs) or any(len(out.granted[d]) != out.chunks.get(d)
+                                                                          for d in out.written):
             return
         fences = [g.fence for g in self._gathering if g.out is out and g.slot is None]
         if not fences or not all(f.started() for f in fences):
@@ -339,7 +424,7 @@ class Source(Endpoint):
         return next((g.fence for g in self._gathering if not g.fence.done()), None)
 
     def _on_message(self, conn: Connection, msg: dict) -> None:
-        target = next((t for t in self.targets.values() if t.conn is conn), None)
+        target = self._targets.get(conn)
         if target is None:
             return
         kind = msg["type"]
@@ -348,20 +433,22 @@ class Source(Endpoint):
                 self._on_grant(target, msg)
             elif kind == "abort":
                 req = field(msg, "req", str)
+                key = (target.engine, req)
                 cause = "destination aborted: " + str(msg.get("reason"))[:200]
-                if req in self.requests:
-                    self._fail(req, f"destination rank {target.rank}", "abort", cause, tell=False)
+                if key in self.requests:
+                    self._fail(key, target.name, "abort", cause, tell=False)
                 else:  # not sent here (yet): nothing of it can land, its early grants are void
-                    self._drop_held(req)
-                    self._remember_abort(req, f"destination rank {target.rank}", cause)
-                    self._send(target.rank, {"type": "abort_ack", "req": req})
+                    self._drop_held(key)
+                    self._remember_abort(key, target.name, cause)
+                    self._send(target.engine, target.rank, {"type": "abort_ack", "req": req})
             elif kind == "done":
                 field(msg, "req", str)
             elif kind == "error":
                 reason = str(msg.get("reason"))[:300]
                 log.warning("src %d: %s refused our %s: %s", self.rank, conn.peer, msg.get("about"), reason)
                 if isinstance(msg.get("req"), str):
-                    self._fail(msg["req"], conn.peer, str(msg.get("about")), f"refused: {reason}", tell=False)
+                    self._fail((target.engine, msg["req"]), conn.peer, str(msg.get("about")), f"refused: {reason}",
+                               tell=False)
             else:
                 raise ProtocolError(f"unknown message type {kind!r}")
         except KVStageError as e:
@@ -377,7 +464,7 @@ class Source(Endpoint):
         c = field(msg, "chunk", int, minimum=0, maximum=chunks - 1)
         start = field(msg, "start", int, minimum=0, maximum=tokens - 1)
         count = field(msg, "count", int, minimum=1, maximum=tokens - start)
-        job = Job(req, d, c, start, count)
+        job = Job(req, d, c, start, count, target.engine)
         if "pages" in msg:
             if not target.kv:
                 raise ProtocolError(f"direct grant for {req!r}, but the destination offered no KV regions")
@@ -396,16 +483,17 @@ class Source(Endpoint):
                     job.ticket = base64.b64decode(field(msg, "ticket", str), validate=True)
                 except ValueError:
                     raise ProtocolError(f"grant for {req!r} chunk {c}: ticket is not base64") from None
-            nbytes = self.plan.piece_token_bytes(target.piece) * count
+            nbytes = target.plan.piece_token_bytes(target.piece) * count
             if job.offset + nbytes > target.arena.nbytes:
                 raise ProtocolError(
                     f"grant for {req!r} chunk {c}: {nbytes} bytes at offset {job.offset} exceed the "
                     f"destination arena of {target.arena.nbytes} bytes"
                 )
-        out = self.requests.get(req)
+        key = (target.engine, req)
+        out = self.requests.get(key)
         if out is None:
-            if req in self._finished:
-                raise ProtocolError(f"grant for request {req!r}, which already {self._finished[req]} here")
+            if key in self._finished:
+                raise ProtocolError(f"grant for request {req!r}, which already {self._finished[key]} here")
             return self._hold(job, chunks, tokens)
         if out.handle.done():
             raise ProtocolError(f"grant for request {req!r}, which already {out.handle.state.value} here")
@@ -413,7 +501,8 @@ class Source(Endpoint):
 
     def _hold(self, job: Job, chunks: int, tokens: int) -> None:
         """Keep a grant for a request not sent here yet (at most ``MAX_HELD``)."""
-        held = self._held.get(job.req)
+        key = (job.engine, job.req)
+        held = self._held.get(key)
         if held is not None:
             if (job.dst, job.chunk) in held:
                 raise ProtocolError(f"chunk {job.chunk} of {job.req!r} granted twice")
@@ -423,20 +512,20 @@ class Source(Endpoint):
                                     f"grant said {other[1]} of {other[2]}")
         if self._held_count >= MAX_HELD:
             raise ProtocolError(f"more than {MAX_HELD} grants held for requests not sent to this source rank")
-        self._held.setdefault(job.req, {})[(job.dst, job.chunk)] = (job, chunks, tokens)
+        self._held.setdefault(key, {})[(job.dst, job.chunk)] = (job, chunks, tokens)
         self._held_count += 1
         log.debug("src %d: %s chunk %d granted by destination rank %d, held until sent", self.rank, job.req,
                   job.chunk, job.dst)
 
-    def _drop_held(self, req: str) -> dict:
-        held = self._held.pop(req, {})
+    def _drop_held(self, key: tuple) -> dict:
+        held = self._held.pop(key, {})
         self._held_count -= len(held)
         return held
 
     def _apply_grant(self, out: Outgoing, job: Job, chunks: int, tokens: int) -> None:
         req, d, c = job.req, job.dst, job.chunk
         if tokens != out.handle.tokens:
-            return self._fail(req, f"destination rank {d}", "grant",
+            return self._fail(out.key, rank_name(job.engine, "destination", d), "grant",
                               f"destination expects {tokens} tokens, this source sends {out.handle.tokens}", tell=True)
         if out.chunks.get(d, chunks) != chunks:
             raise ProtocolError(f"grant says {chunks} chunks for {req!r}; an earlier grant said {out.chunks[d]}")
@@ -457,14 +546,14 @@ class Source(Endpoint):
         """The write path of a granted job: direct for a grant naming pages, else its destination's."""
         if job.pages is not None:
             return self._direct
-        target = self.targets.get(job.dst)
+        target = self.target_of(job)
         return target.path if target is not None else self._staged
 
     def _progress(self) -> None:
         self._poll_writes()
         self._poll_gathers()
         while self._jobs:
-            out = self.requests.get(self._jobs[0].req)
+            out = self.requests.get((self._jobs[0].engine, self._jobs[0].req))
             if out is None or out.handle.done():
                 self._jobs.popleft()
                 continue
@@ -476,7 +565,7 @@ class Source(Endpoint):
         caller's thread); the loop takes the queue from the first job that needs a slot, a
         write or the transport."""
         while self._jobs and self._path_of(self._jobs[0]) is self._mapped:
-            out = self.requests.get(self._jobs[0].req)
+            out = self.requests.get((self._jobs[0].engine, self._jobs[0].req))
             if out is None or out.handle.done():
                 self._jobs.popleft()
                 continue
@@ -494,13 +583,14 @@ class Source(Endpoint):
             out, job = g.out, g.jobs[0]
             log.debug("src %d: %s chunk %d gathered", self.rank, job.req, job.chunk)
             out.inflight -= 1
-            gone = next((j.dst for j in g.jobs if j.dst not in self.targets), None)
+            gone = next((j.dst for j in g.jobs if self.target_of(j) is None), None)
             mapped = g.slot is None
             going = not (out.handle.done() or gone is not None or (g.write is None and not mapped))
             if going:  # what the destinations wait for goes first (this path runs cold), the accounting after
                 if mapped:  # the gather's stores were the transfer: tell each destination they are done
                     for j, nbytes in zip(g.jobs, g.sizes):
-                        self._send(j.dst, {"type": "landed", **notice_fields(j.req, j.chunk, self.rank, j.offset, nbytes)})
+                        self._send(j.engine, j.dst, {"type": "landed", **notice_fields(j.req, j.chunk, self.rank,
+                                                                                        j.offset, nbytes)})
                 else:
                     self._post_write(out, job, g.slot, g.write, g.sizes[0], 1, t1)
             out.handle.stages["gather"] += t1 - g.started
@@ -514,7 +604,7 @@ class Source(Endpoint):
                 if not mapped:
                     self.arena.allocator.release(g.slot)
                 if gone is not None:
-                    self._fail(job.req, f"destination rank {gone}", "write", "not connected", tell=False)
+                    self._fail(out.key, rank_name(job.engine, "destination", gone), "write", "not connected", tell=False)
                 self._maybe_forget(out)
                 continue
             if mapped:
@@ -532,7 +622,7 @@ class Source(Endpoint):
             write.drop()
             if slot is not None:
                 self.arena.allocator.release(slot)
-            return self._fail(job.req, f"destination rank {job.dst}", "write", str(e), tell=True)
+            return self._fail(out.key, rank_name(job.engine, "destination", job.dst), "write", str(e), tell=True)
         log.debug("src %d: %s chunk %d write posted to destination rank %d", self.rank, job.req, job.chunk, job.dst)
         out.inflight += 1
         out.stage = "write"
@@ -554,7 +644,7 @@ class Source(Endpoint):
             self.transport.release(w.handle)
             if w.slot is not None:
                 self.arena.allocator.release(w.slot)
-            out = self.requests.get(w.job.req)
+            out = self.requests.get((w.job.engine, w.job.req))
             if out is None:
                 continue
             out.inflight -= 1
@@ -562,7 +652,7 @@ class Source(Endpoint):
             out.handle.stages["write"] += time.perf_counter() - w.posted
             log.debug("src %d: %s chunk %d write complete", self.rank, w.job.req, w.job.chunk)
             if isinstance(state, Exception):
-                self._fail(w.job.req, f"destination rank {w.job.dst}", "write", str(state), tell=True)
+                self._fail(out.key, rank_name(w.job.engine, "destination", w.job.dst), "write", str(state), tell=True)
                 self._maybe_forget(out)
             else:
                 self._chunk_written(out, w.job)
@@ -577,15 +667,16 @@ class Source(Endpoint):
         self._maybe_forget(out)
 
     # -- failures --------------------------------------------------------------
-    def _fail(self, req: str, peer: str, stage: str, cause: str, tell: bool) -> None:
-        out = self.requests.get(req)
+    def _fail(self, key: tuple, peer: str, stage: str, cause: str, tell: bool) -> None:
+        out = self.requests.get(key)
         if out is None or out.handle.done():
             return
+        req = out.handle.req
         out.handle._fail(peer, stage, cause)
         log.warning("src %d: request %s failed at %s with %s: %s", self.rank, req, stage, peer, cause)
         if tell:
             for d in out.written:
-                self._send(d, {"type": "abort", "req": req, "reason": cause})
+                self._send(out.engine, d, {"type": "abort", "req": req, "reason": cause})
         self._maybe_forget(out)
 
     def _maybe_forget(self, out: Outgoing) -> None:
@@ -593,43 +684,52 @@ class Source(Endpoint):
         destinations (after a failure) that its slots may be reused."""
         if not out.handle.done() or out.inflight:
             return
-        self.requests.pop(out.handle.req, None)
-        remember(self._finished, out.handle.req, out.handle.state.value, MAX_FINISHED)
+        self.requests.pop(out.key, None)
+        remember(self._finished, out.key, out.handle.state.value, MAX_FINISHED)
         if out.handle.state is State.FAILED:
             for d in out.written:
-                self._send(d, {"type": "abort_ack", "req": out.handle.req})
+                self._send(out.engine, d, {"type": "abort_ack", "req": out.handle.req})
 
-    def _send(self, rank: int, msg: dict) -> None:
-        t = self.targets.get(rank)
+    def _send(self, engine: str, rank: int, msg: dict) -> None:
+        eng = self.engines.get(engine)
+        t = eng.targets.get(rank) if eng is not None else None
         if t is not None:
             try:
                 t.conn.send(msg)
             except OSError as e:
-                log.debug("src %d: send to destination rank %d failed: %s", self.rank, rank, e)
+                log.debug("src %d: send to %s failed: %s", self.rank, t.name, e)
 
     def _on_closed(self, conn: Connection, reason: str, answered: bool) -> None:
-        target = next((t for t in self.targets.values() if t.conn is conn), None)
+        target = self._targets.pop(conn, None)
         conn.close()
         if target is None:
             return
-        del self.targets[target.rank]
+        eng = self.engines[target.engine]
+        if eng.targets.get(target.rank) is target:
+            del eng.targets[target.rank]
         self._close_target(target)
         self.transport.disconnect(target.agent)
         d = target.rank
-        for req, held in list(self._held.items()):  # that destination's early grants died with it
-            for key in [k for k in held if k[0] == d]:
-                del held[key]
+        for key, held in list(self._held.items()):  # that destination's early grants died with it
+            if key[0] != target.engine:
+                continue
+            for k in [k for k in held if k[0] == d]:
+                del held[k]
                 self._held_count -= 1
             if not held:
-                del self._held[req]
-        hit = [req for req, out in self.requests.items() if d in out.written and out.written[d] != out.chunks.get(d, -1)]
-        (log.warning if hit else log.info)("src %d: destination rank %d disconnected (%s), %d requests affected",
-                                           self.rank, d, reason, len(hit))
-        for req in hit:
-            self._fail(req, f"destination rank {d}", self.requests[req].stage, f"connection lost ({reason})", tell=True)
+                del self._held[key]
+        hit = [key for key, out in self.requests.items()
+               if out.engine == target.engine and d in out.written and out.written[d] != out.chunks.get(d, -1)]
+        (log.warning if hit else log.info)("src %d: %s disconnected (%s), %d requests affected",
+                                           self.rank, target.name, reason, len(hit))
+        for key in hit:
+            self._fail(key, target.name, self.requests[key].stage, f"connection lost ({reason})", tell=True)
+        if not eng.targets and not any(out.engine == eng.name for out in self.requests.values()):
+            del self.engines[target.engine]  # connected again later, possibly with another spec
+            log.info("src %d: decode engine %r has no rank connected any more", self.rank, target.engine)
 
     def _peers(self) -> list:
-        return [t.conn for t in self.targets.values()]
+        return list(self._targets)
 
     def _stats(self) -> EndpointStats:
         return dataclasses.replace(super()._stats(), held_grants=self._held_count)
@@ -640,22 +740,34 @@ class Source(Endpoint):
         is the destination's back-pressure; a dead destination closes the
         control connection (or misses its keepalives), a frozen one stops
         pinging: its requests fail after ``peer_timeout_s`` of silence."""
-        for d, t in list(self.targets.items()):
+        for t in list(self._targets.values()):
             quiet = self._silent(t.conn, now)
             if quiet is None:
                 continue
-            for req, out in list(self.requests.items()):
-                if d in out.written and not out.handle.done():
-                    self._fail(req, f"destination rank {d}", out.stage,
-                               f"no control message for {quiet:.1f} s: the destination is frozen or hung, or the link is down", tell=True)
-        for req, out in list(self.requests.items()):
+            for key, out in list(self.requests.items()):
+                if out.engine == t.engine and t.rank in out.written and not out.handle.done():
+                    self._fail(key, t.name, out.stage,
+                               f"no control message for {quiet:.1f} s: the destination is stopped or hung, or the link is down", tell=True)
+        for key, out in list(self.requests.items()):
             if not out.handle.done() and out.handle.state is State.PENDING and now - out.touched > self.settings.ready_timeout_s:
-                self._fail(req, "destination", "waiting for grant", f"no grant within {self.settings.ready_timeout_s:g} s", tell=True)
+                self._fail(key, "destination", "waiting for grant", f"no grant within {self.settings.ready_timeout_s:g} s", tell=True)
         t = time.perf_counter()
         for w in self._inflight:
-            if t - w.posted > self.settings.stall_timeout_s:
-                self._fail(w.job.req, f"destination rank {w.job.dst}", "write",
-                           f"write not complete after {self.settings.stall_timeout_s:g} s", tell=True)
+            waited = t - w.posted
+            if waited <= min(SLOW_S, self.settings.stall_timeout_s):
+                continue
+            out = self.requests.get((w.job.engine, w.job.req))
+            target = self.target_of(w.job)
+            running = target is not None and self._peer_running(target.conn, now)
+            if out is not None and not out.slow:
+                out.slow = True
+                log.warning("src %d: request %s is slow: chunk %d's write to %s not complete after %.1f s (%s)",
+                            self.rank, w.job.req, w.job.chunk, rank_name(w.job.engine, "destination", w.job.dst),
+                            waited, "it runs" if running else "it is alive, busy: its loop does not turn")
+            if waited > self.settings.stall_timeout_s and running:
+                self._fail((w.job.engine, w.job.req), rank_name(w.job.engine, "destination", w.job.dst), "write",
+                           f"write not complete after {self.settings.stall_timeout_s:g} s, while the destination runs",
+                           tell=True)
 
     def _forgive(self, gap: float) -> None:
         for out in self.requests.values():
@@ -664,8 +776,8 @@ class Source(Endpoint):
             w.posted += gap
 
     def _shutdown(self) -> None:
-        for req in list(self.requests):
-            self._fail(req, "local", "shutdown", "source closed", tell=True)
-        for t in list(self.targets.values()):
+        for key in list(self.requests):
+            self._fail(key, "local", "shutdown", "source closed", tell=True)
+        for t in list(self._targets.values()):
             self._close_target(t)
         super()._shutdown()

@@ -21,12 +21,15 @@ import threading
 from typing import NamedTuple
 
 from kvstage.errors import ProtocolError
+from kvstage.protocol import beat
 
-#: the handshake refuses a peer of another version by name. 7: grants name no landing words; a welcome
-#: may offer the KV regions and share the arena at once, and the direct path is chosen per request
-PROTOCOL_VERSION = 7
+#: the handshake refuses a peer of another version by name. 8: a hello and a welcome name their engine,
+#: and one endpoint serves the ranks of any number of peer engines
+PROTOCOL_VERSION = 8
 MAX_FRAME = 16 << 20
 MAX_ID = 256
+#: an engine id names one engine's ranks on the wire and in logs: short, printable
+MAX_ENGINE_ID = 128
 _LEN = struct.Struct("!I")
 # one encoder for every message: ``json.dumps`` with separators builds a new one per call, on a request's critical path
 _COMPACT = json.JSONEncoder(separators=(",", ":"))
@@ -121,11 +124,18 @@ class Connection:
         #: read; an endpoint lowers it until the peer is authenticated (``gate.PRE_AUTH_MAX_FRAME``)
         self.max_frame = MAX_FRAME
         self.closed = False
+        #: the native pinger pings this socket (``beat``): every frame goes through its sends, so a
+        #: ping never lands inside one
+        self.native = False
 
     def send(self, msg: dict) -> None:
         data = _COMPACT.encode(msg).encode()
+        frame = _LEN.pack(len(data)) + data
         with self._send_lock:
-            self.sock.sendall(_LEN.pack(len(data)) + data)
+            if self.native:
+                beat.send(self.sock.fileno(), frame)
+            else:
+                self.sock.sendall(frame)
 
     def _exact(self, n: int) -> bytes:
         buf = bytearray()
@@ -161,6 +171,8 @@ class Connection:
         self._inbox = bytearray()  # what a peer left unfinished is not held past its connection
         if not self.closed:
             self.closed = True
+            if self.native:  # before the descriptor can be closed and reused
+                beat.forget(self.sock.fileno())
             try:
                 self.sock.shutdown(socket.SHUT_RDWR)
             except OSError:

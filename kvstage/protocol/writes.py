@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from kvstage.errors import KVStageError
+from kvstage.protocol.endpoint import rank_name
 from kvstage.protocol.wire import encode_notice
 from kvstage.staging.copy import TokenIndex, gather, gather_pieces
 from kvstage.staging.fence import CopyFence
@@ -75,9 +76,10 @@ class WritePath:
 
     def _target(self, job):
         """The job's destination, or None once the request failed for its loss."""
-        target = self.src.targets.get(job.dst)
+        target = self.src.target_of(job)
         if target is None:
-            self.src._fail(job.req, f"destination rank {job.dst}", "write", "not connected", tell=False)
+            self.src._fail((job.engine, job.req), rank_name(job.engine, "destination", job.dst), "write", "not connected",
+                           tell=False)
         return target
 
     def _write(self, out, job, target, local: Spans, remote: Spans, offset: int | None, t: float) -> None:
@@ -88,7 +90,7 @@ class WritePath:
             write = src.transport.prepare_write(target.agent, local, remote,
                                                 encode_notice(job.req, job.chunk, src.rank, offset, nbytes), job.ticket)
         except KVStageError as e:
-            return src._fail(job.req, f"destination rank {job.dst}", "write", str(e), tell=True)
+            return src._fail(out.key, rank_name(job.engine, "destination", job.dst), "write", str(e), tell=True)
         src._post_write(out, job, None, write, nbytes, len(local), t)
 
     def _stamp(self, out, job, t: float) -> None:
@@ -171,7 +173,7 @@ class StagedWrite(WritePath):
         if target is None:
             src.arena.allocator.release(slot)
             return True
-        size = src.plan.piece_token_bytes(target.piece) * job.count
+        size = target.plan.piece_token_bytes(target.piece) * job.count
         t0 = time.perf_counter()
         self._stamp(out, job, t0)
         try:
@@ -183,7 +185,7 @@ class StagedWrite(WritePath):
             log.debug("src %d: %s chunk %d gather launched", src.rank, job.req, job.chunk)
         except Exception as e:
             src.arena.allocator.release(slot)
-            src._fail(job.req, "local", "gather", f"{type(e).__name__}: {e}", tell=True)
+            src._fail(out.key, "local", "gather", f"{type(e).__name__}: {e}", tell=True)
             return True
         out.inflight += 1  # the request is not forgotten while its gather may still run
         g = Gathering(fence, out, [job], slot, [size], t0)
@@ -194,7 +196,7 @@ class StagedWrite(WritePath):
                 Spans.single(target.arena, [job.offset], [size]),
                 encode_notice(job.req, job.chunk, src.rank, job.offset, size), job.ticket)
         except KVStageError as e:  # the slot is freed once the gather into it has finished
-            src._fail(job.req, f"destination rank {job.dst}", "write", str(e), tell=True)
+            src._fail(out.key, rank_name(job.engine, "destination", job.dst), "write", str(e), tell=True)
         src._poll_gathers()
         return True
 
@@ -210,12 +212,12 @@ class MappedGather(WritePath):
         src = self.src
         jobs = self._take()
         job = jobs[0]
-        targets = [src.targets.get(j.dst) for j in jobs]
+        targets = [src.target_of(j) for j in jobs]
         if None in targets:
             gone = jobs[targets.index(None)].dst
-            src._fail(job.req, f"destination rank {gone}", "write", "not connected", tell=False)
+            src._fail(out.key, rank_name(job.engine, "destination", gone), "write", "not connected", tell=False)
             return True
-        sizes = [src.plan.piece_token_bytes(t.piece) * j.count for t, j in zip(targets, jobs)]
+        sizes = [t.plan.piece_token_bytes(t.piece) * j.count for t, j in zip(targets, jobs)]
         t0 = time.perf_counter()
         self._stamp(out, job, t0)
         try:
@@ -227,7 +229,7 @@ class MappedGather(WritePath):
             log.debug("src %d: %s chunk %d gather launched%s", src.rank, job.req, job.chunk,
                       f" (one launch for destination ranks {','.join(str(j.dst) for j in jobs)})" if len(jobs) > 1 else "")
         except Exception as e:
-            src._fail(job.req, "local", "gather", f"{type(e).__name__}: {e}", tell=True)
+            src._fail(out.key, "local", "gather", f"{type(e).__name__}: {e}", tell=True)
             return True
         out.inflight += 1
         src._gathering.append(Gathering(fence, out, jobs, None, sizes, t0))
@@ -241,7 +243,8 @@ class MappedGather(WritePath):
         head = jobs[0]
         while src._jobs:
             job = src._jobs[0]
-            if ((job.req, job.start, job.count) != (head.req, head.start, head.count) or src._path_of(job) is not self
+            if ((job.engine, job.req, job.start, job.count) != (head.engine, head.req, head.start, head.count)
+                    or src._path_of(job) is not self
                     or any(j.dst == job.dst for j in jobs)):
                 break
             jobs.append(src._jobs.popleft())

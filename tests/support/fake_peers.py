@@ -45,7 +45,7 @@ class FakeSource:
         self.buf = torch.zeros(1 << 16, dtype=torch.uint8)
         self.local = self.agent.register(self.buf)
         self.conn = Connection(socket.create_connection(address, timeout=10), "destination")
-        self.conn.send({"type": "hello", "version": PROTOCOL_VERSION, "token": token, "spec": spec_to_wire(self.spec),
+        self.conn.send({"type": "hello", "version": PROTOCOL_VERSION, "token": token, "engine": "", "spec": spec_to_wire(self.spec),
                         "rank": 0, "agent": self.agent.id, "metadata": md_to_wire(self.agent.metadata()),
                         "slot_bytes": 16384})
         welcome = self.conn.recv()
@@ -128,7 +128,7 @@ class FakeDestination:
             sock, _ = self.server.accept()
             c = Connection(sock, "fake")
             box["hello"] = c.recv()
-            c.send({"type": "welcome", "version": PROTOCOL_VERSION, "spec": spec_to_wire(dst_spec), "rank": 0,
+            c.send({"type": "welcome", "version": PROTOCOL_VERSION, "engine": "", "spec": spec_to_wire(dst_spec), "rank": 0,
                     "metadata": base64.b64encode(self.agent.metadata()).decode(), "arena": region.to_wire(), "kv": [],
                     "facts": {}})
             box["conn"] = c

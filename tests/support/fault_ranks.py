@@ -165,3 +165,29 @@ def two_to_one(settings: Settings, n: int, tokens: int, seed: int, content: int)
 
 def check(cache, seed: int, ids, tokens: int) -> list[str]:
     return check_shard(cache, seed, ids, tokens, untouched_fill=None)
+
+
+def send_holding_the_gil(address, tokens: int, seed: int, hold_s: int, report) -> None:
+    """Send one request ``r{seed}`` as source rank 0 of TP 1 and, once its first chunk is written,
+    hold this process's GIL for ``hold_s`` seconds (a C call made through ``ctypes.PyDLL``, which
+    keeps the GIL): what a busy engine does to its endpoint's loop. Reports the outcome."""
+    import ctypes
+
+    from kvstage.protocol.source import Source
+
+    cache = RankCache.allocate(src_spec(1), 0, pages_needed(tokens, 16) + 3)
+    pages = np.random.default_rng(seed).permutation(cache.pages)[: pages_needed(tokens, 16)]
+    fill_shard(cache, seed, pages, tokens)
+    src = Source(cache, Settings(**SETTINGS))
+    src.connect([tuple(address)])
+    h = src.send(f"r{seed}", pages, tokens)
+    until(lambda: h.bytes > 0, 60)
+    report.put(("holding", hold_s))
+    ctypes.PyDLL(None).sleep(hold_s)  # no Python thread of this process runs meanwhile
+    try:
+        h.wait(120)
+        report.put(("done", 0, None))
+    except Exception as e:
+        report.put(("failed", 0, str(e)))
+    time.sleep(0.5)
+    src.close()

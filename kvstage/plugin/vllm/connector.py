@@ -13,16 +13,19 @@ Requests follow vLLM's NixlConnector convention: a prefill request carries
 What happens (docs/vllm.md has the user's view):
 
 1. Each worker wraps its KV tensors as a kvstage ``RankCache``
-   (``vllm_layout``). A consumer rank opens a ``Destination``; a producer
-   rank listens for pulls (``pull``). Addresses reach the scheduler through
-   vLLM's handshake metadata.
+   (``vllm_layout``) and opens its endpoints once, for the engine's life: a
+   consumer rank a ``Destination``, a producer rank a ``Source`` and a port
+   for pulls (``pull``). Each serves every peer engine; a new peer engine
+   costs one handshake. Addresses reach the scheduler through vLLM's
+   handshake metadata.
 2. Prefill: when a remote-decode request's prompt is computed, each prefill
    worker holds its blocks ready; the scheduler delays freeing them and
    returns the prefill ranks' addresses in ``kv_transfer_params``.
 3. Decode: the scheduler reports the prompt as externally computed and
    loading asynchronously; each decode worker calls ``Destination.expect``
-   with its own blocks and pulls the prefill ranks, which ``Source.connect``
-   and ``Source.send`` their blocks. kvstage plans the heads for the two TP
+   with its own blocks and the prefill engine's id, and pulls the prefill
+   ranks, which ``Source.connect`` (once per decode rank) and ``Source.send``
+   their blocks to that decode engine. kvstage plans the heads for the two TP
    sizes, stages, writes and scatters.
 4. A finished transfer is reported as ``finished_recving``; a failed one also
    as ``failed_recving``, and vLLM then recomputes or fails the request by
@@ -339,16 +342,15 @@ class _Produced:
 @dataclass
 class _Loading:
     handle: Any
-    dst: Any
+    engine: str  # the prefill engine it comes from
     kvreq: str
     started: float
     error: str | None = None  # failed before kvstage took it
 
 
 class _Worker:
-    """One TP rank. Producer ranks answer pulls with a kvstage ``Source`` per
-    decode engine; consumer ranks receive with a ``Destination`` per prefill
-    engine (a kvstage endpoint pairs with one peer engine)."""
+    """One TP rank. A producer rank answers pulls with its one kvstage ``Source``; a
+    consumer rank receives with its one ``Destination``; each serves every peer engine."""
 
     def __init__(self, vllm_config: "VllmConfig", extra: dict):
         self.vllm_config = vllm_config
@@ -362,17 +364,14 @@ class _Worker:
         self.layout: VllmKVLayout | None = None
         self.cache = None
         self.server: PullServer | None = None
-        self._peers_lock = threading.Lock()
-        self._sources: dict[str, tuple] = {}  # decode engine id -> (Source, its Destination addresses)
-        self._dsts: dict[str, Any] = {}  # prefill engine id -> Destination
-        # one endpoint of each role made ahead, so a new peer engine's first request does not wait for an
-        # arena to be allocated and registered (nor stall the engine thread that calls expect)
-        self._spare: dict[str, concurrent.futures.Future | None] = {"src": None, "dst": None}
+        self.src = None  # kvstage Source (producer), for every decode engine
+        self.dst = None  # kvstage Destination (consumer), for every prefill engine
+        self._connect_lock = threading.Lock()  # one pull at a time connects the Source
         self._lock = threading.Condition()
         self._produced: dict[str, _Produced] = {}
         self._finished: set[str] = set()  # finished_req_ids seen (send reports must name one)
         self._loading: dict[str, _Loading] = {}
-        # pulls (one per prefill rank and request; a hung prefill holds one for pull_timeout_s), spares, releases
+        # pulls (one per prefill rank and request; a hung prefill holds one for pull_timeout_s), releases
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=16, thread_name_prefix="kvstage")
         self.recent: list[dict] = []  # the last receives on this rank (tests, benchmarks)
 
@@ -393,14 +392,26 @@ class _Worker:
             self.settings.direct = False  # one layer stands in two buffers: never register it twice
         if self.producer:
             check_listen(self.settings, (self.extra["host"], 0), f"kvstage prefill rank {self.rank}'s pull port")
+            from kvstage.protocol.source import Source
+
+            self.src = self._registered(Source(self.cache, self.settings, engine=self.engine_id))
             self.server = PullServer(self.extra["host"], self._on_pull, token=self.settings.auth_token)
-        for role, wanted in (("src", self.producer), ("dst", self.consumer)):
-            if wanted:
-                self._make_spare(role)
+        if self.consumer:
+            from kvstage.protocol.destination import Destination
+
+            self.dst = self._registered(Destination(self.cache, self.settings, listen=(self.extra["host"], 0),
+                                                    engine=self.engine_id))
         logger.info("kvstage: rank %d/%d (%s): %d layers as kvstage %s, %d heads here, pages of %d %s%s",
                     self.rank, self.tp, _role(self), self.layout.layers, spec.geometry, spec.local_heads(),
                     self.layout.page_size, self.layout.order,
                     f", pulls on {self.server.address[0]}:{self.server.address[1]}" if self.server else "")
+
+    def _registered(self, ep):
+        """``ep`` with the KV pool registered now where the direct path may need it (equal TP), so
+        the first request of a peer engine does not wait for the registration."""
+        if self.settings.direct:
+            ep.kv_regions()
+        return ep
 
     def handshake(self) -> KVStageHandshake | None:
         if self.layout is None:
@@ -419,60 +430,23 @@ class _Worker:
             for params in meta.release:
                 self._pool.submit(self._release, params)
 
-    def _new_endpoint(self, role: str):
-        if role == "dst":
-            from kvstage.protocol.destination import Destination
-
-            ep = Destination(self.cache, self.settings, listen=(self.extra["host"], 0))
-        else:
-            from kvstage.protocol.source import Source
-
-            ep = Source(self.cache, self.settings)
-        if self.settings.direct:
-            # the direct path (equal TP) registers the KV pool on its first request: do it now, while no
-            # peer knows this endpoint, so that request does not wait for it
-            ep.kv_regions()
-        return ep
-
-    def _make_spare(self, role: str) -> None:
-        self._spare[role] = self._pool.submit(self._new_endpoint, role)
-
-    def _take_spare(self, role: str):
-        """A fresh endpoint: the spare if it is ready, else a new one; a new spare is started either way."""
-        spare = self._spare[role]
-        self._make_spare(role)
-        if spare is not None and spare.done() and spare.exception() is None:
-            return spare.result()
-        if spare is not None:
-            spare.add_done_callback(_close_endpoint)
-        return self._new_endpoint(role)
-
-    def _destination(self, prefill_engine: str):
-        with self._peers_lock:
-            dst = self._dsts.get(prefill_engine)
-            if dst is None:
-                dst = self._take_spare("dst")
-                self._dsts[prefill_engine] = dst
-                logger.info("kvstage: rank %d receives from prefill engine %s on %s:%d", self.rank, prefill_engine,
-                            *dst.address)
-            return dst
-
     def _start_recv(self, r: Recv) -> None:
         p = r.params
         kvreq = _kvreq(p)
+        engine = str(p.get("remote_engine_id"))
         try:
             if not self.consumer:
                 raise ConfigError("this engine does not receive KV (kv_role must be kv_consumer or kv_both)")
             self.layout.check_peer(p.get("remote_layout"))
-            dst = self._destination(p["remote_engine_id"])
-            handle = dst.expect(kvreq, self.layout.pages(r.blocks), self.layout.tokens(len(r.blocks)))
+            handle = self.dst.expect(kvreq, self.layout.pages(r.blocks), self.layout.tokens(len(r.blocks)),
+                                     engine=engine)
         except (KVStageError, ValueError, KeyError) as e:
             logger.warning("kvstage: rank %d cannot receive %s (%s): %s", self.rank, r.req_id, kvreq, e)
-            self._loading[r.req_id] = _Loading(None, None, kvreq, time.perf_counter(), str(e))
+            self._loading[r.req_id] = _Loading(None, engine, kvreq, time.perf_counter(), str(e))
             return
-        self._loading[r.req_id] = _Loading(handle, dst, kvreq, time.perf_counter())
+        self._loading[r.req_id] = _Loading(handle, engine, kvreq, time.perf_counter())
         msg = {"type": "pull", "req": p["remote_request_id"], "kvreq": kvreq, "skip": r.skip, "blocks": len(r.blocks),
-               "engine": self.engine_id, "rank": self.rank, "tp": self.tp, "address": list(dst.address)}
+               "engine": self.engine_id, "rank": self.rank, "tp": self.tp, "address": list(self.dst.address)}
         for addr in p["remote_ranks"]:  # all prefill ranks at once
             self._pool.submit(self._pull, handle, addr, msg)
 
@@ -524,7 +498,7 @@ class _Worker:
         its pages: vLLM must not reuse them before the destination forgot it."""
         if ld.handle.state is not State.FAILED or ld.handle.path != "direct":
             return False
-        return ld.dst.tracks(ld.kvreq)
+        return self.dst.tracks(ld.kvreq, engine=ld.engine)
 
     # -- prefill: sending ----------------------------------------------------------------------
     def after_forward(self, meta: KVStageMeta) -> None:
@@ -643,10 +617,11 @@ class _Worker:
                 raise PullError(f"request {req!r} holds {len(e.blocks)} blocks here; the pull asks for {skip}+{blocks}")
             pages, tokens = self.layout.pages(pages_of), self.layout.tokens(blocks)
             try:
-                e.handle = self._source(engine, addrs).send(kvreq, pages, tokens)
-            except KVStageError:  # a decode rank went away since the last request: reconnect once
-                self._drop_source(engine)
-                e.handle = self._source(engine, addrs).send(kvreq, pages, tokens)
+                self._connect(addrs)
+                e.handle = self.src.send(kvreq, pages, tokens, engine=engine)
+            except KVStageError:  # a decode rank went away since its last request: connect again, once
+                self._connect(addrs)
+                e.handle = self.src.send(kvreq, pages, tokens, engine=engine)
         except (KVStageError, ValueError, TimeoutError) as err:
             e.outcome = f"prefill rank {self.rank}: {err}"
             raise PullError(e.outcome) from err
@@ -654,52 +629,19 @@ class _Worker:
             decided.set()
         return {"type": "ok"}
 
-    def _source(self, engine: str, addrs: list):
-        """This rank's kvstage Source to one decode engine's Destinations."""
-        with self._peers_lock:
-            for key, (src, _) in list(self._sources.items()):  # decode engines that went away
-                if src.plan is not None and not src.targets:
-                    src.close()
-                    del self._sources[key]
-            src, known = self._sources.get(engine, (None, None))
-            if src is not None and known != addrs:
-                src.close()
-                src = None
-            if src is None:
-                src = self._take_spare("src")
-                try:
-                    src.connect(addrs)
-                except BaseException:
-                    src.close()
-                    raise
-                self._sources[engine] = (src, addrs)
-            return src
-
-    def _drop_source(self, engine: str) -> None:
-        with self._peers_lock:
-            src, _ = self._sources.pop(engine, (None, None))
-        if src is not None:
-            src.close()
+    def _connect(self, addrs: list) -> None:
+        """Connect this rank's Source to the decode ranks at ``addrs`` it has no connection to yet
+        (the first request of a decode engine, or one whose rank came back); the others are reused."""
+        with self._connect_lock:
+            self.src.connect(addrs)
 
     def close(self) -> None:
         if self.server is not None:
             self.server.close()
         self._pool.shutdown(wait=False, cancel_futures=True)
-        for spare in self._spare.values():
-            if spare is not None:
-                spare.add_done_callback(_close_endpoint)
-        with self._peers_lock:
-            for src, _ in self._sources.values():
-                src.close()
-            for dst in self._dsts.values():
-                dst.close()
-            self._sources.clear()
-            self._dsts.clear()
-
-
-def _close_endpoint(future: concurrent.futures.Future) -> None:
-    if not future.cancelled() and future.exception() is None:
-        future.result().close()
+        for ep in (self.src, self.dst):
+            if ep is not None:
+                ep.close()
 
 
 def _role(w: _Worker) -> str:
