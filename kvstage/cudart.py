@@ -42,12 +42,25 @@ def driver() -> ctypes.CDLL:
     lib.cuEventRecord.argtypes = [p, p]
     lib.cuEventSynchronize.argtypes = [p]
     lib.cuEventDestroy_v2.argtypes = [p]
+    lib.cuCtxPushCurrent_v2.argtypes = [p]
+    lib.cuCtxPopCurrent_v2.argtypes = [ctypes.POINTER(p)]
+    lib.cuDevicePrimaryCtxRelease_v2.argtypes = [ctypes.c_int]
+    lib.cuMemGetAddressRange_v2.argtypes = [ctypes.POINTER(ctypes.c_uint64), ctypes.POINTER(ctypes.c_size_t),
+                                            ctypes.c_uint64]
     for name in ("cuStreamWaitValue32", "cuStreamWriteValue32"):  # the v2 calls: on by default since CUDA 11.7
         fn = getattr(lib, name + "_v2", None) or getattr(lib, name, None)
         if fn is not None:  # bound as kvstage_<name>; absent from a driver without them
             fn.argtypes = [p, ctypes.c_uint64, ctypes.c_uint32, u]
             setattr(lib, "kvstage_" + name, fn)
     return lib
+
+
+def runtime_error(code: int) -> str:
+    """``cudaError...`` for a runtime call's result."""
+    fn = runtime().cudaGetErrorName
+    fn.restype = ctypes.c_char_p
+    name = fn(code)
+    return f"{name.decode()} ({code})" if name else f"CUDA runtime error {code}"
 
 
 def driver_error(code: int) -> str:

@@ -21,7 +21,9 @@ copy. The region may be device memory or pinned host memory (mapped into the
 GPU's address space: the pinned-host arena); with no region (``None``) each
 piece's base is an absolute address, so one launch can fill several regions
 (a 1→N source's pieces of one chunk, each in its own destination's mapped
-arena). ``staging.copier_cuda`` is the copier built on it.
+arena). ``staging.copier_cuda`` is the copier built on it. ``DeviceKernels`` (the
+loading, the launch, the upload ring) also runs the direct page-write kernel
+(``cuda_place``).
 """
 
 from __future__ import annotations
@@ -134,21 +136,24 @@ class _KernelArgs(ctypes.Structure):
 _ARG_OFFSETS = tuple(getattr(_KernelArgs, name).offset for name, _ in _PARAMS)
 _INLINE_OFFSETS = tuple(_KernelArgs.page_ids.offset if name == "pages_addr" else o
                         for (name, _), o in zip(_PARAMS, _ARG_OFFSETS))
-_ArgPointers = ctypes.c_void_p * len(_ARG_OFFSETS)
 
 
 class _ArgBlock:
     """One launch's argument storage: the packed parameters, ``cuLaunchKernel``'s pointer
-    array for each kernel, and the inline page ids as numpy (filled without a Python loop)."""
+    array for each kernel, and the inline page ids as numpy (filled without a Python loop).
+    Any kernel pair of this shape (a pointer entry point and an inline one reading its ids
+    from a ``page_ids`` field) can use it with its own structure and offsets."""
 
-    def __init__(self):
-        self.args = _KernelArgs()
+    def __init__(self, args_type=None, offsets=_ARG_OFFSETS, inline_offsets=_INLINE_OFFSETS):
+        self.args = (args_type or _KernelArgs)()
         at = ctypes.addressof(self.args)
-        self.pointers = _ArgPointers(*(at + o for o in _ARG_OFFSETS))
-        self.inline_pointers = _ArgPointers(*(at + o for o in _INLINE_OFFSETS))
+        pointers = ctypes.c_void_p * len(offsets)
+        self.pointers = pointers(*(at + o for o in offsets))
+        self.inline_pointers = pointers(*(at + o for o in inline_offsets))
         self.ids = np.frombuffer(self.args.page_ids, dtype=np.int64)
 
-_module = None
+
+_modules: dict = {}  # kernel source -> its CuPy RawModule, compiled at first use
 _RING = 4  # pinned upload buffers in flight per copier
 _PIECE_TABLES = 64  # distinct piece lists kept on the device per copier
 _EVENT_DISABLE_TIMING = 0x2  # CU_EVENT_DISABLE_TIMING
@@ -201,32 +206,118 @@ def available() -> bool:
 OPTIONS = (f"-DTHREADS={_THREADS}", f"-DUNROLL={_UNROLL}", f"-DINLINE={INLINE_PAGES}")
 
 
-def _get_module():
-    global _module
-    if _module is None:
+def compiled(source: str, options: tuple = OPTIONS):
+    """``source`` as a CuPy RawModule, built once per process (NVRTC, or CuPy's disk cache)."""
+    module = _modules.get(source)
+    if module is None:
         import cupy
 
-        _module = cupy.RawModule(code=_SOURCE, options=OPTIONS)
-    return _module
+        module = _modules[source] = cupy.RawModule(code=source, options=options)
+    return module
 
 
-class WordCopier:
+class DeviceKernels:
+    """The kernels of one source, loaded in a device's primary context and launched with the
+    driver's ``cuLaunchKernel`` on the caller's torch stream; their small inputs (page ids,
+    piece tables) go up through a ring of pinned buffers. A subclass names its entry points
+    (``ENTRIES``: key -> kernel name), its source (``SOURCE``) and what its launch errors call
+    it (``WHAT``)."""
+
+    SOURCE = ""
+    ENTRIES: dict = {}
+    WHAT = "kernel"
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self._ring = [_Upload() for _ in range(_RING)]
+        self._next = 0
+        self._functions = self._context = None  # the kernels' CUfunctions and their context, at the first launch
+
+    def _module(self):
+        return compiled(self.SOURCE)
+
+    def _launch(self, function: str, grid, params) -> None:
+        """The kernel ``function`` (a key of ``ENTRIES``) on the caller's current torch stream."""
+        self.load()  # its functions and the bound driver calls exist from here on
+        err = self._in_context(self._launch_kernel, self._functions[function], grid[0], grid[1], grid[2], _THREADS,
+                               1, 1, 0, raw_stream(self.device), params, None)
+        if err:
+            raise RuntimeError(f"{self.WHAT} kernel launch on {self.device} failed: {driver_error(err)}")
+
+    def _in_context(self, call, *args):
+        """``call(*args)`` (a driver call) in this device's context: made current for the
+        call if the thread's is another, then restored. The caller has called ``load``."""
+        current = ctypes.c_void_p()
+        self._get_context(ctypes.byref(current))
+        switch = current.value != self._context
+        if switch:
+            self._set_context(self._context)
+        try:
+            return call(*args)
+        finally:
+            if switch and current.value:
+                self._set_context(current.value)
+
+    def load(self) -> None:
+        """Compile (or take from CuPy's cache) the kernels for this device, loaded in the
+        device's primary context: torch's and CuPy's, made current here if no context is.
+        Once; every launch calls it."""
+        if self._functions is not None:
+            return
+        import cupy
+
+        drv = driver()
+        index = _index(self.device)
+        dev, context, before = ctypes.c_int(), ctypes.c_void_p(), ctypes.c_void_p()
+        err = drv.cuDeviceGet(ctypes.byref(dev), index) or drv.cuDevicePrimaryCtxRetain(ctypes.byref(context), dev)
+        if err:
+            raise RuntimeError(f"no primary CUDA context for {self.device}: {driver_error(err)}")
+        drv.cuCtxGetCurrent(ctypes.byref(before))
+        drv.cuCtxSetCurrent(context)
+        try:
+            with cupy.cuda.Device(index):
+                module = self._module()
+                functions = {key: module.get_function(name).kernel.ptr for key, name in self.ENTRIES.items()}
+        finally:
+            if before.value and before.value != context.value:
+                drv.cuCtxSetCurrent(before)
+        # bound once: the launch is on every chunk's critical path
+        self._get_context, self._set_context = drv.cuCtxGetCurrent, drv.cuCtxSetCurrent
+        self._launch_kernel = drv.cuLaunchKernel
+        self._functions, self._context = functions, context.value
+
+    def _upload(self, values: np.ndarray) -> torch.Tensor:
+        """``values`` on the device, through the next pinned buffer of the ring, copied on
+        the caller's current stream. Driver calls, not torch's: torch's stream object,
+        ``copy_`` and event record were about half of a request's upload."""
+        up = self._ring[self._next]
+        self._next = (self._next + 1) % _RING
+        dev = torch.empty(len(values), dtype=torch.int64, device=self.device)
+        self.load()
+        err = self._in_context(up.load, values, dev.data_ptr(), raw_stream(self.device))
+        if err:
+            raise RuntimeError(f"page id upload to {self.device} failed: {driver_error(err)}")
+        return dev
+
+
+class WordCopier(DeviceKernels):
     """Runs chunk copies between one rank's CUDA cache and a region (device or pinned host)."""
 
+    SOURCE = _SOURCE
+    ENTRIES = {"pointer": "kvstage_copy_words", "inline": "kvstage_copy_words_inline"}
+    WHAT = "gather/scatter"
+
     def __init__(self, spec, buffers: list[torch.Tensor]):
-        self.device = buffers[0].device
+        super().__init__(buffers[0].device)
         self.geometry = WordGeometry.of(spec, 16)
         self.table = torch.tensor([b.data_ptr() for b in buffers], dtype=torch.int64, device=self.device)
         self._table_addr = self.table.data_ptr()
         self._blocks = threading.local()  # each launching thread's argument block (``launch``)
         self.nbuf = len(buffers)
         self.aligned = all(b.data_ptr() % 16 == 0 for b in buffers)
-        self._ring = [_Upload() for _ in range(_RING)]
-        self._next = 0
         self._pieces: dict = {}
         g = self.geometry
         self._fixed = None if g is None else (g.page_size, g.heads, g.head_words, int(g.hnd))
-        self._functions = self._context = None  # the kernels' CUfunctions and their context, at the first launch
 
     def supports(self, region: torch.Tensor, pieces, count: int) -> bool:
         """16-byte words everywhere, a region the GPU can reach, and 32-bit word indices
@@ -301,77 +392,12 @@ class WordCopier:
             return "inline", grid, block.inline_pointers, (None, meta, region)
         return "pointer", grid, block.pointers, (pages, meta, region)
 
-    def _launch(self, function: str, grid, params) -> None:
-        """The kernel (``"inline"``: the one reading its page ids from its parameters) on
-        the caller's current torch stream."""
-        self.load()  # its functions and the bound driver calls exist from here on
-        err = self._in_context(self._launch_kernel, self._functions[function], grid[0], grid[1], grid[2], _THREADS,
-                               1, 1, 0, raw_stream(self.device), params, None)
-        if err:
-            raise RuntimeError(f"gather/scatter kernel launch on {self.device} failed: {driver_error(err)}")
-
-    def _in_context(self, call, *args):
-        """``call(*args)`` (a driver call) in this device's context: made current for the
-        call if the thread's is another, then restored. The caller has called ``load``."""
-        current = ctypes.c_void_p()
-        self._get_context(ctypes.byref(current))
-        switch = current.value != self._context
-        if switch:
-            self._set_context(self._context)
-        try:
-            return call(*args)
-        finally:
-            if switch and current.value:
-                self._set_context(current.value)
-
-    def load(self) -> None:
-        """Compile (or take from CuPy's cache) the kernels for this device, loaded in the
-        device's primary context: torch's and CuPy's, made current here if no context is.
-        Once; every launch calls it."""
-        if self._functions is not None:
-            return
-        import cupy
-
-        drv = driver()
-        index = self.device.index if self.device.index is not None else torch.cuda.current_device()
-        dev, context, before = ctypes.c_int(), ctypes.c_void_p(), ctypes.c_void_p()
-        err = drv.cuDeviceGet(ctypes.byref(dev), index) or drv.cuDevicePrimaryCtxRetain(ctypes.byref(context), dev)
-        if err:
-            raise RuntimeError(f"no primary CUDA context for {self.device}: {driver_error(err)}")
-        drv.cuCtxGetCurrent(ctypes.byref(before))
-        drv.cuCtxSetCurrent(context)
-        try:
-            with cupy.cuda.Device(index):
-                module = _get_module()
-                functions = {"pointer": module.get_function("kvstage_copy_words").kernel.ptr,
-                             "inline": module.get_function("kvstage_copy_words_inline").kernel.ptr}
-        finally:
-            if before.value and before.value != context.value:
-                drv.cuCtxSetCurrent(before)
-        # bound once: the launch is on every chunk's critical path
-        self._get_context, self._set_context = drv.cuCtxGetCurrent, drv.cuCtxSetCurrent
-        self._launch_kernel = drv.cuLaunchKernel
-        self._functions, self._context = functions, context.value
-
-    def _upload(self, values: np.ndarray) -> torch.Tensor:
-        """``values`` on the device, through the next pinned buffer of the ring, copied on
-        the caller's current stream. Driver calls, not torch's: torch's stream object,
-        ``copy_`` and event record were about half of a request's upload."""
-        up = self._ring[self._next]
-        self._next = (self._next + 1) % _RING
-        dev = torch.empty(len(values), dtype=torch.int64, device=self.device)
-        self.load()
-        err = self._in_context(up.load, values, dev.data_ptr(), raw_stream(self.device))
-        if err:
-            raise RuntimeError(f"page id upload to {self.device} failed: {driver_error(err)}")
-        return dev
-
 
 class PreparedCopy:
     """One chunk's copy, ready to launch: calling it launches the kernel on the
     current stream. Holds the tensors and the packed arguments its parameters point into."""
 
-    def __init__(self, copier: WordCopier, function: str, grid, params, keep):
+    def __init__(self, copier: DeviceKernels, function: str, grid, params, keep):
         self._copier, self._function, self._grid, self._params, self._keep = copier, function, grid, params, keep
 
     def __call__(self) -> None:
