@@ -19,8 +19,15 @@ def _bench_args(p: argparse.ArgumentParser) -> None:
 
     p.add_argument("--scenario", metavar="FILE", help="read flags from a TOML or JSON file (see benchmarks/); flags given here win")
     p.add_argument("--model", choices=sorted(PRESETS), default="llama3-8b", help="geometry preset (flags below override)")
-    p.add_argument("--src-tp", default="4", metavar="N[,N...]", help="source TP size, or a comma list to sweep (4 or 1,2,4)")
-    p.add_argument("--dst-tp", default="1", metavar="N[,N...]", help="destination TP size, or a comma list to sweep")
+    p.add_argument("--src-tp", default=None, metavar="N[,N...]",
+                   help="source TP size, or a comma list to sweep (4 or 1,2,4; default 4)")
+    p.add_argument("--dst-tp", default=None, metavar="N[,N...]", help="destination TP size, or a comma list to sweep (default 1)")
+    p.add_argument("--src-engines", default=None, metavar="N,N[,...]",
+                   help="several source (prefill) engines at once, one per TP size listed (2,4: one at TP 2 and one "
+                        "at TP 4; 2,2: two at TP 2), each sending to every destination engine; instead of --src-tp. "
+                        "One result per engine pair; staged only")
+    p.add_argument("--dst-engines", default=None, metavar="N,N[,...]",
+                   help="several destination (decode) engines at once, one per TP size listed; instead of --dst-tp")
     p.add_argument("--kv-heads", type=int)
     p.add_argument("--head-dim", type=int)
     p.add_argument("--layers", type=int)
@@ -48,7 +55,8 @@ def _bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--transport", choices=("nixl", "ucx", "cma"), default=None,
                    help="nixl (one-sided writes), ucx (UCXX tag messages, two-sided) or cma (one host, host memory: "
                         "process_vm_writev); default: KVSTAGE_TRANSPORT, else nixl")
-    p.add_argument("--mode", default="all", help="staged, bulk, per-slice, a comma list, or all")
+    p.add_argument("--mode", default=None,
+                   help="staged, bulk, per-slice, a comma list, or all (default: all; staged with --src-engines or --dst-engines)")
     p.add_argument("--iters", type=int, default=3)
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--seed", type=int, default=0)
@@ -133,6 +141,7 @@ def _apply_scenario_file(parser: argparse.ArgumentParser, argv: list[str]) -> No
 
 def sweep_from_args(a: argparse.Namespace):
     from kvstage.bench.scenario import MODES, PRESETS, Sweep, parse_int_list
+    from kvstage.errors import ConfigError
     from kvstage.layout import KVGeometry, PageLayout
 
     layers, heads, head_dim, mla = PRESETS[a.model]
@@ -143,10 +152,22 @@ def sweep_from_args(a: argparse.Namespace):
         a.dtype,
         a.mla if a.mla is not None else mla,
     )
-    modes = MODES if a.mode == "all" else tuple(m.strip() for m in a.mode.split(",") if m.strip())
+    engines, tps = {}, {}
+    for side, default in (("src", "4"), ("dst", "1")):
+        listed, tp = getattr(a, f"{side}_engines"), getattr(a, f"{side}_tp")
+        engines[side] = parse_int_list(f"{side}_engines", listed, duplicates=True) if listed is not None else []
+        if engines[side] and tp is not None:
+            raise ConfigError(f"{side}_tp={tp} with {side}_engines={listed}: {side}_engines gives each "
+                              f"{'source' if side == 'src' else 'destination'} engine's TP size; give one or the other "
+                              f"(a list of the other side's TP sizes still sweeps)")
+        tps[side] = engines[side][:1] or parse_int_list(f"{side}_tp", tp if tp is not None else default)
+    multi = bool(engines["src"] or engines["dst"])
+    mode = a.mode or ("staged" if multi else "all")
+    modes = MODES if mode == "all" else tuple(m.strip() for m in mode.split(",") if m.strip())
     return Sweep.build(
-        parse_int_list("src_tp", a.src_tp), parse_int_list("dst_tp", a.dst_tp), parse_int_list("tokens", a.tokens),
+        tps["src"], tps["dst"], parse_int_list("tokens", a.tokens),
         parse_int_list("concurrency", a.concurrency), skip_invalid=a.skip_invalid,
+        src_engines=tuple(engines["src"]), dst_engines=tuple(engines["dst"]),
         geometry=geo, src_page=PageLayout(a.page_size, a.layout),
         dst_page=PageLayout(a.dst_page_size or a.page_size, a.dst_layout or a.layout),
         modes=modes, device=a.device, iters=a.iters, warmup=a.warmup, seed=a.seed, verify=a.verify,
@@ -323,7 +344,9 @@ def cmd_bench(a: argparse.Namespace) -> int:
     _emit(result, a, a.title)
     bad = [r for r in result["results"] if r["verified"] is False]
     for r in bad:
-        print(f"VERIFICATION FAILED in mode {r['mode']} ({r['src_tp']}->{r['dst_tp']}, {r['tokens']} tokens): "
+        pair = (f"{r['src_engine']} (TP {r['src_tp']}) -> {r['dst_engine']} (TP {r['dst_tp']})" if "src_engine" in r
+                else f"{r['src_tp']}->{r['dst_tp']}")
+        print(f"VERIFICATION FAILED in mode {r['mode']} ({pair}, {r['tokens']} tokens): "
               + "; ".join(r.get("errors", [])), file=sys.stderr)
     return EXIT_FAILED if bad else 0
 

@@ -201,3 +201,59 @@ def test_bulk_buffers_are_real_memory_before_the_first_step():
         assert _bulk_buffer(SimpleNamespace(points=points[1:]), 16 << 10, torch.device("cpu"), t) == (None, None)
     finally:
         t.close()
+
+
+# -- several engines: one endpoint per rank serves every peer engine --------------------------------
+def _check_pairs(data, want, concurrency, iters=1):
+    rows = data["results"]
+    assert [(r["src_engine"], r["dst_engine"], r["src_tp"], r["dst_tp"]) for r in rows] == want
+    step = {(r["tokens"], r["concurrency"]) for r in rows}
+    assert len(step) == 1
+    for r in rows:
+        assert r["mode"] == "staged" and r["verified"] is True, r.get("errors")  # every request, byte for byte
+        assert r["bytes"] == r["tokens"] * 2 * 2 * 8 * 32 * 2 and r["total_bytes"] == r["bytes"] * concurrency
+        assert r["gbps"] > 0 and 0 < r["latency_p50_s"] <= r["latency_p99_s"]
+        assert r["latency_samples"] == concurrency * iters
+        assert r["slot_wait_s"] >= 0 and r["src_slot_wait_s"] >= 0
+        assert r["path"] and set(r["path"]) <= {"staged", "direct"}  # the route's choice, by its cost model
+        # the whole step holds every pair: all pairs' bytes over a wall at least as long as any pair's
+        assert r["step_bytes"] == sum(x["total_bytes"] for x in rows)
+        assert r["step_seconds"] >= r["seconds"] and r["step_gbps"] > 0
+    return rows
+
+
+def test_two_source_engines_of_different_tp_into_one_destination_engine(tmp_path):
+    out, table = tmp_path / "r.json", tmp_path / "r.csv"
+    proc = bench(*TINY, "--src-engines", "2,4", "--dst-tp", "1", "--tokens", "100", "--concurrency", "2",
+                 "--iters", "1", "--warmup", "0", "--verify", "--json", str(out), "--csv", str(table))
+    assert proc.returncode == 0, proc.stderr
+    data = json.loads(out.read_text())
+    assert data["config"]["src_engines"] == [2, 4] and data["config"]["dst_engines"] == [1]
+    assert data["config"]["modes"] == ["staged"] and "src_tp" not in data["config"]
+    rows = _check_pairs(data, [("s0", "d0", 2, 1), ("s1", "d0", 4, 1)], 2)
+    assert all(r["dst_peer_engines"] == 2 for r in rows)  # the destination rank's one endpoint served both
+    with table.open() as f:
+        assert [r["src_engine"] for r in csv.DictReader(f)] == ["s0", "s1"]
+    for cell in ("s0 (TP 2) -> d0 (TP 1)", "s1 (TP 4) -> d0 (TP 1)", "all pairs (2,4->1)", "dst slot wait ms"):
+        assert cell in proc.stdout
+
+
+def test_one_source_engine_into_two_destination_engines_through_a_small_arena(tmp_path):
+    # 2 requests to each destination engine at once through 4 slots per rank: chunks wait for slots
+    out = tmp_path / "r.json"
+    proc = bench("--layers", "2", "--head-dim", "32", "--arena-mb", "0.25", "--src-tp", "2", "--dst-engines", "1,2",
+                 "--tokens", "300", "--concurrency", "2", "--iters", "1", "--warmup", "0", "--json", str(out))
+    assert proc.returncode == 0, proc.stderr
+    data = json.loads(out.read_text())
+    assert data["config"]["src_engines"] == [2] and data["config"]["dst_engines"] == [1, 2]
+    rows = _check_pairs(data, [("s0", "d0", 2, 1), ("s0", "d1", 2, 2)], 2)
+    assert all(r["descriptors"] > 2 for r in rows)  # each request cut into several chunks
+
+
+def test_two_engines_of_one_tp_to_two_engines_same_request_ids(tmp_path):
+    """2x2 engines, two of them alike (TP 2 and TP 2): every pair's requests carry the same ids,
+    which are per engine pair; each lands in its own pages."""
+    sc = Scenario(KVGeometry(2, 8, 32), 2, 1, 64, PageLayout(16), PageLayout(4, "hnd"), iters=1, warmup=0,
+                  arena_mb=4, src_engines=(2, 2), dst_engines=(1, 2))
+    result = run(sc)
+    _check_pairs(result, [("s0", "d0", 2, 1), ("s0", "d1", 2, 2), ("s1", "d0", 2, 1), ("s1", "d1", 2, 2)], 1)

@@ -6,6 +6,7 @@ Nothing here starts a rank process: invalid input must be refused before any is.
 import dataclasses
 import json
 
+import numpy as np
 import pytest
 
 from kvstage.bench import runner
@@ -323,3 +324,234 @@ def test_bench_prints_a_link_warning_on_stderr_above_the_table(tmp_path):
     assert warned and all("UCX_TLS=tcp leaves out cma" in ln and "fix: unset UCX_TLS" in ln for ln in warned)
     assert len(warned) == len(set(warned))  # one line per distinct finding
     assert "kvstage bench:" in proc.stdout and "WARNING" not in proc.stdout
+
+
+# -- several engines (--src-engines / --dst-engines) --------------------------------------------
+def _engines(src=(2, 4), dst=(1,), **kw):
+    return Scenario(KVGeometry(2, 8, 32), src[0], dst[0], 64, PageLayout(16), PageLayout(16),
+                    **(dict(iters=1, warmup=0, arena_mb=4) | kw), src_engines=src, dst_engines=dst)
+
+
+def test_an_engine_group_counts_every_engine():
+    sc = _engines(concurrency=3)
+    g = Group([sc])
+    assert sc.multi and sc.modes == ("staged",)  # the default mode with several engines
+    assert g.label == "2,4->1" and Group([_engines((2,), (1, 2))]).label == "2->1,2"
+    assert g.processes("src") == [(0, 0), (0, 1), (1, 0), (1, 1), (1, 2), (1, 3)]
+    assert g.processes("dst") == [(0, 0)]
+    assert sc.pairs() == [(0, 0), (1, 0)]
+    # a destination rank holds 3 requests of each of the 2 source engines at once; a source rank 3
+    assert sc.requests_per_rank("dst") == 6 and sc.requests_per_rank("src") == 3
+    assert g.pages(sc.side("dst", 0), "dst") == (6 + 1) * 4 + 1 and g.pages(sc.side("src", 1), "src") == (3 + 1) * 4 + 1
+    # memory: every engine's ranks, each with its cache (sized for its requests) and arena
+    from kvstage.layout import token_bytes
+
+    def side_bytes(role, e):
+        spec = sc.side(role, e)
+        cache = g.pages(spec, role) * 16 * token_bytes(sc.geometry, spec.local_heads())
+        return spec.tp * (cache + sc.arena_bytes(role, e))
+
+    assert g.host_bytes(("src",)) == side_bytes("src", 0) + side_bytes("src", 1)
+    assert g.host_bytes() == side_bytes("src", 0) + side_bytes("src", 1) + side_bytes("dst", 0)
+    # a one-engine group of the same first pair is smaller: the check sees every engine
+    assert Group([Scenario(KVGeometry(2, 8, 32), 2, 1, 64, PageLayout(16), PageLayout(16), modes=("staged",),
+                           arena_mb=4, concurrency=3)]).host_bytes() < g.host_bytes()
+
+
+def test_an_engine_group_travels_and_records_its_engines():
+    sc = _engines((2, 2), (1, 2), concurrency=2)  # two engines of one TP size are two engines
+    assert sc.engines("src") == (2, 2) and len(sc.pairs()) == 4
+    back = Scenario.from_dict(json.loads(json.dumps(sc.to_dict())))
+    assert back == sc and back.group_key() == sc.group_key()
+    one = Scenario(KVGeometry(2, 8, 32), 2, 1, 64, PageLayout(16), PageLayout(16), arena_mb=4)
+    assert "src_engines" not in one.to_dict()  # a one-engine run's record is as before
+    cfg = runner._config(Sweep.build([2], [1, 2], [64], [1], **_common(src_engines=(2, 4))))
+    assert cfg["engines"] == [[[2, 4], [1]], [[2, 4], [2]]]
+    assert "src_tp" not in cfg and "src_engines" not in cfg and "pairs" not in cfg
+    cfg = runner._config(Sweep([Group([sc])]))
+    assert cfg["src_engines"] == [2, 2] and cfg["dst_engines"] == [1, 2] and "src_tp" not in cfg
+
+
+@pytest.mark.parametrize("kw,needle", [
+    (dict(modes=("staged", "bulk")), "mode=staged,bulk: a run with several engines"),
+    (dict(modes=("per-slice",)), "staged only"),
+    (dict(src=(2, 0)), "src_engines=2,0: every entry is a TP size >= 1"),
+    (dict(src=tuple([1] * 17)), "at most 16 engines"),
+])
+def test_engine_scenarios_refuse_what_they_cannot_run(kw, needle):
+    with pytest.raises(ConfigError, match=needle.replace("(", r"\(")):
+        _engines(**kw)
+
+
+def test_an_engine_pair_that_cannot_plan_is_named():
+    with pytest.raises(IncompatibleGeometry, match=r"source engine s1 \(TP 3\) -> destination engine d0 \(TP 1\)"):
+        _engines((2, 3), (1,))
+
+
+def test_every_pair_has_its_own_pages_and_bytes():
+    """Each request a rank holds in a step has pages of its own and bytes from a seed of its own
+    (source engine, destination engine, k): a request landing in another's pages shows."""
+    from kvstage.bench.worker import content_seed, request_index, request_pages
+
+    sc = _engines((2, 2), (1, 2), concurrency=3)
+    g = Group([sc])
+    seeds = set()
+    for it in range(2):
+        for i, j in sc.pairs():
+            for k in range(3):
+                seeds.add(content_seed(g, 0, "staged", it, k, (i, j)))
+    assert len(seeds) == 2 * 4 * 3
+    assert content_seed(g, 0, "staged", 0, 0) != content_seed(g, 0, "staged", 0, 1)  # one-engine seeds as before
+    for role in ("src", "dst"):
+        for e, rank in g.processes(role):
+            pages = request_pages(g, 0, role, rank, 0, e)
+            assert len(pages) == sc.requests_per_rank(role) == 6
+            flat = np.concatenate(pages)
+            assert len(set(flat.tolist())) == len(flat) and flat.max() < g.pages(sc.side(role, e), role)
+            assert request_index(sc, 1, 2) == 5
+    # engines of one side draw different pages (their own seeds)
+    assert not np.array_equal(np.concatenate(request_pages(g, 0, "src", 0, 0, 0)),
+                              np.concatenate(request_pages(g, 0, "src", 0, 0, 1)))
+
+
+def test_verification_catches_a_request_from_another_engine():
+    """The mutation a misrouted request makes: s1's request k in the pages where s0's request k
+    belongs. The destination's check of s0's request fails there, and passes on the right bytes."""
+    import torch
+
+    from kvstage.bench.reference import check_shard, fill_shard
+    from kvstage.bench.worker import content_seed, request_index, request_pages
+    from kvstage.staging.cache import RankCache
+
+    sc = _engines((2, 4), (1,), concurrency=2)
+    g = Group([sc])
+    spec = sc.side("dst", 0)
+    cache = RankCache.allocate(spec, 0, g.pages(spec, "dst"), torch.device("cpu"))
+    reqs = request_pages(g, 0, "dst", 0, 0, 0)
+    mine = reqs[request_index(sc, 0, 1)]
+    right = content_seed(g, 0, "staged", 0, 1, (0, 0))
+    fill_shard(cache, right, mine, sc.tokens)
+    assert check_shard(cache, right, mine, sc.tokens, written=np.concatenate(reqs)) == []
+    fill_shard(cache, content_seed(g, 0, "staged", 0, 1, (1, 0)), mine, sc.tokens)  # s1's bytes, s0's pages
+    errors = check_shard(cache, right, mine, sc.tokens, written=np.concatenate(reqs))
+    assert errors and "tokens differ" in errors[0]
+
+
+def _engine_reports():
+    """Source engines s0 (TP 2) and s1 (TP 4) into d0 (TP 1), 2 requests each, 2 measured iterations."""
+    sc = _engines(concurrency=2, iters=2)
+    g = Group([sc])
+    reports = []
+    for it in range(2):
+        base = 100.0 * (it + 1)
+        for e, r in g.processes("src"):
+            reports.append(("src", r, 0, "staged", it, {
+                "engine": e, "t0": base, "sent": [[base + e * 1e-3 + r * 1e-4, base + 2e-3]], "t_end": base + 0.05,
+                "descriptors": [4], "writes": [2], "arena": "host", "copier": "native",
+                "stages": [{"gather": 1e-3, "write": 2e-3, "queued": 0.0, "slot_wait": 1e-3 * (e + 1), "start": 1e-4}]}))
+        # s0's requests done at +10/+20 ms (x it), s1's at +30/+40 ms
+        reports.append(("dst", 0, 0, "staged", it, {
+            "engine": 0, "t1": base + 0.04 * (it + 1),
+            "done": [[base + 0.01 * (it + 1), base + 0.02 * (it + 1)], [base + 0.03 * (it + 1), base + 0.04 * (it + 1)]],
+            "verified": [True, True] if it == 1 else None, "errors": [[], []],
+            "stages": [{"scatter": 1e-3, "slot_wait": 5e-3}, {"scatter": 1e-3, "slot_wait": 7e-3 * (it + 1)}],
+            "path": ["staged", "staged"], "arena": "host", "arena_bytes": 4 << 20, "copier": "native",
+            "endpoint": {"engines": 2, "peers": 6, "slots_total": 4}}))
+    return sc, g, reports
+
+
+def test_engine_summary_has_one_row_per_pair():
+    sc, g, reports = _engine_reports()
+    rows = summarize(g, reports)
+    assert [(r["src_engine"], r["dst_engine"], r["src_tp"], r["dst_tp"]) for r in rows] == [("s0", "d0", 2, 1),
+                                                                                             ("s1", "d0", 4, 1)]
+    s0, s1 = rows
+    assert s0["seconds_all"] == pytest.approx([0.01 * 2, 0.02 * 2])  # first send (s0 rank 0 at +0) to last done
+    assert s1["seconds_all"] == pytest.approx([0.04 - 1e-3, 0.08 - 1e-3])  # s1's first send is at +1 ms
+    assert s0["gbps"] == pytest.approx(2 * sc.payload_bytes() / s0["seconds"] / 1e9)
+    assert s0["latency_samples"] == 4
+    assert s1["latency_p99_s"] == pytest.approx(0.08 - 2e-3)
+    assert s0["slot_wait_s"] == pytest.approx(5e-3)  # the destination's wait for s0's requests
+    assert s1["slot_wait_s"] == pytest.approx(14e-3)  # the median iteration's (of two, the slower)
+    assert s0["src_slot_wait_s"] == pytest.approx(2 * 1e-3) and s1["src_slot_wait_s"] == pytest.approx(4 * 2e-3)
+    assert s0["descriptors"] == 4 and s1["descriptors"] == 8  # per request, summed over the engine's ranks
+    # the whole step: every pair's bytes over the earliest send to the latest completion
+    assert s0["step_seconds_all"] == pytest.approx([0.04, 0.08]) and s0["step_bytes"] == 4 * sc.payload_bytes()
+    assert s0["step_gbps"] == pytest.approx(4 * sc.payload_bytes() / 0.06 / 1e9)
+    assert s0["verified"] is True and s1["verified"] is True
+    assert s0["dst_peer_engines"] == 2 and s0["engines"] == "2,4->1"
+
+
+def test_engine_table_markdown_and_csv(tmp_path):
+    import csv
+
+    from kvstage.bench.report import ENGINE_CSV_COLUMNS, markdown
+
+    sc, g, reports = _engine_reports()
+    reports[-1][-1]["verified"] = [True, False]
+    reports[-1][-1]["errors"] = [[], ["request 1 from engine s1: buffer 0: 3 of 64 tokens differ (first token 0)"]]
+    result = {"config": runner._config(Sweep([g])), "results": summarize(g, reports)}
+    text = render_table(result)
+    for cell in ("s0 (TP 2) -> d0 (TP 1)", "s1 (TP 4) -> d0 (TP 1)", "all pairs (2,4->1)", "dst slot wait ms",
+                 "src slot wait ms", "slowest pair / fastest pair"):
+        assert cell in text
+    assert "NO" in text and "vs bulk" not in text and "(direct)" not in text
+    md = markdown(result, "t", "kvstage bench --src-engines 2,4")
+    assert "| s1 (TP 4) → d0 (TP 1) |" in md and "**NO**" in md and "| all pairs (2,4→1) |" in md
+    path = tmp_path / "r.csv"
+    write_csv(result, str(path))
+    got = list(csv.DictReader(path.open()))
+    assert tuple(got[0]) == ENGINE_CSV_COLUMNS and [r["src_engine"] for r in got] == ["s0", "s1"]
+    assert float(got[1]["slot_wait_s"]) == pytest.approx(result["results"][1]["slot_wait_s"])
+    result["results"][1]["path"] = ["direct"]  # a pair whose bytes went as page runs says so
+    assert "s1 (TP 4) -> d0 (TP 1) (direct)" in render_table(result)
+
+
+def test_engine_plot(tmp_path):
+    pytest.importorskip("matplotlib", reason="matplotlib is the optional 'plot' extra")
+    from kvstage.bench.report import write_plot
+
+    sc, g, reports = _engine_reports()
+    write_plot({"config": runner._config(Sweep([g])), "results": summarize(g, reports)}, str(tmp_path / "a.png"))
+    assert (tmp_path / "a.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_rank_processes_are_named_by_engine():
+    from kvstage.bench.control import rank_name
+
+    assert rank_name("src", 1, 0) == "source rank 1 of engine s0"
+    assert rank_name("dst", 0, 1) == "destination rank 0 of engine d1"
+    assert rank_name("src", 3) == "source rank 3"
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["--src-engines", "2,4", "--src-tp", "1,2"], "src_tp=1,2 with src_engines=2,4: src_engines gives each source engine's"),
+    (["--src-engines", "2,4", "--src-tp", "2"], "src_tp=2 with src_engines=2,4"),
+    (["--dst-engines", "1,2", "--dst-tp", "1"], "dst_tp=1 with dst_engines=1,2"),
+    (["--src-engines", "2,4", "--mode", "all"], "mode=staged,bulk,per-slice: a run with several engines"),
+    (["--src-tp", "2", "--dst-engines", "1,2", "--mode", "bulk"], "mode=bulk: a run with several engines"),
+    (["--src-engines", "2,3"], "source engine s1 (TP 3) -> destination engine d0 (TP 1)"),
+    (["--src-engines", "2,4", "--dst-tp", "1,3"], "src_engines=2,4 -> dst_tp=3"),
+    (["--dst-engines", "1,"], "dst_engines='1,'"),
+    (["--src-engines", "2,0"], "src_engines=2,0: every entry is a TP size >= 1"),
+    (["--src-engines", "2,4", "--tokens", "100000000"], "memory: TP 2,4->1"),
+])
+def test_invalid_engine_input_exits_2_before_anything_starts(args, needle, capsys):
+    assert main(["bench", *TINY, *args]) == 2
+    err = capsys.readouterr().err
+    assert needle in err and "Traceback" not in err
+
+
+def test_engines_from_a_scenario_file(tmp_path, monkeypatch):
+    seen = {}
+
+    def fake_run(sweep, **kw):
+        seen["sweep"] = sweep
+        raise ConfigError("stop here")
+
+    monkeypatch.setattr(runner, "run_sweep", fake_run)
+    f = tmp_path / "s.toml"
+    f.write_text("src_engines = [2, 2, 4]\ndst_tp = [1, 2]\nlayers = 2\nhead_dim = 32\narena_mb = 4\n")
+    assert main(["bench", "--scenario", str(f)]) == 2
+    assert [g.label for g in seen["sweep"].groups] == ["2,2,4->1", "2,2,4->2"]
+    assert all(p.modes == ("staged",) for p in seen["sweep"].points)

@@ -49,6 +49,34 @@ def test_two_hosts_across_network_namespaces(netns_pair, tmp_path):
     assert "clocks:" in d_out
 
 
+def test_two_hosts_with_several_engines_split_over_two_source_hosts(netns_pair, tmp_path):
+    """Source engines s0 (TP 2) and s1 (TP 1) on the other host, their three rank processes split over
+    two source hosts; each host starts the (engine, rank) it is told to."""
+    out = tmp_path / "dst.json"
+    env = dict(os.environ, KVSTAGE_AUTH_TOKEN="netns-test")
+    cmd = [sys.executable, "-m", "kvstage.cli", "bench"]
+    dst = subprocess.Popen(["ip", "netns", "exec", netns_pair.dst, *cmd, "--role", "dst", "--listen", f"{DST_IP}:7711",
+                            *TINY, "--src-engines", "2,1", "--dst-tp", "2", "--tokens", "64", "--src-hosts", "2",
+                            "--iters", "1", "--warmup", "0", "--json", str(out)],
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    srcs = [subprocess.Popen(["ip", "netns", "exec", netns_pair.src, *cmd, "--role", "src", "--connect", f"{DST_IP}:7711"],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env) for _ in range(2)]
+    try:
+        errs = [p.communicate(timeout=240)[1] for p in srcs]
+        _, d_err = dst.communicate(timeout=60)
+    finally:
+        for p in (dst, *srcs):
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    assert [p.returncode for p in (dst, *srcs)] == [0, 0, 0], f"dst side:\n{d_err}\nsrc sides:\n" + "\n".join(errs)
+    rows = json.loads(out.read_text())["results"]
+    assert [(r["src_engine"], r["dst_engine"], r["src_tp"], r["dst_tp"]) for r in rows] == [("s0", "d0", 2, 2),
+                                                                                             ("s1", "d0", 1, 2)]
+    assert all(r["verified"] is True for r in rows), rows
+    assert "destination rank 1 of engine d0 at" in d_err  # where the destination ranks are, by engine
+
+
 def test_rendezvous_refuses_a_wrong_token():
     coord = Coordinator(("127.0.0.1", 0), token="right")
     try:

@@ -18,6 +18,9 @@ from kvstage.cli import main
     (["--mode", "fast"], "mode=fast"),
     (["--tokens", "0"], "tokens=0"),
     (["--arena-mb", "0.001"], "arena_mb=0.001"),
+    (["--src-engines", "2,4", "--mode", "staged,bulk"], "mode=staged,bulk: a run with several engines"),
+    (["--src-engines", "2,4", "--src-tp", "2,4"], "src_tp=2,4 with src_engines=2,4"),
+    (["--src-tp", "2", "--dst-engines", "1,3"], "destination engine d1 (TP 3)"),
 ])
 def test_invalid_input_exits_2_with_the_field_named(args, needle, capsys):
     assert main(["bench", *args]) == 2

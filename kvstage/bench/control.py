@@ -71,6 +71,12 @@ def wildcard(host: str) -> bool:
     return host in ("", "0.0.0.0", "::")
 
 
+def rank_name(role: str, rank: int, engine: int | None = None) -> str:
+    """``source rank 1``, or in a multi-engine group ``source rank 1 of engine s0``."""
+    side = "source" if role == "src" else "destination"
+    return f"{side} rank {rank}" + ("" if engine is None else f" of engine {'s' if role == 'src' else 'd'}{engine}")
+
+
 # -- the client side ----------------------------------------------------------------
 class Link:
     """A rank's or source host's connection to the coordinator.
@@ -181,12 +187,13 @@ class Peer:
     boot_id: str
     local_host: str  # this host's address as the peer reached it
     said_bye: bool = False  # finished cleanly: its connection closing is no failure
+    engine: int | None = None  # its engine in a multi-engine group (source engine s0, destination engine d1)
 
     @property
     def name(self) -> str:
         if self.kind == "agent":
             return f"source host {self.host} ({self.conn.peer})"
-        return f"{'source' if self.role == 'src' else 'destination'} rank {self.rank}"
+        return rank_name(self.role, self.rank, self.engine)
 
     def send(self, msg: dict) -> None:
         try:
@@ -233,8 +240,12 @@ class Coordinator:
             kind = hello.get("kind")
             if kind not in ("rank", "agent"):
                 raise ProtocolError(f"unknown peer kind {kind!r}")
+            engine = hello.get("engine")
+            if engine is not None and (isinstance(engine, bool) or not isinstance(engine, int)):
+                raise ProtocolError(f"engine={str(engine)[:40]!r}: must be an engine index")
             peer = Peer(conn, kind, hello.get("role"), hello.get("rank"), hello.get("group"),
-                        str(hello.get("host", "?"))[:100], str(hello.get("boot_id", "")), sock.getsockname()[0])
+                        str(hello.get("host", "?"))[:100], str(hello.get("boot_id", "")), sock.getsockname()[0],
+                        engine=engine)
             conn.send({"type": "welcome", "boot_id": self.boot})
         except (OSError, ConnectionError, ProtocolError) as e:
             log.warning("bench coordinator: refused %s: %s", conn.peer, e)

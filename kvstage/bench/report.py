@@ -23,6 +23,23 @@ CSV_COLUMNS = (
 )
 
 
+#: the CSV of a multi-engine run (``--src-engines`` / ``--dst-engines``): one row per engine pair
+ENGINE_CSV_COLUMNS = (
+    "mode", "engines", "src_engine", "dst_engine", "src_tp", "dst_tp", "tokens", "concurrency", "bytes", "total_bytes",
+    "seconds", "gbps", "latency_p50_ms", "latency_p99_ms", "latency_samples", "slot_wait_s", "src_slot_wait_s",
+    "step_bytes", "step_seconds", "step_gbps", "descriptors_per_request", "arena_bytes", "verified", "path",
+    "start_s", "gather_s", "write_s", "queued_s", "scatter_s", "gather_gpu_s", "scatter_gpu_s", "arena", "copier",
+    "src_peer_engines", "dst_peer_engines",
+    "layers", "kv_heads", "head_dim", "dtype", "mla", "device", "src_page_size", "src_layout",
+    "dst_page_size", "dst_layout", "iters", "warmup",
+)
+
+
+def is_multi(result: dict) -> bool:
+    """A multi-engine run: its rows are engine pairs."""
+    return any("src_engine" in r for r in result["results"])
+
+
 def _ms(seconds) -> str:
     return "-" if seconds is None else f"{seconds * 1e3:.2f}"
 
@@ -74,6 +91,8 @@ def render_table(result: dict, title: str | None = None) -> str:
     rows = result["results"]
     show_n = any(r["concurrency"] > 1 for r in rows)
     t = Table(title=(title + "\n" if title else "") + "kvstage bench: " + _geometry_line(cfg))
+    if is_multi(result):
+        return _render_engines(t, result, show_n)
     cols = ["mode", "TP", "tokens"] + (["conc"] if show_n else []) + [
         "MB/req", "GB/s", "p50 ms", "p99 ms", "desc/req", "arena MiB", "vs bulk", "verified"]
     for col in cols:
@@ -93,8 +112,95 @@ def render_table(result: dict, title: str | None = None) -> str:
     return cap.get()
 
 
+# -- multi-engine runs: one row per (source engine, destination engine) pair ------------------------
+ENGINE_HEAD = ["pair", "tokens", "conc", "MB/req", "GB/s", "p50 ms", "p99 ms", "dst slot wait ms",
+               "src slot wait ms", "verified"]
+
+
+def _points(rows: list[dict]) -> dict:
+    """Multi-engine rows by point (engines, tokens, concurrency), in order."""
+    out: dict = {}
+    for r in rows:
+        out.setdefault((r["engines"], r["tokens"], r["concurrency"]), []).append(r)
+    return out
+
+
+def _engine_rows(result: dict, show_n: bool, arrow: str, failed: str) -> list[list[str]]:
+    """Every pair's cells and, after each point's pairs, one "all pairs" line: every pair's bytes
+    over the step's wall time."""
+    out = []
+    for (engines, tok, n), rows in _points(result["results"]).items():
+        for r in rows:
+            v = {True: "yes", False: failed, None: "-"}[r["verified"]]
+            way = r.get("path") or []  # how the bytes went, where not by staged chunks: "(direct)", "(mapped)"
+            way = "" if way in ([], ["staged"]) else f" ({'+'.join(way)})"
+            out.append([f"{r['src_engine']} (TP {r['src_tp']}) {arrow} {r['dst_engine']} (TP {r['dst_tp']}){way}", str(tok)]
+                       + ([str(n)] if show_n else []) + [
+                f"{r['bytes'] / 1e6:.2f}", f"{r['gbps']:.3f}", _ms(r["latency_p50_s"]), _ms(r["latency_p99_s"]),
+                _ms(r["slot_wait_s"]), _ms(r["src_slot_wait_s"]), v])
+        flags = [r["verified"] for r in rows]
+        v = "-" if None in flags else "yes" if all(flags) else failed
+        first = rows[0]
+        out.append([f"all pairs ({engines.replace('->', arrow)})", str(tok)] + ([str(n)] if show_n else []) + [
+            f"{first['step_bytes'] / 1e6 / n:.2f}", f"{first['step_gbps']:.3f}", "-", "-",
+            _ms(sum(r["slot_wait_s"] for r in rows)), _ms(sum(r["src_slot_wait_s"] for r in rows)), v])
+    return out
+
+
+def _render_engines(t, result: dict, show_n: bool) -> str:
+    from rich.console import Console
+
+    head = [h for h in ENGINE_HEAD if show_n or h != "conc"]
+    for col in head:
+        t.add_column(col, justify="left" if col == "pair" else "right", no_wrap=col == "pair")
+    for cells in _engine_rows(result, show_n, "->", "NO"):
+        t.add_row(*cells, end_section=cells[0].startswith("all pairs"))
+    console = Console(record=True, width=150)  # a pair's name and the two slot waits need the room
+    with console.capture() as cap:
+        console.print(t)
+        for line in notes(result):
+            console.print(line, highlight=False)
+    return cap.get()
+
+
+def _engine_notes(result: dict) -> list[str]:
+    out = []
+    points = _points(result["results"])
+    for (engines, tok, n), rows in points.items():
+        parts = []
+        rates = [r["gbps"] for r in rows]
+        if len(rows) > 1:
+            slow, fast = min(rows, key=lambda r: r["gbps"]), max(rows, key=lambda r: r["gbps"])
+            parts.append(f"slowest pair / fastest pair: {min(rates) / max(rates):.2f} "
+                         f"({slow['src_engine']}->{slow['dst_engine']} / {fast['src_engine']}->{fast['dst_engine']})")
+        served = {**{r["src_engine"]: r.get("src_peer_engines") for r in rows},
+                  **{r["dst_engine"]: r.get("dst_peer_engines") for r in rows}}
+        served = {e: v for e, v in served.items() if v}  # (0: the endpoint does not count them)
+        if served:
+            parts.append("peer engines each rank's one endpoint served: " + ", ".join(f"{e} {v}" for e, v in served.items()))
+        copies = sorted({c for r in rows for c in r.get("copier") or []})
+        if copies:
+            parts.append("copies " + "+".join(copies))
+        if parts:
+            out.append((f"{engines} {tok} tok{f' x{n}' if n > 1 else ''}: " if len(points) > 1 else "") + "; ".join(parts))
+    out.append("Every source engine sends its requests to every destination engine at once (request k to d0, d1, "
+               "..., then k+1), each engine's ranks through one endpoint per rank. GB/s per pair: the pair's bytes "
+               "over its wall time (its first send to its last completion); all pairs: every pair's bytes over the "
+               "step's wall time (1e9 B/s). Slot wait: time the pair's requests waited for a free arena slot, "
+               "summed over requests and ranks, on the destination (dst) and on the sources (src). Latency: "
+               "nearest-rank p50/p99 over the pair's requests x measured iterations.")
+    return out
+
+
 def notes(result: dict) -> list[str]:
     """Per point: staged vs per-slice, and where the staged time went."""
+    if is_multi(result):
+        out = _engine_notes(result)
+        clock = result.get("clock") or {}
+        if clock.get("synced_ranks"):
+            out.append(f"clocks: {clock['synced_ranks']} rank processes on another clock, offsets measured at start; "
+                       f"timestamps may be off by up to {clock['max_offset_error_s'] * 1e6:.0f} us")
+        return out
     out = []
     points: dict = {}
     for r in result["results"]:
@@ -141,17 +247,22 @@ def markdown(result: dict, title: str | None = None, command: str | None = None)
     """The table as GitHub markdown, with the geometry line and the notes (for docs/benchmarks.md)."""
     rows = result["results"]
     show_n = any(r["concurrency"] > 1 for r in rows)
-    head = ["mode", "TP", "tokens"] + (["in flight"] if show_n else []) + [
-        "MB/req", "GB/s", "p50 ms", "p99 ms", "desc/req", "arena MiB", "vs bulk", "verified"]
+    multi = is_multi(result)
+    if multi:
+        head = [("in flight" if h == "conc" else h) for h in ENGINE_HEAD if show_n or h != "conc"]
+    else:
+        head = ["mode", "TP", "tokens"] + (["in flight"] if show_n else []) + [
+            "MB/req", "GB/s", "p50 ms", "p99 ms", "desc/req", "arena MiB", "vs bulk", "verified"]
     lines = []
     if title:
         lines += [f"**{title}**", ""]
     if command:
         lines += ["```", command, "```", ""]
     lines += [_geometry_line(result["config"]) + ".", "",
-              "| " + " | ".join(head) + " |", "|" + "|".join("---" if h == "mode" else "--:" for h in head) + "|"]
-    for r in rows:
-        lines.append("| " + " | ".join(_cells(r, show_n, "→", "**NO**")) + " |")
+              "| " + " | ".join(head) + " |", "|" + "|".join("---" if h in ("mode", "pair") else "--:" for h in head) + "|"]
+    cells = _engine_rows(result, show_n, "→", "**NO**") if multi else [_cells(r, show_n, "→", "**NO**") for r in rows]
+    for c in cells:
+        lines.append("| " + " | ".join(c) + " |")
     lines.append("")
     lines += [f"- {n}" for n in notes(result)]
     return "\n".join(lines) + "\n"
@@ -160,6 +271,8 @@ def markdown(result: dict, title: str | None = None, command: str | None = None)
 def csv_rows(result: dict) -> list[dict]:
     cfg = result["config"]
     g = cfg["geometry"]
+    if is_multi(result):
+        return _engine_csv_rows(result)
     out = []
     for r in result["results"]:
         st = r.get("stages") or {}
@@ -182,9 +295,34 @@ def csv_rows(result: dict) -> list[dict]:
     return out
 
 
+def _engine_csv_rows(result: dict) -> list[dict]:
+    cfg = result["config"]
+    g = cfg["geometry"]
+    out = []
+    for r in result["results"]:
+        st = r.get("stages") or {}
+        out.append({
+            **{k: r.get(k) for k in ("mode", "engines", "src_engine", "dst_engine", "src_tp", "dst_tp", "tokens",
+                                      "concurrency", "bytes", "total_bytes", "seconds", "gbps", "latency_samples",
+                                      "slot_wait_s", "src_slot_wait_s", "step_bytes", "step_seconds", "step_gbps",
+                                      "arena_bytes", "verified", "src_peer_engines", "dst_peer_engines")},
+            "latency_p50_ms": r["latency_p50_s"] * 1e3, "latency_p99_ms": r["latency_p99_s"] * 1e3,
+            "descriptors_per_request": r["descriptors"], "path": "+".join(r.get("path") or []),
+            "arena": "+".join(r.get("arena") or []), "copier": "+".join(r.get("copier") or []),
+            "start_s": st.get("start"), "gather_s": st.get("gather"), "write_s": st.get("write"),
+            "queued_s": st.get("queued"), "scatter_s": st.get("scatter"), "gather_gpu_s": st.get("gather_gpu"),
+            "scatter_gpu_s": st.get("scatter_gpu"),
+            "layers": g["layers"], "kv_heads": g["kv_heads"], "head_dim": g["head_dim"], "dtype": g["dtype"],
+            "mla": g["mla"], "device": cfg["device"], "src_page_size": cfg["src_page"]["page_size"],
+            "src_layout": cfg["src_page"]["order"], "dst_page_size": cfg["dst_page"]["page_size"],
+            "dst_layout": cfg["dst_page"]["order"], "iters": cfg["iters"], "warmup": cfg["warmup"],
+        })
+    return out
+
+
 def write_csv(result: dict, path: str) -> None:
     with open(path, "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=CSV_COLUMNS)
+        w = csv.DictWriter(f, fieldnames=ENGINE_CSV_COLUMNS if is_multi(result) else CSV_COLUMNS)
         w.writeheader()
         for row in csv_rows(result):
             w.writerow({k: "" if v is None else v for k, v in row.items()})
@@ -205,8 +343,9 @@ _COLORS = {"staged": "tab:blue", "bulk": "tab:green", "per-slice": "tab:red"}
 
 def write_plot(result: dict, path: str, title: str | None = None) -> None:
     """GB/s against tokens: one panel per TP pair, one line per mode (and per
-    concurrency). A sweep of concurrencies at one token count plots GB/s
-    against requests in flight instead."""
+    concurrency); with several engines, one panel per set of engines and one
+    line per engine pair, and all pairs together. A sweep of concurrencies at
+    one token count plots GB/s against requests in flight instead."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -220,7 +359,12 @@ def write_plot(result: dict, path: str, title: str | None = None) -> None:
             return f"{x:g}" if super().__call__(x, pos) else ""
 
     rows = result["results"]
-    pairs = list(dict.fromkeys((r["src_tp"], r["dst_tp"]) for r in rows))
+    multi = is_multi(result)
+    if multi:  # one panel per set of engines, one line per engine pair and one for all pairs together
+        rows = rows + [dict(r, src_engine="all", dst_engine="pairs", gbps=r["step_gbps"])
+                       for r in rows if (r["src_engine"], r["dst_engine"]) == ("s0", "d0")]
+    panel_of = (lambda r: r["engines"]) if multi else (lambda r: (r["src_tp"], r["dst_tp"]))
+    pairs = list(dict.fromkeys(panel_of(r) for r in rows))
     tokens = sorted({r["tokens"] for r in rows})
     concs = sorted({r["concurrency"] for r in rows})
     by_conc = len(tokens) == 1 and len(concs) > 1
@@ -231,18 +375,11 @@ def write_plot(result: dict, path: str, title: str | None = None) -> None:
     fig, axes = plt.subplots(nrow, ncol, figsize=(max(7.5, 5.2 * ncol), 4.0 * nrow + 0.4), squeeze=False, sharey=True)
     styles = ["-", "--", ":", "-."]
     markers = ["o", "s", "^", "D"]
-    for ax, (s, d) in zip(axes.flat, pairs):
-        for mode in MODES:
-            for ci, c in enumerate(series):
-                sel = [r for r in rows if (r["src_tp"], r["dst_tp"], r["mode"]) == (s, d, mode)
-                       and (c is None or r["concurrency"] == c)]
-                if not sel:
-                    continue
-                pts = sorted((x_of(r), r["gbps"]) for r in sel)
-                label = _mode_label(mode, sel)
-                label += f", {c} in flight" if c is not None and len(concs) > 1 else ""
-                ax.plot([p[0] for p in pts], [p[1] for p in pts], linestyle=styles[ci % 4], marker=markers[ci % 4],
-                        color=_COLORS[mode], label=label)
+    for ax, panel in zip(axes.flat, pairs):
+        if multi:
+            _plot_pairs(ax, [r for r in rows if r["engines"] == panel], x_of, by_conc, concs, styles, markers)
+        else:
+            _plot_modes(ax, rows, panel, x_of, series, concs, styles, markers)
         ticks = concs if by_conc else tokens
         ax.set_xscale("log", base=2)
         ax.set_xticks(ticks, [str(t) for t in ticks])
@@ -250,7 +387,8 @@ def write_plot(result: dict, path: str, title: str | None = None) -> None:
         ax.set_yscale("log")
         for axis_set in (ax.yaxis.set_major_formatter, ax.yaxis.set_minor_formatter):  # 0.3, 6, 20; not 6x10^0
             axis_set(_PlainLog(labelOnlyBase=False))
-        ax.set_title(f"TP {s} \u2192 {d}" + (f", {tokens[0]} tokens per request" if by_conc else ""))
+        name = f"engines {panel}" if multi else f"TP {panel[0]} \u2192 {panel[1]}"
+        ax.set_title(name + (f", {tokens[0]} tokens per request" if by_conc else ""))
         ax.set_xlabel("requests in flight" if by_conc else "tokens per request")
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize=8)
@@ -263,6 +401,39 @@ def write_plot(result: dict, path: str, title: str | None = None) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def _plot_modes(ax, rows, panel, x_of, series, concs, styles, markers) -> None:
+    """One panel of a one-engine run: a line per mode (and concurrency)."""
+    s, d = panel
+    for mode in MODES:
+        for ci, c in enumerate(series):
+            sel = [r for r in rows if (r["src_tp"], r["dst_tp"], r["mode"]) == (s, d, mode)
+                   and (c is None or r["concurrency"] == c)]
+            if not sel:
+                continue
+            pts = sorted((x_of(r), r["gbps"]) for r in sel)
+            label = _mode_label(mode, sel)
+            label += f", {c} in flight" if c is not None and len(concs) > 1 else ""
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], linestyle=styles[ci % 4], marker=markers[ci % 4],
+                    color=_COLORS[mode], label=label)
+
+
+def _plot_pairs(ax, rows, x_of, by_conc, concs, styles, markers) -> None:
+    """One panel of a multi-engine run: a line per engine pair (and concurrency), and all pairs together."""
+    keys = list(dict.fromkeys((r["src_engine"], r["dst_engine"]) for r in rows))
+    series = [None] if by_conc else concs
+    for pi, key in enumerate(keys):
+        for ci, c in enumerate(series):
+            sel = [r for r in rows if (r["src_engine"], r["dst_engine"]) == key and (c is None or r["concurrency"] == c)]
+            if not sel:
+                continue
+            pts = sorted((x_of(r), r["gbps"]) for r in sel)
+            label = "all pairs" if key == ("all", "pairs") else \
+                f"{key[0]} (TP {sel[0]['src_tp']}) \u2192 {key[1]} (TP {sel[0]['dst_tp']})"
+            label += f", {c} in flight" if c is not None and len(concs) > 1 else ""
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], linestyle=styles[ci % 4], marker=markers[ci % 4],
+                    color="black" if key == ("all", "pairs") else f"C{pi}", label=label)
 
 
 class Progress:

@@ -10,8 +10,10 @@ Three ways to run, one protocol (``control``):
 - ``run_source_host``: connects to a ``--role dst`` run, starts the source
   ranks it is told to, and gets the results at the end.
 
-Each group (one TP pair) runs in fresh rank processes; its points (token
-counts, concurrencies) reuse them. Wall time of one step is from the earliest
+Each group (one TP pair, or one set of engines: ``--src-engines`` /
+``--dst-engines``) runs in fresh rank processes; its points (token counts,
+concurrencies) reuse them. A rank process is known by its role, its engine
+(None in a one-engine group) and its rank. Wall time of one step is from the earliest
 source start to the latest destination completion, on the coordinator's clock.
 """
 
@@ -24,7 +26,7 @@ import subprocess
 import sys
 import time
 
-from kvstage.bench.control import BenchError, Coordinator, Link, Peer, wildcard
+from kvstage.bench.control import BenchError, Coordinator, Link, Peer, rank_name, wildcard
 from kvstage.bench.scenario import Group, Scenario, Sweep
 from kvstage.link.paths import LOW_FRACTION
 
@@ -53,22 +55,24 @@ class Children:
                  token: str = ""):
         self.coord, self.log_level, self.clock_sync = coord, log_level, clock_sync
         self.env = dict(os.environ, KVSTAGE_AUTH_TOKEN=token) if token else None
-        self.procs: dict[tuple[int, str, int], subprocess.Popen] = {}
+        self.procs: dict[tuple[int, str, int | None, int], subprocess.Popen] = {}
 
-    def start(self, group: int, role: str, ranks) -> None:
+    def start(self, group: int, role: str, ranks, engine: int | None = None) -> None:
+        """Start ranks ``ranks`` of ``role`` (of engine ``engine`` in a multi-engine group)."""
         for r in ranks:
             cmd = [sys.executable, "-m", "kvstage.bench.worker", "--coord", f"{self.coord[0]}:{self.coord[1]}",
                    "--role", role, "--rank", str(r), "--group", str(group), "--parent", str(os.getpid()),
-                   "--log-level", self.log_level] + (["--clock-sync"] if self.clock_sync else [])
+                   "--log-level", self.log_level] + (["--clock-sync"] if self.clock_sync else []) + (
+                   ["--engine", str(engine)] if engine is not None else [])
             # own session: a terminal's Ctrl-C reaches only us, and we end the ranks in order
-            self.procs[(group, role, r)] = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=_child_stdout(),
-                                                            start_new_session=True, env=self.env)
+            self.procs[(group, role, engine, r)] = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=_child_stdout(),
+                                                                    start_new_session=True, env=self.env)
 
     def failed(self) -> str | None:
-        for (g, role, r), p in self.procs.items():
+        for (g, role, engine, r), p in self.procs.items():
             rc = p.poll()
             if rc not in (None, 0):
-                return f"{'source' if role == 'src' else 'destination'} rank {r} exited with code {rc}"
+                return f"{rank_name(role, r, engine)} exited with code {rc}"
         return None
 
     def reap(self, group: int, timeout: float = 30.0) -> None:
@@ -160,43 +164,57 @@ class Session:
         self.gi = gi
         b = group.base
         self.group_peers = {}
-        self._tick(done_steps, total_steps, f"{group.label}: starting {b.src_tp + b.dst_tp} rank processes", phase=True)
-        self.children.start(gi, "dst", range(b.dst_tp))
+        src_procs, dst_procs = group.processes("src"), group.processes("dst")
+        self._tick(done_steps, total_steps, f"{group.label}: starting {len(src_procs) + len(dst_procs)} rank processes",
+                   phase=True)
+        for engine, ranks in _by_engine(dst_procs):
+            self.children.start(gi, "dst", ranks, engine)
         if self.agents:
-            share = _contiguous(b.src_tp, len(self.agents))
-            for agent, ranks in zip(self.agents, share):
-                if ranks:
-                    agent.send({"type": "spawn", "group": gi, "ranks": ranks})
+            share = _contiguous(len(src_procs), len(self.agents))
+            for agent, idx in zip(self.agents, share):
+                if not idx:
+                    continue
+                if b.multi:  # (engine, rank) of each
+                    agent.send({"type": "spawn", "group": gi, "procs": [list(src_procs[i]) for i in idx]})
+                else:
+                    agent.send({"type": "spawn", "group": gi, "ranks": [src_procs[i][1] for i in idx]})
         else:
-            self.children.start(gi, "src", range(b.src_tp))
-        want = {("dst", r) for r in range(b.dst_tp)} | {("src", r) for r in range(b.src_tp)}
+            for engine, ranks in _by_engine(src_procs):
+                self.children.start(gi, "src", ranks, engine)
+        want = {("dst", e, r) for e, r in dst_procs} | {("src", e, r) for e, r in src_procs}
         wire = group.to_wire()
-        ready_dst: dict[int, dict] = {}
-        while len(self.group_peers) < len(want) or len(ready_dst) < b.dst_tp:
+        ready_dst: dict[tuple, dict] = {}
+        while len(self.group_peers) < len(want) or len(ready_dst) < len(dst_procs):
             ev = self._next("rank processes to start", JOIN_S)
             peer = ev[1]
             if ev[0] == "joined":
-                key = (peer.role, peer.rank)
+                key = (peer.role, peer.engine, peer.rank)
                 if peer.kind != "rank" or key not in want or key in self.group_peers:
                     raise BenchError(f"unexpected process joined: {peer.name} of group {peer.group}")
                 self.group_peers[key] = peer
                 peer.send({"type": "config", "group": wire, "listen_host": self.listen_host})
             elif ev[2]["type"] == "ready" and peer.role == "dst":
-                ready_dst[peer.rank] = ev[2]["info"]
+                ready_dst[(peer.engine, peer.rank)] = ev[2]["info"]
                 self._clock(peer, ev[2])
             else:
                 raise BenchError(f"{peer.name} sent {ev[2]['type']!r} during start-up")
-        srcs = [self.group_peers[("src", r)] for r in range(b.src_tp)]
-        dsts = [self.group_peers[("dst", r)] for r in range(b.dst_tp)]
+        srcs = [self.group_peers[("src", e, r)] for e, r in src_procs]
+        dsts = [self.group_peers[("dst", e, r)] for e, r in dst_procs]
         if self.agents:  # two hosts: say where the destination ranks are (kvstage probe --peer can use them)
-            where = ", ".join(f"rank {r} at {d['address'][0]}:{d['address'][1]}" for r, d in sorted(ready_dst.items()))
-            print(f"kvstage bench: {group.label}: destination {where}", file=sys.stderr, flush=True)
+            where = ", ".join(f"{rank_name('dst', r, e)} at {d['address'][0]}:{d['address'][1]}"
+                              for (e, r), d in ready_dst.items())
+            print(f"kvstage bench: {group.label}: {where}", file=sys.stderr, flush=True)
+
+        def seen_by(p: Peer, d: dict) -> dict:  # a wildcard listen address, as this source reaches it
+            host, port = d["address"]
+            return dict(d, address=[p.local_host if wildcard(host) else host, port])
+
         for p in srcs:
-            info = {}
-            for r, d in ready_dst.items():
-                host, port = d["address"]
-                info[r] = dict(d, address=[p.local_host if wildcard(host) else host, port])
-            p.send({"type": "dsts", "dsts": info})
+            if b.multi:  # every destination engine's ranks, in order
+                p.send({"type": "dsts", "engines": [[seen_by(p, ready_dst[(e, r)]) for r in range(tp)]
+                                                    for e, tp in enumerate(b.engines("dst"))]})
+            else:
+                p.send({"type": "dsts", "dsts": {r: seen_by(p, d) for (_, r), d in ready_dst.items()}})
         agents = {}  # source rank -> its baseline transport's id (two-sided destinations post receives for it)
         for p, msg in self._gather(set(srcs), "ready", "source ranks to connect").items():
             self._clock(p, msg)
@@ -219,7 +237,8 @@ class Session:
                                      if d.role == "dst" and str(p.rank) in (m.get("tickets") or {})}
                 p.send(go)
             for p, msg in self._gather(everyone, "result", f"results of step {i} ({mode})").items():
-                reports.append((p.role, p.rank, pi, mode, it, msg["data"]))
+                data = msg["data"] if p.engine is None else dict(msg["data"], engine=p.engine)
+                reports.append((p.role, p.rank, pi, mode, it, data))
         for p in everyone:
             p.send({"type": "end"})
         self._gather(everyone, "bye", "rank processes to finish")
@@ -238,6 +257,14 @@ class Session:
     def _tick(self, done: int, total: int, what: str, phase: bool = False) -> None:
         if self.progress:
             self.progress(done, total, what, phase)
+
+
+def _by_engine(procs: list[tuple]) -> list[tuple]:
+    """``[(engine, rank), ...]`` -> ``[(engine, [ranks]), ...]``, engines in order."""
+    out: dict = {}
+    for e, r in procs:
+        out.setdefault(e, []).append(r)
+    return list(out.items())
 
 
 def _contiguous(n: int, parts: int) -> list[list[int]]:
@@ -375,14 +402,23 @@ def _sweep_summary(sweep: Sweep) -> dict:
 
 
 def _config(sweep: Sweep) -> dict:
-    """The single point's config, or the common config plus the list of pairs/tokens/concurrencies."""
+    """The single point's config, or the common config plus the list of pairs/tokens/concurrencies.
+    With several engines, ``src_engines`` and ``dst_engines`` (or ``engines``, per group, in a sweep)
+    stand for the TP pair, and ``bytes`` of each result for ``payload_bytes``."""
     pts = sweep.points
-    if len(pts) == 1:
-        return pts[0].to_dict()
+    multi = pts[0].multi
     d = pts[0].to_dict()
-    for k in ("src_tp", "dst_tp", "tokens", "concurrency", "payload_bytes"):
+    if multi:
+        for k in ("src_tp", "dst_tp", "payload_bytes"):
+            d.pop(k)
+    if len(pts) == 1:
+        return d
+    for k in ("tokens", "concurrency") + (("src_engines", "dst_engines") if multi else ("src_tp", "dst_tp", "payload_bytes")):
         d.pop(k)
-    d["pairs"] = [[g.base.src_tp, g.base.dst_tp] for g in sweep.groups]
+    if multi:
+        d["engines"] = [[list(g.base.engines("src")), list(g.base.engines("dst"))] for g in sweep.groups]
+    else:
+        d["pairs"] = [[g.base.src_tp, g.base.dst_tp] for g in sweep.groups]
     d["tokens"] = sorted({p.tokens for p in pts})
     d["concurrency"] = sorted({p.concurrency for p in pts})
     d["points"] = len(pts)
@@ -403,6 +439,8 @@ def _per_request(total: int, n: int):
 
 
 def summarize(group: Group, reports: list) -> list[dict]:
+    if group.base.multi:
+        return summarize_engines(group, reports)
     by: dict = {}
     for role, rank, pi, mode, it, data in reports:
         by.setdefault((pi, mode, it), []).append((role, rank, data))
@@ -472,6 +510,84 @@ def summarize(group: Group, reports: list) -> list[dict]:
     return results
 
 
+def summarize_engines(group: Group, reports: list) -> list[dict]:
+    """A multi-engine group's rows: one per point and (source engine, destination engine) pair.
+
+    A pair's wall runs from its first send (the earliest of its source ranks) to its last
+    completion (the latest of its destination ranks); ``step_*`` is the whole step (every
+    pair's bytes over the earliest send to the latest completion of any pair). ``slot_wait_s``
+    is the destination side's wait for arena slots, summed over the pair's requests and
+    destination ranks; ``src_slot_wait_s`` the sources' own arena wait. Both in the pair's
+    median iteration, as ``stages``."""
+    by: dict = {}
+    served: dict = {}  # (role, engine) -> peer engines its ranks' endpoints served, the least of its ranks
+    for role, rank, pi, mode, it, data in reports:
+        by.setdefault((pi, mode, it), []).append((role, data))
+        if data.get("endpoint"):
+            key = (role, data["engine"])
+            served[key] = min(served.get(key, data["endpoint"]["engines"]), data["endpoint"]["engines"])
+    results = []
+    for pi, sc in enumerate(group.points):
+        n = sc.concurrency
+        src_tps, dst_tps = sc.engines("src"), sc.engines("dst")
+        step_bytes = n * sum(sc.payload_bytes(j) for _, j in sc.pairs())
+        for mode in sc.modes:
+            steps = []  # per measured iteration: source ranks by engine, destination ranks by engine
+            for it in range(sc.warmup, sc.warmup + sc.iters):
+                got = by[(pi, mode, it)]
+                steps.append(([[d for role, d in got if role == "src" and d["engine"] == e] for e in range(len(src_tps))],
+                              [[d for role, d in got if role == "dst" and d["engine"] == e] for e in range(len(dst_tps))]))
+            step_walls = [max(d["t1"] for e in dsts for d in e) - min(d["t0"] for e in srcs for d in e)
+                          for srcs, dsts in steps]
+            step_wall = statistics.median(step_walls)
+            for i, j in sc.pairs():
+                walls, lat, dst_wait, stage_rows, descs, writes = [], [], [], [], [], []
+                verified, errors, paths, arenas, copies, arena_bytes = None, [], set(), set(), set(), 0
+                for srcs, dsts in steps:
+                    S, D = srcs[i], dsts[j]
+                    walls.append(max(max(d["done"][i]) for d in D) - min(min(d["sent"][j]) for d in S))
+                    for k in range(n):
+                        lat.append(max(d["done"][i][k] for d in D) - min(d["sent"][j][k] for d in S))
+                    dst_wait.append(sum(d["stages"][i].get("slot_wait", 0.0) for d in D))
+                    st = {k: sum(d["stages"][j].get(k, 0.0) for d in S) for k in ("gather", "write", "queued", "slot_wait")}
+                    st["scatter"] = sum(d["stages"][i].get("scatter", 0.0) for d in D)
+                    for k, side, e in (("start", S, j), ("gather_gpu", S, j), ("scatter_gpu", D, i)):
+                        if any(k in d["stages"][e] for d in side):
+                            st[k] = sum(d["stages"][e].get(k, 0.0) for d in side)
+                    stage_rows.append(st)
+                    descs.append(sum(d["descriptors"][j] for d in S))
+                    writes.append(sum(d["writes"][j] for d in S))
+                    paths |= {d["path"][i] for d in D if d["path"][i]}
+                    arenas |= {d.get("arena") for d in S + D if d.get("arena")}
+                    copies |= {d.get("copier") for d in S + D if d.get("copier")}
+                    arena_bytes = max([arena_bytes] + [d.get("arena_bytes") or 0 for d in D])
+                    flags = [d["verified"][i] for d in D if d["verified"] is not None]
+                    if flags:
+                        verified = all(flags)
+                        errors += [e for d in D for e in d["errors"][i]]
+                wall = statistics.median(walls)
+                mid = walls.index(sorted(walls)[len(walls) // 2])
+                payload = sc.payload_bytes(j)
+                row = {
+                    "mode": mode, "engines": group.label, "src_engine": f"s{i}", "dst_engine": f"d{j}", "src_tp": src_tps[i], "dst_tp": dst_tps[j],
+                    "tokens": sc.tokens, "concurrency": n, "bytes": payload, "total_bytes": payload * n,
+                    "seconds": wall, "seconds_all": walls, "gbps": payload * n / wall / 1e9,
+                    "latency_p50_s": percentile(lat, 50), "latency_p99_s": percentile(lat, 99), "latency_samples": len(lat),
+                    "slot_wait_s": dst_wait[mid], "src_slot_wait_s": stage_rows[mid]["slot_wait"],
+                    "descriptors": _per_request(descs[mid], n), "writes": _per_request(writes[mid], n),
+                    "verified": verified, "arena_bytes": arena_bytes or sc.arena_bytes("dst", j),
+                    "stages": stage_rows[mid], "path": sorted(paths), "arena": sorted(arenas), "copier": sorted(copies),
+                    "step_bytes": step_bytes, "step_seconds": step_wall, "step_seconds_all": step_walls,
+                    "step_gbps": step_bytes / step_wall / 1e9,
+                    "src_peer_engines": served.get(("src", i)), "dst_peer_engines": served.get(("dst", j)),
+                    "ratio_to_bulk": None, "bulk_degraded": False,
+                }
+                if errors:
+                    row["errors"] = errors[:10]
+                results.append(row)
+    return results
+
+
 #: a bulk write judged against its link's speed only from this size: one H200's cuda_ipc runs a 4 MiB
 #: write at a few percent of its 1,470 GB/s (per-write cost), a 64 MiB one near it
 JUDGED_BYTES = 64 << 20
@@ -480,7 +596,7 @@ JUDGED_BYTES = 64 << 20
 def _rank_links(reports: list):
     for role, rank, _pi, _mode, _it, data in reports:
         for f in data.get("links") or []:
-            yield role, rank, f
+            yield role, rank, f if data.get("engine") is None else dict(f, engine=data["engine"])
 
 
 def expected_gbps(reports: list) -> float | None:
@@ -490,13 +606,14 @@ def expected_gbps(reports: list) -> float | None:
 
 
 def links_of(reports) -> list[dict]:
-    """Every rank's link findings, the same finding of several ranks once, naming them."""
+    """Every rank's link findings, the same finding of several ranks once, naming them
+    (``src1``, or ``s0.src1`` in a multi-engine group)."""
     by: dict = {}
     for g, rep in reports:
         for role, rank, f in _rank_links(rep):
             key = (f["severity"], f["path"], f.get("cause"), f.get("fix"))
-            entry = by.setdefault(key, {**f, "ranks": []})
-            entry["ranks"].append(f"{role}{rank}")
+            entry = by.setdefault(key, {**{k: v for k, v in f.items() if k != "engine"}, "ranks": []})
+            entry["ranks"].append(f"{role}{rank}" if f.get("engine") is None else f"{role[0]}{f['engine']}.{role}{rank}")
     return list(by.values())
 
 
@@ -533,6 +650,9 @@ def run_source_host(connect: tuple[str, int], on_event=None, connect_wait_s: flo
             if kind == "welcome-run":
                 if on_event:
                     on_event("joined", msg)
+            elif kind == "spawn" and "procs" in msg:  # a multi-engine group: (engine, rank) of each
+                for e, r in msg["procs"]:
+                    children.start(int(msg["group"]), "src", [int(r)], int(e))
             elif kind == "spawn":
                 children.start(int(msg["group"]), "src", [int(r) for r in msg["ranks"]])
             elif kind == "reap":

@@ -4,6 +4,12 @@ A ``Scenario`` is one point: a TP pair, a token count, a concurrency. A sweep
 is a list of points; points that share a TP pair (and everything else but
 tokens and concurrency) form a ``Group`` that runs in one set of rank
 processes, sized for its largest point.
+
+A multi-engine point (``src_engines`` / ``dst_engines``) has several source
+engines, several destination engines, or both, one per TP size listed: every
+source engine sends ``concurrency`` requests per step to every destination
+engine at once, and each (source engine, destination engine) pair is a result
+of its own. Source engine ``i`` is ``s{i}``, destination engine ``j`` is ``d{j}``.
 """
 
 from __future__ import annotations
@@ -18,6 +24,9 @@ from kvstage.staging.arena import arena_size
 from kvstage.tp import SideSpec, TransferPlan, plan
 
 MODES = ("staged", "bulk", "per-slice")
+
+#: engines per side a multi-engine run may have (each is TP-many rank processes on this host)
+MAX_ENGINES = 16
 
 #: Model presets: (layers, kv_heads, head_dim, mla). Explicit flags override.
 PRESETS = {
@@ -36,7 +45,7 @@ class Scenario:
     tokens: int
     src_page: PageLayout
     dst_page: PageLayout
-    modes: tuple[str, ...] = MODES
+    modes: tuple[str, ...] | None = None  # None: every mode; staged only with several engines
     device: str = "cpu"
     iters: int = 3
     warmup: int = 1
@@ -49,14 +58,26 @@ class Scenario:
     src_gpu: int = 0  # CUDA device of every source rank (device=cuda)
     dst_gpu: int = 0  # CUDA device of every destination rank
     transport: str = "nixl"  # nixl (one-sided) or ucx (two-sided, UCXX); every mode uses it
+    #: TP size of each source engine of a multi-engine run (() : one engine of ``src_tp``); when given,
+    #: ``src_tp`` is set to the first engine's TP
+    src_engines: tuple[int, ...] = ()
+    dst_engines: tuple[int, ...] = ()  # the same for the destination engines
 
     def __post_init__(self) -> None:
-        self.modes = tuple(self.modes)
+        self.src_engines, self.dst_engines = tuple(self.src_engines), tuple(self.dst_engines)
+        if self.multi:
+            self._check_engines()
+        self.modes = (("staged",) if self.multi else MODES) if self.modes is None else tuple(self.modes)
         bad = [m for m in self.modes if m not in MODES]
         if bad or not self.modes:
             raise ConfigError(f"mode={','.join(bad)}: must be one of {', '.join(MODES)} or all")
         if len(set(self.modes)) != len(self.modes):
             raise ConfigError(f"mode={','.join(self.modes)}: a mode is named twice")
+        if self.multi and self.modes != ("staged",):
+            raise ConfigError(
+                f"mode={','.join(self.modes)}: a run with several engines ({self.engines_text()}) measures staged "
+                "only; bulk and per-slice are baselines of one engine pair (run kvstage bench --src-tp S --dst-tp D "
+                "--mode staged,bulk for each pair); drop --mode or give --mode staged")
         if self.tokens < 1:
             raise ConfigError(f"tokens={self.tokens}: must be >= 1")
         if self.concurrency < 1:
@@ -71,7 +92,62 @@ class Scenario:
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name}={getattr(self, name)}: must be a CUDA device index >= 0")
         self.settings()  # validates arena and slot sizes
-        self.plan  # validates the pair before any process or memory exists
+        if not self.multi:
+            self.plan  # validates the pair before any process or memory exists
+            return
+        for i, j in self.pairs():  # every pair, each named
+            try:
+                self.pair_plan(i, j)
+            except IncompatibleGeometry as e:
+                raise IncompatibleGeometry(f"{self.pair_name(i, j)}: {e}") from None
+
+    def _check_engines(self) -> None:
+        for name in ("src_engines", "dst_engines"):
+            tps = getattr(self, name)
+            if any(isinstance(t, bool) or not isinstance(t, int) or t < 1 for t in tps):
+                raise ConfigError(f"{name}={','.join(map(str, tps))}: every entry is a TP size >= 1")
+            if len(tps) > MAX_ENGINES:
+                raise ConfigError(f"{name}={','.join(map(str, tps))}: at most {MAX_ENGINES} engines per side")
+        self.src_engines = self.src_engines or (self.src_tp,)
+        self.dst_engines = self.dst_engines or (self.dst_tp,)
+        self.src_tp, self.dst_tp = self.src_engines[0], self.dst_engines[0]
+
+    # -- engines ---------------------------------------------------------------------
+    @property
+    def multi(self) -> bool:
+        """Several engines on a side (or engines named at all): one result per engine pair."""
+        return bool(self.src_engines or self.dst_engines)
+
+    def engines(self, role: str) -> tuple[int, ...]:
+        """TP size of each engine of ``role`` ("src" or "dst"); one engine unless ``multi``."""
+        if role == "src":
+            return self.src_engines or (self.src_tp,)
+        return self.dst_engines or (self.dst_tp,)
+
+    def pairs(self) -> list[tuple[int, int]]:
+        """Every (source engine, destination engine) index pair, in the order results list them."""
+        return list(itertools.product(range(len(self.engines("src"))), range(len(self.engines("dst")))))
+
+    def side(self, role: str, engine: int = 0) -> SideSpec:
+        """The spec of engine ``engine`` of ``role``."""
+        tp = self.engines(role)[engine]
+        if role == "src":
+            return SideSpec.of(self.geometry, tp, self.src_page, "source")
+        return SideSpec.of(self.geometry, tp, self.dst_page, "destination")
+
+    def pair_plan(self, i: int, j: int) -> TransferPlan:
+        return plan(self.side("src", i), self.side("dst", j))
+
+    def pair_name(self, i: int, j: int) -> str:
+        return (f"source engine s{i} (TP {self.engines('src')[i]}) -> "
+                f"destination engine d{j} (TP {self.engines('dst')[j]})")
+
+    def engines_text(self) -> str:
+        return f"src_engines={','.join(map(str, self.engines('src')))}, dst_engines={','.join(map(str, self.engines('dst')))}"
+
+    def requests_per_rank(self, role: str) -> int:
+        """Requests one rank of ``role`` holds in a step: ``concurrency`` to or from every peer engine."""
+        return self.concurrency * len(self.engines("dst" if role == "src" else "src"))
 
     @property
     def src(self) -> SideSpec:
@@ -96,19 +172,21 @@ class Scenario:
     def settings(self) -> Settings:
         return Settings(**{"arena_mb": self.arena_mb, "transport": self.transport, **self.settings_extra})
 
-    def pages(self, side: SideSpec) -> int:
-        """Cache size per rank: room for every concurrent request plus as much
-        again unused, so page ids are scattered and stray writes show."""
-        return (self.concurrency + 1) * pages_needed(self.tokens, side.page.page_size) + 1
+    def pages(self, side: SideSpec, requests: int | None = None) -> int:
+        """Cache size per rank: room for every concurrent request (``requests``, default
+        ``concurrency``) plus as much again unused, so page ids are scattered and stray writes show."""
+        n = self.concurrency if requests is None else requests
+        return (n + 1) * pages_needed(self.tokens, side.page.page_size) + 1
 
-    def payload_bytes(self) -> int:
-        """Bytes every destination rank receives together for one request."""
-        return self.tokens * token_bytes(self.geometry, self.dst.local_heads()) * self.dst_tp
+    def payload_bytes(self, dst_engine: int = 0) -> int:
+        """Bytes every destination rank (of destination engine ``dst_engine``) receives together for one request."""
+        spec = self.side("dst", dst_engine)
+        return self.tokens * token_bytes(self.geometry, spec.local_heads()) * spec.tp
 
-    def arena_bytes(self, side: str = "dst") -> int:
-        """Staging arena a rank of ``side`` registers, by the rule (on a GPU before its cap
-        by free memory, which only the rank process knows)."""
-        spec = self.src if side == "src" else self.dst
+    def arena_bytes(self, side: str = "dst", engine: int = 0) -> int:
+        """Staging arena a rank of ``side`` (of its engine ``engine``) registers, by the rule (on a
+        GPU before its cap by free memory, which only the rank process knows)."""
+        spec = self.side(side, engine)
         where = "device" if self.device == "cuda" else "host"
         return arena_size(self.settings().arena_bytes, token_bytes(self.geometry, spec.local_heads()), where).nbytes
 
@@ -122,6 +200,11 @@ class Scenario:
     def to_dict(self) -> dict:
         d = asdict(self)
         d["modes"] = list(self.modes)
+        for k in ("src_engines", "dst_engines"):  # a one-engine run's record is as it always was
+            if d[k]:
+                d[k] = list(d[k])
+            else:
+                d.pop(k)
         d["payload_bytes"] = self.payload_bytes()
         return d
 
@@ -133,6 +216,8 @@ class Scenario:
         d["src_page"] = PageLayout(**d["src_page"])
         d["dst_page"] = PageLayout(**d["dst_page"])
         d["modes"] = tuple(d["modes"])
+        for k in ("src_engines", "dst_engines"):
+            d[k] = tuple(d.get(k) or ())
         return cls(**d)
 
 
@@ -152,10 +237,21 @@ class Group:
 
     @property
     def label(self) -> str:
-        return f"{self.base.src_tp}->{self.base.dst_tp}"
+        """The TP pair, "4->1"; with several engines each side's engines' TPs, "2,4->1"."""
+        b = self.base
+        return f"{','.join(map(str, b.engines('src')))}->{','.join(map(str, b.engines('dst')))}"
 
-    def pages(self, side: SideSpec) -> int:
-        return max(p.pages(side) for p in self.points)
+    def pages(self, side: SideSpec, role: str | None = None) -> int:
+        """Cache pages of one rank with spec ``side``, for the largest point; ``role`` ("src"
+        or "dst") counts the requests of every peer engine, which a multi-engine rank holds at once."""
+        return max(p.pages(side, p.requests_per_rank(role) if role else None) for p in self.points)
+
+    def processes(self, role: str) -> list[tuple[int | None, int]]:
+        """(engine, rank) of every rank process of ``role``; engine None in a one-engine group."""
+        b = self.base
+        if not b.multi:
+            return [(None, r) for r in range(b.src_tp if role == "src" else b.dst_tp)]
+        return [(e, r) for e, tp in enumerate(b.engines(role)) for r in range(tp)]
 
     def schedule(self) -> list[tuple[int, str, int]]:
         """Every (point, mode, iteration) step, in the order all ranks walk them."""
@@ -174,16 +270,17 @@ class Group:
         b = self.base
         total = 0
         for role in roles:
-            side = b.src if role == "src" else b.dst
-            tp = b.src_tp if role == "src" else b.dst_tp
-            cache = self.pages(side) * side.page.page_size * token_bytes(b.geometry, side.local_heads())
-            bulk = max(p.concurrency * p.tokens for p in self.points) * token_bytes(b.geometry, side.local_heads())
-            total += tp * (cache + b.arena_bytes(role) + (bulk if "bulk" in b.modes else 0))
+            for e, tp in enumerate(b.engines(role)):  # every engine of the side
+                side = b.side(role, e)
+                cache = self.pages(side, role) * side.page.page_size * token_bytes(b.geometry, side.local_heads())
+                bulk = max(p.concurrency * p.tokens for p in self.points) * token_bytes(b.geometry, side.local_heads())
+                total += tp * (cache + b.arena_bytes(role, e) + (bulk if "bulk" in b.modes else 0))
         return total
 
 
-def parse_int_list(name: str, text) -> list[int]:
-    """``"1,2,8"`` (or an int, or a list of ints) -> ``[1, 2, 8]``; duplicates dropped, order kept."""
+def parse_int_list(name: str, text, duplicates: bool = False) -> list[int]:
+    """``"1,2,8"`` (or an int, or a list of ints) -> ``[1, 2, 8]``; duplicates dropped (kept with
+    ``duplicates``: ``--src-engines 2,2`` is two engines), order kept."""
     if isinstance(text, bool):
         raise ConfigError(f"{name}={text!r}: must be an integer or a comma list of integers")
     if isinstance(text, int):
@@ -203,7 +300,7 @@ def parse_int_list(name: str, text) -> list[int]:
             v = None
         if v is None or (isinstance(s, float) and s != v):
             raise ConfigError(f"{name}={text!r}: {s!r} is not an integer")
-        if v not in out:
+        if duplicates or v not in out:
             out.append(v)
     if not out:
         raise ConfigError(f"{name}: empty list")
@@ -228,15 +325,26 @@ class Sweep:
         Errors that do not depend on the TP pair (a bad dtype, tokens=0) are
         raised at once. Pairs that cannot be planned are collected and raised
         together as one ``IncompatibleGeometry`` naming each, unless
-        ``skip_invalid`` is set (then they are listed in ``skipped``)."""
+        ``skip_invalid`` is set (then they are listed in ``skipped``).
+
+        With ``src_engines`` (``dst_engines``) in ``common``, each group has those
+        source (destination) engines, and ``src_tps`` (``dst_tps``) must be their
+        first TP alone: the other side's TP list still sweeps."""
         bad_pairs, groups = [], []
+        for name, tps in (("src", src_tps), ("dst", dst_tps)):
+            engines = tuple(common.get(f"{name}_engines") or ())
+            if engines and list(tps) != [engines[0]]:
+                raise ConfigError(f"{name}_tp={','.join(map(str, tps))} with {name}_engines={','.join(map(str, engines))}: "
+                                  f"{name}_engines gives each engine's TP size; give one or the other")
         for s, d in itertools.product(src_tps, dst_tps):
             points = []
             try:
                 for t, c in itertools.product(tokens, concurrency):
                     points.append(Scenario(src_tp=s, dst_tp=d, tokens=t, concurrency=c, **common))
             except IncompatibleGeometry as e:
-                bad_pairs.append(f"src_tp={s} -> dst_tp={d}: {e}")
+                src = f"src_engines={','.join(map(str, common['src_engines']))}" if common.get("src_engines") else f"src_tp={s}"
+                dst = f"dst_engines={','.join(map(str, common['dst_engines']))}" if common.get("dst_engines") else f"dst_tp={d}"
+                bad_pairs.append(f"{src} -> {dst}: {e}")
                 continue
             groups.append(Group(points))
         if bad_pairs and (not skip_invalid or not groups):

@@ -1,7 +1,7 @@
 """Benchmark rank processes: one per source rank and one per destination rank.
 
 Started as ``python -m kvstage.bench.worker --coord HOST:PORT --role dst|src
---rank R --group G --parent PID``. A rank connects to the coordinator
+--rank R --group G --parent PID [--engine E]``. A rank connects to the coordinator
 (``control.Link``), receives its group of points, and walks the group's
 schedule of (point, mode, iteration) steps in lockstep with every other rank:
 
@@ -14,6 +14,12 @@ Page ids and cache contents change every step and come from seeds, so any
 rank can derive another rank's page ids (the per-slice baseline writes
 straight into destination pages) and stale bytes from an earlier step can
 never pass verification.
+
+In a multi-engine group (``--engine E``: rank R of source engine ``sE`` or
+destination engine ``dE``), a rank holds ``concurrency`` requests of every
+peer engine in a step, on disjoint pages, each filled from a seed of its own
+(source engine, destination engine, k): a request that lands in another's
+pages fails verification.
 
 A rank ends itself when the coordinator goes away or aborts, and (Linux) when
 the process that started it dies.
@@ -33,25 +39,50 @@ import traceback
 import numpy as np
 
 from kvstage.bench.control import Aborted, BenchError, Link, parse_hostport
-from kvstage.bench.scenario import MODES, Group
+from kvstage.bench.scenario import MAX_ENGINES, MODES, Group
 from kvstage.layout import pages_needed
 
 WAIT_S = 600.0
 
 
-def request_pages(g: Group, pi: int, side: str, rank: int, it: int) -> list[np.ndarray]:
-    """Page ids of each of the point's concurrent requests on one rank: disjoint, scattered."""
+def request_pages(g: Group, pi: int, side: str, rank: int, it: int, engine: int | None = None) -> list[np.ndarray]:
+    """Page ids of each of the point's concurrent requests on one rank: disjoint, scattered.
+
+    ``engine``: the rank's engine in a multi-engine group; then every request the rank holds in
+    the step, request k of peer engine e at index ``e * concurrency + k`` (``request_index``)."""
     sc = g.points[pi]
-    spec = sc.src if side == "src" else sc.dst
+    if engine is None:
+        spec = sc.src if side == "src" else sc.dst
+        need = pages_needed(sc.tokens, spec.page.page_size)
+        rng = np.random.default_rng([sc.seed, pi, it, 0 if side == "src" else 1, rank])
+        perm = rng.permutation(g.pages(spec))
+        return [perm[k * need : (k + 1) * need] for k in range(sc.concurrency)]
+    spec = sc.side(side, engine)
     need = pages_needed(sc.tokens, spec.page.page_size)
-    rng = np.random.default_rng([sc.seed, pi, it, 0 if side == "src" else 1, rank])
-    perm = rng.permutation(g.pages(spec))
-    return [perm[k * need : (k + 1) * need] for k in range(sc.concurrency)]
+    rng = np.random.default_rng([sc.seed, pi, it, 0 if side == "src" else 1, rank, engine])
+    perm = rng.permutation(g.pages(spec, side))
+    return [perm[k * need : (k + 1) * need] for k in range(sc.requests_per_rank(side))]
 
 
-def content_seed(g: Group, pi: int, mode: str, it: int, k: int) -> int:
+def request_index(sc, peer: int, k: int) -> int:
+    """Where request ``k`` to or from peer engine ``peer`` is in ``request_pages`` of a multi-engine rank."""
+    return peer * sc.concurrency + k
+
+
+def content_seed(g: Group, pi: int, mode: str, it: int, k: int, pair: tuple[int, int] | None = None) -> int:
+    """The seed of request ``k``'s bytes in one step; ``pair``: (source engine, destination
+    engine) of a multi-engine group, each pair's request k with a seed of its own."""
     sc = g.points[pi]
-    return (((sc.seed * 1009 + pi) * 7 + MODES.index(mode)) * 1009 + it) * 4099 + k
+    seed = (((sc.seed * 1009 + pi) * 7 + MODES.index(mode)) * 1009 + it) * 4099 + k
+    if pair is None:
+        return seed
+    i, j = pair
+    return (seed * MAX_ENGINES + i) * MAX_ENGINES + j
+
+
+def engine_id(role: str, engine: int) -> str:
+    """The engine id a multi-engine rank's endpoint is made with: ``s0``, ``d1``."""
+    return f"{'s' if role == 'src' else 'd'}{engine}"
 
 
 def tag(pi: int, mode: str, it: int, k: int) -> str:
@@ -343,34 +374,164 @@ def src_main(link: Link, g: Group, rank: int) -> None:
     base.close()
 
 
+# -- multi-engine groups: staged only, every source engine to every destination engine -------------
+def _endpoint(ep, step: int, g: Group) -> dict:
+    """What the endpoint served, with the last step's result: one endpoint for every peer engine."""
+    if step != len(g.schedule()) - 1:
+        return {}
+    st = ep.stats()
+    return {"endpoint": {"engines": st.engines, "peers": st.peers, "slots_total": st.slots_total}}
+
+
+def dst_engines_main(link: Link, g: Group, rank: int, engine: int, listen_host: str) -> None:
+    """Rank ``rank`` of destination engine ``d{engine}``: one ``Destination`` expects every source
+    engine's requests; results per source engine (``done[i][k]``, ``stages[i]``, ``verified[i]``)."""
+    import torch
+
+    from kvstage.bench.reference import check_shard
+    from kvstage.protocol.destination import Destination
+    from kvstage.staging.cache import RankCache
+
+    b = g.base
+    spec = b.side("dst", engine)
+    dev = b.torch_device("dst")
+    if dev.type == "cuda":
+        torch.cuda.set_device(dev)
+    cache = RankCache.allocate(spec, rank, g.pages(spec, "dst"), dev, copier=b.copier)
+    ep = Destination(cache, b.settings(), listen=(listen_host, 0), engine=engine_id("dst", engine))
+    sources = len(b.engines("src"))
+    link.send({"type": "ready", "clock_error_s": link.sync_error, "info": {"address": list(ep.address)}})
+    dirty = np.zeros(0, dtype=np.int64)
+    for step, (pi, mode, it) in enumerate(g.schedule()):
+        msg = link.recv("prep")
+        assert msg["step"] == step, (msg, step)
+        sc = g.points[pi]
+        n, tokens = sc.concurrency, sc.tokens
+        last = it == sc.warmup + sc.iters - 1
+        reqs = request_pages(g, pi, "dst", rank, it, engine)
+        if len(dirty):
+            idx = torch.from_numpy(dirty).to(dev)
+            for t in cache.buffers:
+                t.view(torch.uint8)[idx] = 0
+        handles = [[ep.expect(tag(pi, mode, it, k), reqs[request_index(sc, i, k)], tokens, engine=engine_id("src", i))
+                    for k in range(n)] for i in range(sources)]
+        _sync(dev)
+        link.send({"type": "armed", "step": step, "tickets": {}})
+        link.recv("go")
+        for row in handles:
+            for h in row:
+                h.wait(WAIT_S)
+        done = [[link.to_coord(h.finished) for h in row] for row in handles]
+        _sync(dev)
+        verified, errors = None, [[] for _ in range(sources)]
+        if sc.verify and last:
+            written = np.concatenate(reqs)
+            for i in range(sources):
+                for k in range(n):
+                    errs = check_shard(cache, content_seed(g, pi, mode, it, k, (i, engine)), reqs[request_index(sc, i, k)],
+                                       tokens, untouched_fill=0 if (i, k) == (0, 0) else None, written=written)
+                    errors[i] += [f"request {k} from engine s{i}: {e}" for e in errs]
+            verified = [not e for e in errors]
+        dirty = np.concatenate(reqs)
+        link.send({"type": "result", "step": step, "data": {
+            "t1": max(max(row) for row in done), "done": done, "verified": verified, "errors": [e[:5] for e in errors],
+            "stages": [_stages(row) for row in handles], "path": [row[0].path for row in handles],
+            "arena": ep.arena_location, "arena_bytes": ep.arena.buffer.nbytes, "copier": ep.copier.name,
+        } | _links(ep, step, g) | _endpoint(ep, step, g)})
+    link.recv("end")
+    ep.close()
+
+
+def src_engines_main(link: Link, g: Group, rank: int, engine: int) -> None:
+    """Rank ``rank`` of source engine ``s{engine}``: one ``Source`` connected to every destination
+    engine's ranks sends ``concurrency`` requests to each, interleaved (request k to d0, d1, ...,
+    then k+1); results per destination engine (``sent[j][k]``, ``stages[j]``)."""
+    import torch
+
+    from kvstage.bench.reference import fill_shard
+    from kvstage.protocol.source import Source
+    from kvstage.staging.cache import RankCache
+
+    b = g.base
+    spec = b.side("src", engine)
+    dev = b.torch_device("src")
+    if dev.type == "cuda":
+        torch.cuda.set_device(dev)
+    cache = RankCache.allocate(spec, rank, g.pages(spec, "src"), dev, copier=b.copier)
+    ep = Source(cache, b.settings(), engine=engine_id("src", engine))
+    engines = link.recv("dsts", timeout=WAIT_S)["engines"]  # [destination engine][its rank] -> its info
+    ep.connect([tuple(info["address"]) for ranks in engines for info in ranks])
+    dests = len(b.engines("dst"))
+    link.send({"type": "ready", "clock_error_s": link.sync_error})
+    for step, (pi, mode, it) in enumerate(g.schedule()):
+        msg = link.recv("prep")
+        assert msg["step"] == step, (msg, step)
+        sc = g.points[pi]
+        n, tokens = sc.concurrency, sc.tokens
+        reqs = request_pages(g, pi, "src", rank, it, engine)
+        for j in range(dests):
+            for k in range(n):
+                fill_shard(cache, content_seed(g, pi, mode, it, k, (engine, j)), reqs[request_index(sc, j, k)], tokens)
+        _sync(dev)
+        link.send({"type": "armed", "step": step})
+        link.recv("go")
+        t0 = link.now()
+        sent = [[0.0] * n for _ in range(dests)]
+        hs = [[None] * n for _ in range(dests)]
+        for k in range(n):
+            for j in range(dests):
+                sent[j][k] = link.now()
+                hs[j][k] = ep.send(tag(pi, mode, it, k), reqs[request_index(sc, j, k)], tokens, engine=engine_id("dst", j))
+        for row in hs:
+            for h in row:
+                h.wait(WAIT_S)
+        _sync(dev)
+        link.send({"type": "result", "step": step, "data": {
+            "t0": t0, "sent": sent, "t_end": link.now(), "stages": [_stages(row) for row in hs],
+            "descriptors": [sum(h.descriptors for h in row) for row in hs],
+            "writes": [sum(h.writes for h in row) for row in hs],
+            "arena": ep.arena_location, "copier": ep.copier.name,
+        } | _links(ep, step, g) | _endpoint(ep, step, g)})
+    link.recv("end")
+    ep.close()
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m kvstage.bench.worker")
     ap.add_argument("--coord", required=True)
     ap.add_argument("--role", choices=("dst", "src"), required=True)
     ap.add_argument("--rank", type=int, required=True)
     ap.add_argument("--group", type=int, required=True)
+    ap.add_argument("--engine", type=int, default=None, help="the rank's engine in a multi-engine group (s0, d1, ...)")
     ap.add_argument("--parent", type=int, default=0)
     ap.add_argument("--log-level", default="WARNING")
     ap.add_argument("--clock-sync", action="store_true", help="measure the clock offset even on the coordinator's kernel")
     a = ap.parse_args(argv)
     _die_with_parent(a.parent)
-    _setup(f"{a.role}{a.rank}", a.log_level)
+    _setup(f"{a.role}{a.rank}" + (f"@{engine_id(a.role, a.engine)}" if a.engine is not None else ""), a.log_level)
     from kvstage.config import Settings
 
     def lost():  # the coordinator is gone or aborted: nothing left to do here
         os.kill(os.getpid(), signal.SIGTERM)
 
     try:
-        link = Link(parse_hostport(a.coord, "--coord"), {"kind": "rank", "role": a.role, "rank": a.rank,
-                                                         "group": a.group}, token=Settings().auth_token, on_lost=lost,
+        hello = {"kind": "rank", "role": a.role, "rank": a.rank, "group": a.group}
+        if a.engine is not None:
+            hello["engine"] = a.engine
+        link = Link(parse_hostport(a.coord, "--coord"), hello, token=Settings().auth_token, on_lost=lost,
                     clock_sync=a.clock_sync)
     except BenchError as e:  # the run ended (or failed) before this rank joined
-        print(f"kvstage bench {a.role} rank {a.rank}: {e}", file=sys.stderr)
+        of = f" of engine {engine_id(a.role, a.engine)}" if a.engine is not None else ""
+        print(f"kvstage bench {a.role} rank {a.rank}{of}: {e}", file=sys.stderr)
         return 1
     try:
         cfg = link.recv("config", timeout=WAIT_S)
         g = Group.from_wire(cfg["group"])
-        if a.role == "dst":
+        if a.engine is not None and a.role == "dst":
+            dst_engines_main(link, g, a.rank, a.engine, cfg["listen_host"])
+        elif a.engine is not None:
+            src_engines_main(link, g, a.rank, a.engine)
+        elif a.role == "dst":
             dst_main(link, g, a.rank, cfg["listen_host"])
         else:
             src_main(link, g, a.rank)
