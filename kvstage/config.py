@@ -8,6 +8,7 @@ same table for users; keep the two in step.
 
 from __future__ import annotations
 
+import importlib.util
 import os
 from dataclasses import dataclass, field, fields
 
@@ -32,6 +33,7 @@ def _env(name: str, default, kind):
 
 ARENA_LOCATIONS = ("auto", "device", "host")
 MAPPED = ("auto", "on", "off")
+SHARE_KV = ("auto", "off")
 PING_INTERVAL_S = 1.0  # every endpoint pings each peer this often; silence past peer_timeout_s fails its requests
 #: transports ``Settings.transport`` may name; the one-sided ones support the direct path
 TRANSPORTS = ("nixl", "ucx", "cma")
@@ -59,6 +61,10 @@ class Settings:
     #: arenas on the source's own GPU, through CUDA IPC), on (also another GPU's arena, and host arenas
     #: through a memfd; refuse a destination that cannot share), off (always a transport write)
     mapped: str = field(default_factory=lambda: _env("KVSTAGE_MAPPED", "auto", str))
+    #: a destination whose KV pages are CUDA memory shares them with authenticated sources of its host and
+    #: user that ask (CUDA IPC), which then write their head slices straight into its pages: auto (where the
+    #: memory can be shared) or off (never: they go through the arena)
+    share_kv: str = field(default_factory=lambda: _env("KVSTAGE_SHARE_KV", "auto", str))
     #: a request waits this long for its other side to announce it
     ready_timeout_s: float = field(default_factory=lambda: _env("KVSTAGE_READY_TIMEOUT_S", 120.0, float))
     #: a granted chunk not landed (a write not complete) this long after its grant fails its request, if
@@ -72,6 +78,9 @@ class Settings:
     #: a destination with no ``auth_token`` may listen on an address other than loopback, open to anyone
     #: who reaches it (who then may take staging slots, not KV pages: the direct path needs the token)
     allow_unauthenticated: bool = field(default_factory=lambda: _env("KVSTAGE_ALLOW_UNAUTHENTICATED", False, bool))
+    #: serve this process's Prometheus metrics over HTTP on this port plus the endpoint's rank (``metrics.serve``);
+    #: None: no port of kvstage's own (an engine's /metrics may still show them, docs/metrics.md)
+    metrics_port: int | None = field(default_factory=lambda: _env("KVSTAGE_METRICS_PORT", None, int))
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -92,6 +101,8 @@ class Settings:
         if self.peer_timeout_s < 2 * PING_INTERVAL_S:
             raise ConfigError(f"peer_timeout_s={self.peer_timeout_s!r}: must be >= {2 * PING_INTERVAL_S:g} s "
                               f"(peers ping every {PING_INTERVAL_S:g} s)")
+        if self.share_kv not in SHARE_KV:
+            raise ConfigError(f"share_kv={self.share_kv!r}: must be one of {', '.join(SHARE_KV)}")
         if self.mapped not in MAPPED:
             raise ConfigError(f"mapped={self.mapped!r}: must be one of {', '.join(MAPPED)}")
         if self.mapped == "on" and self.transport not in ONE_SIDED:
@@ -105,6 +116,13 @@ class Settings:
             raise ConfigError(f"allow_unauthenticated={self.allow_unauthenticated!r}: must be true or false")
         if not isinstance(self.auth_token, str):
             raise ConfigError(f"auth_token={self.auth_token!r}: must be a string")
+        if self.metrics_port is not None:
+            if not (isinstance(self.metrics_port, int) and not isinstance(self.metrics_port, bool)
+                    and 1 <= self.metrics_port <= 65535):
+                raise ConfigError(f"metrics_port={self.metrics_port!r}: must be a port number in 1..65535, or unset")
+            if importlib.util.find_spec("prometheus_client") is None:
+                raise ConfigError(f"metrics_port={self.metrics_port}: needs prometheus_client; "
+                                  "pip install 'kvstage[metrics]', or unset metrics_port")
         if self.direct and not self.auth_token:
             raise ConfigError(
                 "direct=True without auth_token: the direct path lets a peer write into this rank's KV pages, "

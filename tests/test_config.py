@@ -12,8 +12,8 @@ from kvstage.errors import ConfigError
 DOCS = pathlib.Path(__file__).parent.parent / "docs" / "configuration.md"
 
 
-def test_at_most_eleven_settings():
-    assert len(dataclasses.fields(Settings)) <= 11, [f.name for f in dataclasses.fields(Settings)]
+def test_at_most_thirteen_settings():
+    assert len(dataclasses.fields(Settings)) <= 13, [f.name for f in dataclasses.fields(Settings)]
 
 
 def test_defaults_without_variables(monkeypatch):
@@ -22,14 +22,14 @@ def test_defaults_without_variables(monkeypatch):
     s = Settings()
     assert (s.transport, s.auth_token, s.arena_mb, s.arena, s.direct, s.mapped) == ("nixl", "", None, "auto", None, "auto")
     assert (s.ready_timeout_s, s.stall_timeout_s, s.peer_timeout_s, s.late_write_hold_s) == (120.0, 30.0, 30.0, 60.0)
-    assert s.allow_unauthenticated is False and s.arena_bytes is None
+    assert s.allow_unauthenticated is False and s.arena_bytes is None and s.metrics_port is None
     assert not s.may_go_direct  # no token: no peer is given the KV pages' regions
 
 
 @pytest.mark.parametrize("name,raw,want", [
     ("transport", "ucx", "ucx"), ("arena_mb", "1.5", 1.5), ("direct", "off", False), ("direct", "1", True),
     ("mapped", "on", "on"), ("peer_timeout_s", "30", 30.0), ("allow_unauthenticated", "yes", True),
-    ("auth_token", "s3cret", "s3cret"),
+    ("auth_token", "s3cret", "s3cret"), ("metrics_port", "9400", 9400),
 ])
 def test_each_setting_reads_its_variable(monkeypatch, name, raw, want):
     monkeypatch.setenv(f"KVSTAGE_{name.upper()}", raw)
@@ -42,6 +42,7 @@ def test_each_setting_reads_its_variable(monkeypatch, name, raw, want):
     ("KVSTAGE_ARENA_MB", "lots", "KVSTAGE_ARENA_MB='lots': must be a float"),
     ("KVSTAGE_DIRECT", "maybe", "KVSTAGE_DIRECT='maybe': must be a bool"),
     ("KVSTAGE_PEER_TIMEOUT_S", "soon", "KVSTAGE_PEER_TIMEOUT_S='soon': must be a float"),
+    ("KVSTAGE_METRICS_PORT", "http", "KVSTAGE_METRICS_PORT='http': must be a int"),
 ])
 def test_a_malformed_variable_is_refused_by_name(monkeypatch, var, raw, needle):
     monkeypatch.setenv(var, raw)
@@ -63,6 +64,9 @@ def test_a_malformed_variable_is_refused_by_name(monkeypatch, var, raw, needle):
     ({"allow_unauthenticated": "yes"}, "allow_unauthenticated='yes': must be true or false"),
     ({"auth_token": 7}, "auth_token=7: must be a string"),
     ({"auth_token": "", "direct": True}, "direct=True without auth_token"),
+    ({"metrics_port": 70000}, "metrics_port=70000: must be a port number in 1..65535, or unset"),
+    ({"metrics_port": True}, "metrics_port=True: must be a port number"),
+    ({"metrics_port": "9400"}, "metrics_port='9400': must be a port number"),
 ])
 def test_a_bad_value_is_refused_naming_field_value_and_rule(kw, needle):
     with pytest.raises(ConfigError, match=re.escape(needle)):

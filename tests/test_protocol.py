@@ -95,6 +95,28 @@ def test_source_without_token_is_refused(dst):
         src.close()
 
 
+def test_a_source_serving_another_model_is_refused_by_name(caplog):
+    """Two engines of the same shapes but other weights would exchange KV silently and decode wrong
+    tokens: the hello carries the model identity the engine gives, and a mismatch is refused, naming
+    both, with one line on each side. Where one side gives none, nothing is compared."""
+    settings = Settings(arena_mb=0.25, auth_token="s3cret")
+    d = Destination(RankCache.allocate(DST, 0, 32), settings, model="llama-a#1f2e")
+    other = Source(RankCache.allocate(SRC, 0, 32), settings, model="llama-b#1f2e")
+    same = Source(RankCache.allocate(SRC, 1, 32), settings, model="llama-a#1f2e")
+    unnamed = Source(RankCache.allocate(SRC, 0, 32), settings, engine="x")
+    try:
+        with caplog.at_level("WARNING", logger="kvstage"):
+            with pytest.raises(TransferFailed, match="model: the source serves 'llama-b#1f2e', this side 'llama-a#1f2e'"):
+                other.connect([d.address])
+        lines = [r.getMessage() for r in caplog.records if "llama-b#1f2e" in r.getMessage()]
+        assert len(lines) == 2 and any(m.startswith("dst 0: refused") for m in lines) and \
+            any(m.startswith("src 0: destination") for m in lines), lines
+        assert same.connect([d.address]) == [0] and unnamed.connect([d.address]) == [0]
+    finally:
+        for ep in (other, same, unnamed, d):
+            ep.close()
+
+
 @pytest.mark.parametrize("early", [False, True])
 def test_token_count_mismatch_fails_both_sides(early):
     """Early grants carry the destination's token count: the source refuses

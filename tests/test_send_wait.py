@@ -22,14 +22,17 @@ TOKENS = 20  # one 32-token chunk: granted early, so send gathers all of it
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("share_kv,path", [("auto", "direct-ipc"), ("off", "mapped")])
 @pytest.mark.parametrize("busy", [False, True])
-def test_a_small_mapped_request_is_done_when_send_returns(busy):
+def test_a_small_mapped_request_is_done_when_send_returns(busy, share_kv, path, monkeypatch):
     """Waited for on an idle GPU; not behind ~7 ms of work queued before the gather (a send
-    that waited that long would be no send)."""
+    that waited that long would be no send). Into the destination's pages (direct-ipc, the
+    default) or into its mapped arena."""
     import torch
 
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
+    monkeypatch.setenv("KVSTAGE_SHARE_KV", share_kv)  # both processes read it
     seed = 31
     q, commands = CTX.Queue(), CTX.Queue()
     p = CTX.Process(target=fr.receive_cuda, args=(TOKENS, seed, q, commands))
@@ -49,12 +52,12 @@ def test_a_small_mapped_request_is_done_when_send_returns(busy):
             torch.cuda._sleep(14_000_000)  # ~7 ms at the H200's clock, on the stream the gather goes to
         h = src.send(f"r{seed}", pages, TOKENS)
         if not busy:  # the GPU is idle: a 20-token gather ends within the wait
-            assert h.state is State.DONE and h.path == "mapped", (h.state, h.path)
+            assert h.state is State.DONE and h.path == path, (h.state, h.path)
         if busy:
             assert h.state is not State.DONE, "send waited for a gather queued behind other work"
         h.wait(30)
-        kind, path, errors = q.get(timeout=60)
-        assert (kind, path, errors) == ("checked", "mapped", [])
+        kind, got, errors = q.get(timeout=60)
+        assert (kind, got, errors) == ("checked", path, []), (kind, got, errors)
     finally:
         commands.put("stop")
         if src is not None:

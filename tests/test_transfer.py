@@ -9,7 +9,10 @@ writes), over UCX through UCXX (two-sided tag messages) and over cma
 the direct path is for the one-sided two (with UCX, equal TP goes staged,
 tested below). The mapped path
 (each source gathers straight into the destination's arena: shared memory on
-CPU, CUDA IPC on GPU, the GPU default) runs the same cases.
+CPU, CUDA IPC on GPU) runs the same cases, and on a GPU so does direct-ipc (each
+source stores its head slices straight into the destination's pages through
+CUDA IPC: the GPU default); the cases of the other paths turn it off
+(``share_kv="off"``).
 """
 
 import dataclasses
@@ -50,6 +53,10 @@ def _check(result, path):
     return row
 
 
+#: the settings a case of another path than direct-ipc adds: on a GPU, direct-ipc is the default
+NO_IPC = {"share_kv": "off"}
+
+
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 TRANSPORTS = ["nixl", "ucx", "cma"]
 #: every transport on the CPU; on a GPU the two that reach device memory (cma moves host memory only)
@@ -61,7 +68,8 @@ DEVICE_TRANSPORTS = [("cpu", t) for t in TRANSPORTS] + [pytest.param("cuda", t, 
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_staged_byte_exact(name, device, transport):
     """Through the transport: gather into the source's arena, one write, scatter."""
-    sc = dataclasses.replace(scenario(**CASES[name], device=device, transport=transport), settings_extra={"mapped": "off"})
+    sc = dataclasses.replace(scenario(**CASES[name], device=device, transport=transport),
+                             settings_extra={"mapped": "off"} | NO_IPC)
     _check(run(sc), "staged")
 
 
@@ -69,9 +77,23 @@ def test_staged_byte_exact(name, device, transport):
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_mapped_byte_exact(name, device):
     """mapped=on: no transport write at all, the gathers' stores land in the destination's slots."""
-    sc = dataclasses.replace(scenario(**CASES[name], device=device), settings_extra={"mapped": "on"})
+    sc = dataclasses.replace(scenario(**CASES[name], device=device), settings_extra={"mapped": "on"} | NO_IPC)
     row = _check(run(sc), "mapped")
     assert row["descriptors"] == 0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("transport", ["nixl", "ucx"])
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_direct_ipc_byte_exact(name, transport):
+    """The GPU default on one host: every source stores its head slices straight into the
+    destination's pages (their page size, their layout) with one kernel; no transport write,
+    and the destination runs no copy at all."""
+    if transport == "ucx":
+        pytest.importorskip("ucxx", reason="the ucx transport needs UCXX")
+    row = _check(run(scenario(**CASES[name], device="cuda", transport=transport)), "direct-ipc")
+    assert row["descriptors"] == 0 and row["writes"] == 0
+    assert row["stages"]["scatter"] == 0 and not row["stages"].get("scatter_gpu")
 
 
 @pytest.mark.parametrize("device,transport", [("cpu", "nixl"), pytest.param("cuda", "nixl", marks=pytest.mark.gpu),
@@ -79,7 +101,7 @@ def test_mapped_byte_exact(name, device):
 def test_equal_tp_direct_page_runs_byte_exact(device, transport):
     """direct=True: page runs in place, whatever the route's estimate."""
     sc = dataclasses.replace(scenario(2, 2, modes=("staged", "per-slice"), device=device, transport=transport),
-                             settings_extra={"direct": True})
+                             settings_extra={"direct": True} | NO_IPC)
     result = run(sc)
     row = _check(result, "direct")
     sc = scenario(2, 2)
@@ -92,7 +114,7 @@ def test_equal_tp_direct_page_runs_byte_exact(device, transport):
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_mla_equal_paging_is_direct_one_sender_per_destination(device):
-    sc = dataclasses.replace(scenario(4, 2, mla=True, device=device), settings_extra={"direct": True})
+    sc = dataclasses.replace(scenario(4, 2, mla=True, device=device), settings_extra={"direct": True} | NO_IPC)
     _check(run(sc), "direct")
 
 
@@ -104,8 +126,10 @@ def test_mla_equal_paging_is_direct_one_sender_per_destination(device):
     (dict(src_tp=1, dst_tp=1, heads=8, head_dim=128, layers=4, tokens=512), "direct|staged"),
 ], ids=["small_pages", "llama_pages"])
 def test_equal_paging_takes_the_route_the_cost_model_expects(device, case, path):
-    """By default the destination picks direct or staged per request (``protocol.route``)."""
-    row = _check_any(run(scenario(**case, device=device)))
+    """By default the destination picks direct or staged per request (``protocol.route``); on
+    one GPU host with direct-ipc off (with it on, direct-ipc goes first)."""
+    sc = dataclasses.replace(scenario(**case, device=device), settings_extra=NO_IPC)
+    row = _check_any(run(sc))
     want = path.split("|")[0 if device == "cpu" else -1]
     assert row["path"] == [want if device == "cpu" or want == "direct" else "mapped"], row["path"]
 
@@ -120,7 +144,8 @@ def _check_any(result):
 @pytest.mark.parametrize("case", [dict(src_tp=2, dst_tp=2), dict(src_tp=4, dst_tp=2, mla=True)], ids=["equal_tp", "mla"])
 def test_ucx_has_no_direct_path_whole_shards_go_staged(device, case):
     # the plan allows the direct path; UCX is two-sided, so the destination grants slots instead
-    sc = scenario(**case, modes=("staged", "per-slice"), device=device, transport="ucx")
+    sc = dataclasses.replace(scenario(**case, modes=("staged", "per-slice"), device=device, transport="ucx"),
+                             settings_extra=NO_IPC)
     assert sc.plan.direct and not sc.settings().may_go_direct
     result = run(sc)
     row = _check(result, "staged")
@@ -137,7 +162,7 @@ def test_request_four_times_the_arena_streams_through_it(device, transport):
     tokens = int(4 * arena_mb * (1 << 20) // geo_bytes)
     sc = scenario(4, 1, tokens=tokens, arena_mb=arena_mb, device=device, transport=transport)
     assert sc.payload_bytes() >= 4 * arena_mb * (1 << 20) * 0.99
-    sc = dataclasses.replace(sc, settings_extra={"mapped": "off"})
+    sc = dataclasses.replace(sc, settings_extra={"mapped": "off"} | NO_IPC)
     row = _check(run(sc), "staged")
     fit = (1 << 17) // geo_bytes  # tokens that fit one 128 KiB slot
     chunk = fit // 16 * 16  # rounded down to whole pages (page size 16 on both sides)
@@ -165,13 +190,23 @@ def test_baselines_write_the_same_bytes_and_verify(device, transport):
 def test_pinned_host_arena_byte_exact(name, device):
     """arena=host: GPU -> pinned host arena -> NIXL (host memory) -> pinned host arena -> GPU.
     (On a CPU-only machine a host arena is every arena; the GPU run is the real test.)"""
-    sc = dataclasses.replace(scenario(**CASES[name], device=device), settings_extra={"arena": "host"})
+    sc = dataclasses.replace(scenario(**CASES[name], device=device), settings_extra={"arena": "host"} | NO_IPC)
     row = _check(run(sc), "staged")
     assert row["arena"] == ["host"]
 
 
 @pytest.mark.gpu
 def test_gpu_arena_defaults_to_device_memory_mapped_by_sources():
+    sc = dataclasses.replace(scenario(4, 1, device="cuda"), settings_extra=NO_IPC)
+    row = _check(run(sc), "mapped")
+    assert row["arena"] == ["device"]
+
+
+@pytest.mark.gpu
+def test_vmm_kv_pages_are_not_shared_and_go_through_the_arena(monkeypatch):
+    """KV pages from expandable segments (CUDA VMM) cannot be shared by legacy CUDA IPC: the
+    destination says so once and offers nothing; the request goes through its cudaMalloc arena."""
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     row = _check(run(scenario(4, 1, device="cuda")), "mapped")
     assert row["arena"] == ["device"]
 

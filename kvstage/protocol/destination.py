@@ -32,16 +32,20 @@ import numpy as np
 
 from kvstage.config import Settings
 from kvstage.errors import IncompatibleGeometry, KVStageError, ProtocolError
+from kvstage.link.context import link_context
 from kvstage.protocol import grants, route
-from kvstage.protocol.endpoint import SLOW_S, Endpoint, EndpointStats, check_engine, check_pages, rank_name, remember
+from kvstage.protocol.endpoint import (SLOW_S, Endpoint, EndpointStats, check_engine, check_pages, peer_label, rank_name,
+                                      remember)
 from kvstage.protocol.gate import PRE_AUTH_TYPES, check_listen
-from kvstage.protocol.handshake import (HANDSHAKE_TIMEOUT_S, check_peer, hello_spec, md_from_wire, md_to_wire,
-                                        peer_engine, spec_to_wire)
+from kvstage.protocol.handshake import (HANDSHAKE_TIMEOUT_S, check_model, check_peer, hello_spec, md_from_wire,
+                                        md_to_wire, peer_engine, spec_to_wire)
 from kvstage.protocol.request import State, TransferHandle
 from kvstage.protocol.wire import PROTOCOL_VERSION, Connection, decode_notice, field, notice_from_message
+from kvstage.staging import placement
 from kvstage.staging.copy import CopyThreads, TokenIndex, prepare_piece_scatters, prepare_scatter, upload_pages
 from kvstage.staging.fence import CopyFence
 from kvstage.staging.mapped import share, unshare
+from kvstage.staging.shared_buffers import NotShareable, share_buffers
 from kvstage.tp import Piece, TransferPlan, plan
 from kvstage.transports.base import Region, Spans
 
@@ -81,6 +85,8 @@ class Writer:
     slot_bytes: int
     direct: bool = False  # it was offered the KV regions: its requests may go direct (``route``)
     mapped: bool = False  # it gathers into this arena (its ``mapped`` message says so): no notice to poll for
+    placed: bool = False  # it opened this rank's KV pages (its ``placed`` message says so): direct-ipc
+    asked: bool = False  # offered the KV pages, its ``placed`` answer not in yet: its requests wait for it
 
     @property
     def name(self) -> str:
@@ -147,6 +153,7 @@ class Incoming:
     engine: str  # the prefill engine whose writers send it
     ready: dict = dc_field(default_factory=dict)  # writer rank -> tokens announced
     direct: bool = False
+    placed: bool = False  # direct-ipc: the writers store their head slices straight into its pages
     chunk_tokens: int = 0
     chunks: int = 0
     next_chunk: int = 0
@@ -174,10 +181,10 @@ class Destination(Endpoint):
     shares_arena = True
 
     def __init__(self, cache, settings=None, transport=None, listen: tuple[str, int] = ("127.0.0.1", 0),
-                 engine: str = ""):
+                 engine: str = "", model: str = ""):
         settings = settings or Settings()
         check_listen(settings, listen, f"dst {getattr(cache, 'rank', '?')}")
-        super().__init__(cache, settings, transport, engine)
+        super().__init__(cache, settings, transport, engine, model)
         self.engines: dict[str, SourceEngine] = {}
         self._writers: dict[Connection, Writer] = {}  # every connected writer, by its control connection
         self._agents: dict[str, Writer] = {}  # and by its transport agent (notices name an agent)
@@ -187,7 +194,8 @@ class Destination(Endpoint):
         self._rr: list[tuple[str, str]] = []  # requests waiting for grants, in arrival order (``grants.grant_order``)
         self._scattering: list = []  # (request, chunk, time its last piece landed) of chunks still scattering
         self._probes: dict[Connection, tuple[int, str, float]] = {}  # probe connection -> (slot, prober agent, lease end)
-        self._routes: dict = {}  # (engine, writer rank, direct?) whose route was logged, the latest ones
+        self._routes: dict = {}  # (engine, writer rank, path) whose route was logged, the latest ones
+        self._kv_share: dict | None | bool = False  # this rank's KV buffers as shared (False: not tried yet)
         # what a source on this host needs to map the arena and gather straight into it (None: not shared)
         self._shared = share(self.arena.buffer) if self.settings.mapped != "off" and self.transport.one_sided else None
         self._scatter_threads = self._copy_threads()
@@ -308,9 +316,10 @@ class Destination(Endpoint):
         return False
 
     def _mapped_writer(self, engine: str, rank: int) -> bool:
+        """Whether that writer's chunks land by its own stores, said in a ``landed`` message (no notice to poll)."""
         eng = self.engines.get(engine)
         w = eng.writers.get(rank) if eng is not None else None
-        return w is not None and w.mapped
+        return w is not None and (w.mapped or w.placed)
 
     def _copying(self):
         return next((f for _, c, _ in self._scattering for f in c.fences if not f.done()), None)
@@ -340,10 +349,20 @@ class Destination(Endpoint):
                     raise ProtocolError("mapped message, but this destination shares no arena (mapped=off, or not shareable)")
                 writer.mapped = True
                 log.debug("dst %d: source rank %d gathers straight into this arena", self.rank, writer.rank)
-            elif kind == "landed":  # a chunk a source gathered straight into this arena (mapped)
-                if self._shared is None:
+            elif kind == "placed":  # its answer to the KV pages offered: opened (direct-ipc) or not
+                if not writer.asked:
+                    raise ProtocolError("placed message, but this destination offered this source no KV pages")
+                writer.asked, writer.placed = False, field(msg, "ok", bool)
+                log.debug("dst %d: %s %s this rank's KV pages", self.rank, writer.name,
+                          "writes straight into" if writer.placed else "did not open")
+                for inc in list(self.requests.values()):  # requests that waited for the answer
+                    if inc.engine == writer.engine:
+                        self._refresh(inc)
+            elif kind == "landed":  # a chunk a source stored itself: into this arena (mapped) or these pages
+                if self._shared is None and not writer.placed:
                     raise ProtocolError("landed message, but this destination shares no arena (mapped=off, or not shareable)")
-                writer.mapped = True  # decided at its connect: every chunk of it lands this way
+                if not writer.placed:
+                    writer.mapped = True  # decided at its connect: every chunk of it lands this way
                 self._on_landed(notice_from_message(msg), writer, mapped=True)
             elif kind == "abort":
                 key = (writer.engine, field(msg, "req", str))
@@ -368,6 +387,7 @@ class Destination(Endpoint):
 
     def _on_hello(self, conn: Connection, msg: dict) -> None:
         check_peer(msg, self.settings.auth_token, self.transport.name, "source")
+        check_model(msg, self.model, "source")
         src, rank = hello_spec(msg)
         engine = peer_engine(msg)
         p = plan(src, self.spec)
@@ -380,7 +400,7 @@ class Destination(Endpoint):
             eng = None
         piece = next((x for x in p.writers_of(self.rank) if x.src_rank == rank), None)
         welcome = {"type": "welcome", "version": PROTOCOL_VERSION, "spec": spec_to_wire(self.spec), "rank": self.rank,
-                   "transport": self.transport.name, "engine": self.engine}
+                   "transport": self.transport.name, "engine": self.engine, "model": self.model}
         if piece is None:  # nothing to send here; the source closes this connection
             self._admit(conn)
             conn.send(welcome)
@@ -409,11 +429,14 @@ class Destination(Endpoint):
         may_direct = p.direct and self.settings.may_go_direct
         # the link judged on the memory each path registers; a direct path whose KV memory UCX cannot
         # reach well (a WARNING) is not offered: its requests go staged
-        direct = self._log_link(msg.get("facts"), conn.peer, msg.get("kv_facts"), direct=may_direct)
+        direct = self._log_link(msg.get("facts"), conn.peer, msg.get("kv_facts"), direct=may_direct,
+                                label=peer_label(engine, rank))
         if may_direct and not direct:
             log.info("dst %d: %s: the direct path is not offered (its KV link is judged above); requests go staged",
                      self.rank, conn.peer)
-        writer = eng.writers[rank] = Writer(engine, rank, conn, agent, piece, slot_bytes, direct=direct)
+        kv_ipc = self._share_kv_with(msg, p)
+        writer = eng.writers[rank] = Writer(engine, rank, conn, agent, piece, slot_bytes, direct=direct,
+                                            asked=bool(kv_ipc))
         self._writers[conn] = writer
         self._agents[agent] = writer
         self._admit(conn)
@@ -422,12 +445,41 @@ class Destination(Endpoint):
         conn.send(welcome | {
             "metadata": md_to_wire(self.transport.metadata()), "arena": self.arena_region.to_wire(), "kv": kv,
             "facts": self.facts,
-        } | ({"kv_facts": self.kv_facts()} if direct else {}) | ({"mapped": self._shared} if self._shared else {}))
+        } | ({"kv_facts": self.kv_facts()} if direct else {}) | ({"mapped": self._shared} if self._shared else {})
+          | ({"kv_ipc": kv_ipc} if kv_ipc else {}))
         log.debug("dst %d: %s connected, heads %d..%d%s", self.rank, conn.peer, piece.heads.start, piece.heads.stop,
                   ", direct offered" if direct else "")
         for inc in list(self.requests.values()):  # requests expected before every writer was connected
             if inc.engine == engine:
                 self._refresh(inc)
+
+    def _share_kv_with(self, hello: dict, p: TransferPlan) -> dict | None:
+        """What a source needs to open this rank's KV buffers and write its head slices straight
+        into its pages (direct-ipc), or None: only to an authenticated source on this host and
+        user that asks for it (``kv_ipc`` in its hello), with ``share_kv`` not off, a CUDA cache,
+        and a pair the kernel can place. The buffers are described once (``share_buffers``);
+        memory that cannot be shared (VMM) is said once and never offered."""
+        if (hello.get("kv_ipc") is not True or self.settings.share_kv == "off" or not self.settings.auth_token
+                or self.cache.device.type != "cuda" or hello.get("uid") != os.getuid()):
+            return None
+        facts = hello.get("facts")
+        try:
+            same_host = link_context(self.facts, facts if isinstance(facts, dict) else None).same_host
+        except Exception:  # a peer's malformed facts: not known to be on this host
+            same_host = None
+        if same_host is not True or placement.refusal(p.src, self.spec):
+            return None
+        if self._kv_share is False:
+            try:
+                self._kv_share = share_buffers(self.cache.buffers)
+                log.info("dst %d: KV pages shared with the sources of this host and user that ask (CUDA IPC, %d "
+                         "allocations): they write their head slices straight into them (direct-ipc)", self.rank,
+                         len(self._kv_share["allocations"]))
+            except NotShareable as e:
+                self._kv_share = None
+                log.info("dst %d: KV pages not shared with sources on this host: %s; they write through the arena",
+                         self.rank, e)
+        return self._kv_share or None
 
     def _on_probe(self, conn: Connection, msg: dict) -> None:
         """``kvstage probe --peer``: lend one free arena slot for a measured write.
@@ -518,10 +570,14 @@ class Destination(Endpoint):
             return
         pieces = eng.pieces(self.rank)
         if not inc.chunks:
-            if any(p.src_rank not in eng.writers for p in pieces):
-                return
-            inc.direct = self._route(inc, eng, pieces)
-            if inc.direct:
+            if any(p.src_rank not in eng.writers or eng.writers[p.src_rank].asked for p in pieces):
+                return  # a writer not connected yet, or not answered whether it opened this rank's pages
+            inc.placed = all(eng.writers[p.src_rank].placed for p in pieces)
+            inc.direct = not inc.placed and self._route(inc, eng, pieces)
+            if inc.placed:
+                self._log_route(inc, pieces, "direct-ipc", "the sources store their head slices straight into this "
+                                "rank's pages (one pass, no copy here)")
+            if inc.direct or inc.placed:
                 inc.chunk_tokens, inc.chunks = inc.handle.tokens, 1
             else:
                 per = min(eng.writers[p.src_rank].slot_bytes // eng.plan.piece_token_bytes(p) for p in pieces)
@@ -529,7 +585,7 @@ class Destination(Endpoint):
                 inc.chunk_tokens = grants.chunk_tokens(inc.handle.tokens, fit, eng.plan.src.page.page_size,
                                                        self.spec.page.page_size)
                 inc.chunks = -(-inc.handle.tokens // inc.chunk_tokens)
-            inc.handle.path = "direct" if inc.direct else "staged"
+            inc.handle.path = "direct-ipc" if inc.placed else "direct" if inc.direct else "staged"
             self._rr.append(inc.key)
             log.debug("dst %d: %s starts, %d chunks of %d tokens, %s", self.rank, inc.handle.req, inc.chunks,
                       inc.chunk_tokens, inc.handle.path)
@@ -551,14 +607,17 @@ class Destination(Endpoint):
         page_bytes = self.cache.buffers[0].nbytes // self.cache.pages
         r = route.choose(inc.pages, len(self.cache.buffers), page_bytes, cost, memory,
                          forced=self.settings.direct is True)
+        self._log_route(inc, pieces, "direct (page runs in place)" if r.direct else "staged", r.reason)
+        return r.direct
+
+    def _log_route(self, inc: Incoming, pieces, path: str, reason: str) -> None:
+        """One line per writer and path, the first time its requests take it."""
         for p in pieces:
-            key = (inc.engine, p.src_rank, r.direct)
+            key = (inc.engine, p.src_rank, path)
             if key not in self._routes:
                 remember(self._routes, key, True, MAX_LOST_AGENTS)
                 log.info("dst %d: requests from %s go %s: %s (first: %s)", self.rank,
-                         rank_name(inc.engine, "source", p.src_rank),
-                         "direct (page runs in place)" if r.direct else "staged", r.reason, inc.handle.req)
-        return r.direct
+                         rank_name(inc.engine, "source", p.src_rank), path, reason, inc.handle.req)
 
     def _grant(self) -> None:
         """Hand free slots to waiting chunks in ``grants.grant_order``."""
@@ -568,8 +627,8 @@ class Destination(Endpoint):
             if inc is None or inc.handle.done() or inc.next_chunk >= inc.chunks:
                 self._rr.remove(key)
                 continue
-            waiting.append(grants.Waiting(key, inc.announced is not None, inc.next_chunk, inc.chunks, inc.direct,
-                                          inc.engine))
+            waiting.append(grants.Waiting(key, inc.announced is not None, inc.next_chunk, inc.chunks,
+                                          inc.direct or inc.placed, inc.engine))
         if not waiting:
             return
         a = self.arena.allocator
@@ -578,13 +637,16 @@ class Destination(Endpoint):
         now = time.perf_counter()
         served = set(order)
         for w in waiting:  # announced, wanting a chunk, and given none: it waits for a slot
-            if w.announced and not w.direct and w.req not in served:
+            if w.announced and not w.direct and w.req not in served:  # (direct: needs no slot)
                 inc = self.requests[w.req]
                 if inc.slot_blocked is None:
                     inc.slot_blocked = now
         for key in order:
             inc = self.requests.get(key)
             if inc is None or inc.handle.done():
+                continue
+            if inc.placed:
+                self._grant_placed(inc)
                 continue
             if inc.direct:
                 self._grant_direct(inc)
@@ -594,6 +656,7 @@ class Destination(Endpoint):
                 return
             if inc.slot_blocked is not None:
                 inc.handle.stages["slot_wait"] += now - inc.slot_blocked
+                self.metrics.stage("slot_wait", now - inc.slot_blocked)
                 inc.slot_blocked = None
             self._grant_chunk(inc, slot)
 
@@ -619,6 +682,16 @@ class Destination(Endpoint):
             "type": "grant", "req": inc.handle.req, "tokens": inc.handle.tokens, "chunk": 0, "chunks": 1, "start": 0,
             "count": inc.handle.tokens, "pages": inc.pages.tolist(),
         })
+
+    def _grant_placed(self, inc: Incoming) -> None:
+        """The whole request to every writer at once, with this rank's page ids: no slot, no scatter."""
+        ranks = self.engines[inc.engine].ranks(self.rank)
+        inc.open[0] = Chunk(0, 0, inc.handle.tokens, None, set(ranks))
+        inc.next_chunk = 1
+        grant = {"type": "grant", "req": inc.handle.req, "tokens": inc.handle.tokens, "chunk": 0, "chunks": 1,
+                 "start": 0, "count": inc.handle.tokens, "ipc_pages": inc.pages.tolist()}
+        for r in ranks:
+            self._send(inc.engine, r, grant)
 
     def _grant_chunk(self, inc: Incoming, slot: int) -> None:
         eng = self.engines[inc.engine]
@@ -734,6 +807,8 @@ class Destination(Endpoint):
             raise ProtocolError(f"duplicate notice: chunk {c} of {req!r} from writer {rank} already landed")
         if inc.direct:
             want_offset, want = None, len(inc.pages) * sum(b.nbytes // self.cache.pages for b in self.cache.buffers)
+        elif inc.placed:
+            want_offset, want = None, plan_.piece_token_bytes(writer.piece) * chunk.count
         else:
             want_offset = self.arena.offset(chunk.slot) + plan_.writer_offsets(self.rank, chunk.count)[rank]
             want = plan_.piece_token_bytes(writer.piece) * chunk.count
@@ -747,7 +822,7 @@ class Destination(Endpoint):
                                 f"granted {want} bytes at {want_offset}; the request failed")
         chunk.pending.discard(rank)
         log.debug("dst %d: %s chunk %d landed from %s%s", self.rank, req, c, writer.name, " (mapped)" if mapped else "")
-        if not inc.direct:  # "mapped" while every landing so far came by the writers' own stores
+        if not (inc.direct or inc.placed):  # "mapped" while every landing so far came by the writers' own stores
             way = "mapped" if mapped else "staged"
             inc.handle.path = way if not inc.landings or inc.handle.path == way else "staged+mapped"
             inc.landings += 1
@@ -760,7 +835,7 @@ class Destination(Endpoint):
         if chunk.pending:
             return
         del inc.open[c]
-        if inc.direct:
+        if inc.direct or inc.placed:
             return self._landed(inc, chunk)
         inc.stage = "scatter"
         if chunk.scatter is not None:
@@ -778,7 +853,9 @@ class Destination(Endpoint):
             if not chunk.scattered():
                 still.append((inc, chunk, t0))
                 continue
-            inc.handle.stages["scatter"] += time.perf_counter() - t0
+            took = time.perf_counter() - t0
+            inc.handle.stages["scatter"] += took
+            self.metrics.stage("scatter", took)
             gpu = chunk.settle()
             if gpu is not None:
                 inc.handle.stages["scatter_gpu"] = inc.handle.stages.get("scatter_gpu", 0.0) + gpu
@@ -800,6 +877,8 @@ class Destination(Endpoint):
         (early grants can land before a writer's ``ready``, which checks its token count)."""
         if inc.chunks and inc.scattered == inc.chunks and inc.announced is not None and not inc.handle.done():
             inc.handle._move(State.DONE)
+            self.metrics.request_finished(peer_label(inc.engine), True, time.monotonic() - inc.announced,
+                                          inc.handle.bytes)
             del self.requests[inc.key]
             if inc.key in self._rr:
                 self._rr.remove(inc.key)
@@ -828,6 +907,8 @@ class Destination(Endpoint):
             if other is inc:
                 chunk.wait()
         inc.handle._fail(peer, stage, cause)
+        self.metrics.failure(peer_label(inc.engine), stage, cause)
+        self.metrics.request_finished(peer_label(inc.engine), False, 0.0, inc.handle.bytes)
         log.warning("dst %d: request %s failed at %s with %s: %s", self.rank, req, stage, peer, cause)
         if key in self._rr:
             self._rr.remove(key)
@@ -975,6 +1056,7 @@ class Destination(Endpoint):
         running = all(w is not None and self._peer_running(w.conn, now) for w in writers)
         if not inc.slow:
             inc.slow = True
+            self.metrics.slow(peer_label(inc.engine), "write")
             log.warning("dst %d: request %s is slow: chunk %d not landed %.1f s after its grant; waiting for %s (%s)",
                         self.rank, inc.handle.req, late[0].index, waited[late[0].index], who,
                         "running" if running else "alive, busy: its loop does not turn")

@@ -40,9 +40,10 @@ from kvstage.layout import pages_needed, token_bytes
 from kvstage.link.connect import connect_line
 from kvstage.link.facts import collect_local, memory_facts, value
 from kvstage.link.finding import Finding, Severity
+from kvstage.metrics import endpoint_metrics, start_from_settings
 from kvstage.protocol import beat
 from kvstage.protocol.gate import PRE_AUTH_MAX_FRAME, PRE_AUTH_TYPES, RefusalLog, host_of, pending_cap
-from kvstage.protocol.wire import MAX_ENGINE_ID, MAX_FRAME, Connection
+from kvstage.protocol.wire import MAX_ENGINE_ID, MAX_FRAME, MAX_MODEL_ID, Connection
 from kvstage.staging.arena import ArenaSize, StagingArena, arena_size, choose_arena
 from kvstage.staging.cache import RankCache
 from kvstage.staging.copy import copy_stream
@@ -82,6 +83,20 @@ def check_engine(engine) -> str:
         raise ConfigError(f"engine={str(engine)[:40]!r}: must be a string of at most {MAX_ENGINE_ID} printable "
                           "characters (the same on every rank of one engine)")
     return engine
+
+
+def check_model(model) -> str:
+    """A model identity as an engine gives it (``""``: none, nothing is compared)."""
+    if not isinstance(model, str) or len(model) > MAX_MODEL_ID or not model.isprintable():
+        raise ConfigError(f"model={str(model)[:40]!r}: must be a string of at most {MAX_MODEL_ID} printable "
+                          "characters (the engine's model name or path and a hash of what shapes its KV)")
+    return model
+
+
+def peer_label(engine: str, rank: int | None = None) -> str:
+    """A peer as a metrics label: ``engine/rank``, or ``engine/*`` for every rank of that engine a
+    request involves (few distinct values: one per peer engine and rank)."""
+    return f"{engine}/{'*' if rank is None else rank}"
 
 
 def rank_name(engine: str, role: str, rank: int) -> str:
@@ -169,9 +184,10 @@ class Endpoint:
     shares_arena = False  # offers its arena to sources on this host (``staging.mapped``)
 
     def __init__(self, cache: RankCache, settings: Settings | None = None, transport: Transport | None = None,
-                 engine: str = ""):
+                 engine: str = "", model: str = ""):
         self.cache, self.spec, self.rank = cache, cache.spec, cache.rank
         self.engine = check_engine(engine)
+        self.model = check_model(model)
         self.settings = settings or Settings()
         self.transport, made = self._open_transport(transport)
         try:
@@ -187,6 +203,8 @@ class Endpoint:
         self._kv_regions: list[Region] | None = None
         self._kv_facts: dict | None = None
         self._links: dict = {}  # (peer, KV pages?) -> its connect-time finding, as logged; the latest MAX_LINKS
+        self.metrics = endpoint_metrics(self.role, self.rank, self.engine)
+        start_from_settings(self.settings, self.rank)
         self._init_loop()
 
     # -- construction, in order ------------------------------------------------
@@ -270,6 +288,10 @@ class Endpoint:
         self._pinged = 0.0
         self.silence_max_s = 0.0  # the longest a connected peer was quiet, as this loop saw it
         self._clock = beat.LoopClock() if beat.available() else None
+        if self._clock is None:
+            log.info("%s %d: pings come from this endpoint's loop (%s): while this process's Python is busy they "
+                     "stop, and its peers may take it for stopped after peer_timeout_s", self.role, self.rank,
+                     beat.why_unavailable())
         self._closing = False
         self._state = threading.Lock()  # held while state changes: by the loop, or by a caller in ``_here``
         self._thread = threading.Thread(target=self._run, name=f"kvstage-{self.role}{self.rank}", daemon=True)
@@ -396,6 +418,8 @@ class Endpoint:
         if self._check_pause(started):  # stopped while handling: the deadlines below moved on
             now = time.monotonic()
         self._check_stalls(now)
+        self.metrics.slots(self.arena.allocator.free, self.arena.allocator.count)
+        self.metrics.in_flight(len(self.requests))
         self._turned = time.monotonic()
         if self._clock is not None:
             self._clock.turned(self._turned)
@@ -527,6 +551,9 @@ class Endpoint:
                     self._stirred = time.perf_counter()
                     try:
                         self._on_message(conn, msg)
+                    except OSError as e:  # the peer went away while this side answered it: that is its loss
+                        self._drop(conn, str(e) or type(e).__name__, answered=getattr(e, "errno", None) not in _UNANSWERED)
+                        return
                     except Exception:  # a bug must not kill the loop or the rest of the batch
                         log.exception("%s %d: handling %s from %s", self.role, self.rank, msg["type"], conn.peer)
                 if conn.closed:
@@ -627,6 +654,7 @@ class Endpoint:
         """Fail requests that made no progress for ``stall_timeout_s``."""
 
     def _shutdown(self) -> None:
+        self.metrics.close()
         self.transport.close()
         if self._selector is not None:
             self._selector.close()
@@ -650,7 +678,8 @@ class Endpoint:
             self._kv_facts = memory_facts(self.cache.buffers[0], value(self.facts, "gpus"))
         return self._kv_facts
 
-    def _judge_link(self, peer_facts, peer_name: str, peer_kv_facts=None, kv: bool = False) -> Finding | None:
+    def _judge_link(self, peer_facts, peer_name: str, peer_kv_facts=None, kv: bool = False,
+                    label: str = "") -> Finding | None:
         """The connect-time judgement of the link to one peer (docs/probe.md), logged once, kept
         for ``stats``: of the arenas, or with ``kv`` of the KV buffers the direct path writes. None
         when the peer's facts are unreadable (said in one line)."""
@@ -665,16 +694,18 @@ class Endpoint:
             return None
         finding.path = ("KV pages, direct: " if kv else "") + finding.path
         finding.log(log)
+        self.metrics.link(label or peer_name, finding.path, finding.severity, kv=kv)
         remember(self._links, (peer_name, kv), finding.to_dict(), MAX_LINKS)
         return finding
 
-    def _log_link(self, peer_facts, peer_name: str, peer_kv_facts=None, direct: bool = False) -> bool:
+    def _log_link(self, peer_facts, peer_name: str, peer_kv_facts=None, direct: bool = False, label: str = "") -> bool:
         """Judge the memory each path to this peer registers: the arenas, and the KV buffers when
-        the direct path may run. True when the direct path's link is healthy (not WARNING or worse)."""
-        self._judge_link(peer_facts, peer_name)
+        the direct path may run. True when the direct path's link is healthy (not WARNING or worse).
+        ``label``: the peer as the metrics name it (``peer_label``)."""
+        self._judge_link(peer_facts, peer_name, label=label)
         if not direct:
             return False
-        kv = self._judge_link(peer_facts, peer_name, peer_kv_facts, kv=True)
+        kv = self._judge_link(peer_facts, peer_name, peer_kv_facts, kv=True, label=label)
         return kv is None or kv.severity is Severity.INFO
 
     def kv_regions(self) -> list[Region]:

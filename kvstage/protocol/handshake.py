@@ -12,7 +12,7 @@ import hmac
 
 from kvstage.errors import ConfigError, ProtocolError
 from kvstage.layout import KVGeometry, PageLayout
-from kvstage.protocol.wire import MAX_ENGINE_ID, PROTOCOL_VERSION, field
+from kvstage.protocol.wire import MAX_ENGINE_ID, MAX_MODEL_ID, PROTOCOL_VERSION, field
 from kvstage.tp import SideSpec
 
 #: a connection sends its hello (a destination) or answers it (a source) within this: a live peer
@@ -84,6 +84,18 @@ def peer_engine(msg: dict) -> str:
     if len(engine) > MAX_ENGINE_ID or not engine.isprintable():
         raise ProtocolError(f"engine: {engine[:40]!r} is not an engine id (at most {MAX_ENGINE_ID} printable characters)")
     return engine
+
+
+def check_model(msg: dict, mine: str, who: str) -> None:
+    """Both sides serve the same model, where both say which (an engine's identity of it: its name
+    or path and a hash of what shapes its KV). KV of another model's weights moves as well as the
+    right one and gives wrong tokens: a pair that says it differs is refused, naming both."""
+    theirs = msg.get("model", "")
+    if not isinstance(theirs, str) or len(theirs) > MAX_MODEL_ID:
+        raise ProtocolError(f"model: the {who} sent {str(theirs)[:40]!r}, not a model identity")
+    if theirs and mine and theirs != mine:
+        raise ProtocolError(f"model: the {who} serves {theirs!r}, this side {mine!r}; both sides of a KV transfer "
+                            "must serve the same model")
 
 
 def hello_spec(msg: dict) -> tuple[SideSpec, int]:

@@ -28,24 +28,29 @@ import base64
 import collections
 import dataclasses
 import logging
+import os
 import socket
 import time
 from dataclasses import dataclass, field as dc_field
 
 import numpy as np
 
-from kvstage.errors import KVStageError, ProtocolError, TransferFailed
+from kvstage.errors import ConfigError, KVStageError, ProtocolError, TransferFailed
 from kvstage.layout import pages_needed
 from kvstage.link.context import link_context
-from kvstage.protocol.endpoint import SLOW_S, Endpoint, EndpointStats, check_engine, check_pages, rank_name, remember
-from kvstage.protocol.handshake import (HANDSHAKE_TIMEOUT_S, check_transport, check_version, md_from_wire, md_to_wire,
-                                        peer_engine, spec_from_wire, spec_to_wire)
+from kvstage.protocol.endpoint import (SLOW_S, Endpoint, EndpointStats, check_engine, check_pages, peer_label, rank_name,
+                                      remember)
+from kvstage.protocol.handshake import (HANDSHAKE_TIMEOUT_S, check_model, check_transport, check_version, md_from_wire,
+                                        md_to_wire, peer_engine, spec_from_wire, spec_to_wire)
 from kvstage.protocol.request import State, TransferHandle
 from kvstage.protocol.wire import PROTOCOL_VERSION, Connection, field, notice_fields
-from kvstage.protocol.writes import DirectPageRuns, FromPages, InFlight, MappedGather, StagedWrite, WritePath
+from kvstage.protocol.writes import (DirectPageRuns, FromPages, InFlight, MappedGather, PlacedPages, StagedWrite,
+                                     WritePath)
 from kvstage.staging.arena import ArenaSize
 from kvstage.staging.copy import upload_pages
+from kvstage.staging.cuda_place import PlacedCopier, PlacedDestination
 from kvstage.staging.mapped import MappedArena, MappingError, open_shared
+from kvstage.staging.shared_buffers import OpenedBuffers, open_buffers
 from kvstage.tp import Piece, TransferPlan, plan
 from kvstage.transports.base import Region, WriteState
 
@@ -75,10 +80,21 @@ class Target:
     address: tuple = ()  # (host, port) it was connected at
     mapped: MappedArena | None = None  # the destination's arena mapped here: gathers go straight into it
     path: WritePath | None = None  # how its staged chunks go (decided at connect); direct grants go direct
+    placed: "PlacedTarget | None" = None  # its KV pages opened here: direct-ipc grants write straight into them
 
     @property
     def name(self) -> str:
         return rank_name(self.engine, "destination", self.rank)
+
+
+@dataclass
+class PlacedTarget:
+    """A destination rank's KV buffers opened here (``shared_buffers.open_buffers``) and the
+    kernel's view of them: what a direct-ipc grant's head slices are stored into."""
+
+    opened: OpenedBuffers
+    copier: PlacedCopier
+    destination: PlacedDestination
 
 
 @dataclass
@@ -98,8 +114,10 @@ class Job:
     chunk: int
     start: int
     count: int
-    engine: str = ""  # the destination's engine    offset: int = 0
-    pages: np.ndarray | None = None
+    engine: str = ""  # the destination's engine
+    ipc_pages: np.ndarray | None = None  # a direct-ipc grant: the destination's page ids of the request
+    offset: int | None = 0  # in the destination's arena; None where no arena is written (direct, direct-ipc)
+    pages: np.ndarray | None = None  # a direct grant: the destination's page ids
     ticket: bytes = b""  # from the destination's transport.expect (two-sided transports)
     queued: float = dc_field(default_factory=time.perf_counter)  # granted (or sent, for a held grant)
     blocked: float | None = None  # when it first found no free slot in this arena
@@ -131,8 +149,8 @@ class Source(Endpoint):
 
     role = "src"
 
-    def __init__(self, cache, settings=None, transport=None, engine: str = ""):
-        super().__init__(cache, settings, transport, engine)
+    def __init__(self, cache, settings=None, transport=None, engine: str = "", model: str = ""):
+        super().__init__(cache, settings, transport, engine, model)
         self.engines: dict[str, DestinationEngine] = {}
         self._targets: dict[Connection, Target] = {}  # every connected destination, by its control connection
         self._idle: dict[tuple, tuple[str, int]] = {}  # address this rank writes nothing to -> (engine, rank)
@@ -146,6 +164,8 @@ class Source(Endpoint):
         self._direct = DirectPageRuns(self)
         self._staged = FromPages(self) if self.transport.gathers else StagedWrite(self)
         self._mapped = MappedGather(self)
+        self._placed = PlacedPages(self)
+        self._placed_copiers: dict = {}  # destination spec -> PlacedCopier (one per peer engine's geometry)
         if self.transport.gathers:
             log.info("src %d: %s writes each chunk straight from the KV pages into the granted slot (no gather "
                      "into this rank's arena)", self.rank, self.transport.name)
@@ -221,6 +241,7 @@ class Source(Endpoint):
         try:
             conn.send({
                 "type": "hello", "version": PROTOCOL_VERSION, "token": self.settings.auth_token, "engine": self.engine,
+                "model": self.model, "uid": os.getuid(), "kv_ipc": self._asks_kv_ipc(),
                 "spec": spec_to_wire(self.spec), "rank": self.rank, "agent": self.transport.id,
                 "transport": self.transport.name,
                 "metadata": md_to_wire(self.transport.metadata()), "slot_bytes": self.slot_bytes,
@@ -232,12 +253,15 @@ class Source(Endpoint):
             raise TransferFailed("-", f"destination {peer}", "handshake", f"no welcome: {e}") from e
         if msg["type"] == "error":
             conn.close()
-            raise TransferFailed("-", f"destination {peer}", "handshake", f"refused: {msg.get('reason')}")
+            reason = str(msg.get("reason"))[:300]
+            log.warning("src %d: destination %s refused this source: %s", self.rank, peer, reason)
+            raise TransferFailed("-", f"destination {peer}", "handshake", f"refused: {reason}")
         try:
             if msg["type"] != "welcome":
                 raise ProtocolError(f"expected welcome, got {msg['type']!r}")
             check_version(msg, "destination")
             check_transport(msg, self.transport.name, "destination")
+            check_model(msg, self.model, "destination")
             engine = peer_engine(msg)
             dst = spec_from_wire(field(msg, "spec", dict))
             p = plan(self.spec, dst)
@@ -293,16 +317,24 @@ class Source(Endpoint):
             eng = self._engine(engine, p, conn)  # made anew if the old connection was its last
         facts = welcome.get("facts")
         mapped = self._map_arena(conn, arena, welcome.get("mapped"), facts)
+        placed = self._open_pages(conn, welcome.get("kv_ipc"), facts, p)
         agent = self.transport.connect(md)
         name = rank_name(engine, "destination", rank)
         conn.peer = f"{name} ({conn.peer})"
         path = self._mapped if mapped is not None else self._staged
-        target = eng.targets[rank] = Target(engine, rank, conn, agent, p, piece, arena, kv, address, mapped, path)
+        target = eng.targets[rank] = Target(engine, rank, conn, agent, p, piece, arena, kv, address, mapped, path,
+                                            placed)
         self._targets[conn] = target
         self._pinged_peer(conn)
+        if welcome.get("kv_ipc") is not None:  # its requests wait for this answer
+            conn.send({"type": "placed", "ok": placed is not None})
+        if placed is not None:
+            log.info("src %d: %s shares its KV pages (CUDA IPC, %s): its direct-ipc grants are stored straight into "
+                     "them, in its page size and layout", self.rank, conn.peer,
+                     "this GPU" if placed.opened.on(self.cache.device) else "another GPU, through peer access")
         log.debug("src %d: connected to %s, heads %d..%d, %s path%s", self.rank, conn.peer, piece.heads.start,
                   piece.heads.stop, path.name, ", direct offered" if kv else "")
-        self._log_link(facts, conn.peer, welcome.get("kv_facts"), direct=bool(kv))
+        self._log_link(facts, conn.peer, welcome.get("kv_facts"), direct=bool(kv), label=peer_label(engine, rank))
         if mapped is not None:
             conn.send({"type": "mapped"})  # before any ready: its chunks owe the destination no transport notice
             log.info("src %d: %s shares its arena (%s, same host): chunks are gathered straight into its slots, "
@@ -341,14 +373,46 @@ class Source(Endpoint):
                      self.rank, conn.peer, why)
         return None
 
+    def _asks_kv_ipc(self) -> bool:
+        """Whether this source asks destinations on its host for their KV pages (direct-ipc)."""
+        return self.settings.share_kv != "off" and self.cache.device.type == "cuda"
+
+    def _open_pages(self, conn: Connection, desc, peer_facts, p: TransferPlan) -> "PlacedTarget | None":
+        """The destination's KV buffers opened here, or None (said in one line when offered and not
+        opened: its chunks then go through the arena)."""
+        if desc is None or not self._asks_kv_ipc():
+            return None
+        if link_context(self.facts, peer_facts if isinstance(peer_facts, dict) else None).same_host is not True:
+            log.info("src %d: %s offered its KV pages from another host; not opened", self.rank, conn.peer)
+            return None
+        try:
+            opened = open_buffers(desc, self.cache.device)
+        except MappingError as e:
+            log.info("src %d: %s offered its KV pages, not opened here (%s): chunks go through its arena",
+                     self.rank, conn.peer, e)
+            return None
+        try:
+            copier = self._placed_copiers.get(p.dst)
+            if copier is None:
+                copier = self._placed_copiers[p.dst] = PlacedCopier(self.cache, p.dst)
+            return PlacedTarget(opened, copier, copier.destination(opened.spans))
+        except (ConfigError, ValueError) as e:
+            opened.close()
+            log.info("src %d: %s offered its KV pages, not written here (%s): chunks go through its arena",
+                     self.rank, conn.peer, e)
+            return None
+
     def _close_target(self, target: Target) -> None:
-        """Close a destination's connection and unmap its arena, once no gather still writes into it."""
+        """Close a destination's connection and unmap its arena and pages, once no copy still writes into them."""
         target.conn.close()
-        if target.mapped is not None:
+        if target.mapped is not None or target.placed is not None:
             for g in self._gathering:
                 if g.slot is None and any((j.engine, j.dst) == (target.engine, target.rank) for j in g.jobs):
                     g.fence.wait()
+        if target.mapped is not None:
             target.mapped.close()
+        if target.placed is not None:
+            target.placed.opened.close()
 
     def _add(self, handle: TransferHandle, pages: np.ndarray, engine: str) -> None:
         """A sent request (caller's thread, state lock held): announce it, apply the grants
@@ -465,7 +529,19 @@ class Source(Endpoint):
         start = field(msg, "start", int, minimum=0, maximum=tokens - 1)
         count = field(msg, "count", int, minimum=1, maximum=tokens - start)
         job = Job(req, d, c, start, count, target.engine)
-        if "pages" in msg:
+        if "ipc_pages" in msg:
+            if target.placed is None:
+                raise ProtocolError(f"direct-ipc grant for {req!r}, but this source has not opened the destination's "
+                                    "KV pages")
+            pages = field(msg, "ipc_pages", list)
+            if (chunks, start, count) != (1, 0, tokens):
+                raise ProtocolError(f"direct-ipc grant for {req!r} must cover the whole request in one chunk")
+            if len(pages) != pages_needed(tokens, target.plan.dst.page.page_size) or not all(
+                isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in pages
+            ):
+                raise ProtocolError(f"direct-ipc grant for {req!r} has a malformed page list")
+            job.ipc_pages, job.offset = np.asarray(pages, dtype=np.int64), None
+        elif "pages" in msg:
             if not target.kv:
                 raise ProtocolError(f"direct grant for {req!r}, but the destination offered no KV regions")
             pages = field(msg, "pages", list)
@@ -544,6 +620,8 @@ class Source(Endpoint):
 
     def _path_of(self, job: Job) -> WritePath:
         """The write path of a granted job: direct for a grant naming pages, else its destination's."""
+        if job.ipc_pages is not None:
+            return self._placed
         if job.pages is not None:
             return self._direct
         target = self.target_of(job)
@@ -564,12 +642,12 @@ class Source(Endpoint):
         """Launch the queued gathers into mapped arenas, and nothing else (``_add``, on the
         caller's thread); the loop takes the queue from the first job that needs a slot, a
         write or the transport."""
-        while self._jobs and self._path_of(self._jobs[0]) is self._mapped:
+        while self._jobs and self._path_of(self._jobs[0]) in (self._mapped, self._placed):
             out = self.requests.get((self._jobs[0].engine, self._jobs[0].req))
             if out is None or out.handle.done():
                 self._jobs.popleft()
                 continue
-            self._mapped.start(out, poll=False)
+            self._path_of(self._jobs[0]).start(out, poll=False)
 
     def _poll_gathers(self) -> None:
         """Post the write of every chunk whose gather has finished on the device (or, gathered
@@ -594,6 +672,7 @@ class Source(Endpoint):
                 else:
                     self._post_write(out, job, g.slot, g.write, g.sizes[0], 1, t1)
             out.handle.stages["gather"] += t1 - g.started
+            self.metrics.stage("gather", t1 - g.started)
             gpu = g.fence.gpu_seconds()
             g.fence.release()
             if gpu is not None:
@@ -649,7 +728,9 @@ class Source(Endpoint):
                 continue
             out.inflight -= 1
             out.touched = time.monotonic()
-            out.handle.stages["write"] += time.perf_counter() - w.posted
+            took = time.perf_counter() - w.posted
+            out.handle.stages["write"] += took
+            self.metrics.stage("write", took)
             log.debug("src %d: %s chunk %d write complete", self.rank, w.job.req, w.job.chunk)
             if isinstance(state, Exception):
                 self._fail(out.key, rank_name(w.job.engine, "destination", w.job.dst), "write", str(state), tell=True)
@@ -664,6 +745,7 @@ class Source(Endpoint):
             out.written[job.dst] += 1
             if all(out.written[d] == out.chunks.get(d, -1) for d in out.written):
                 out.handle._move(State.DONE)
+                self.metrics.request_finished(peer_label(out.engine), True, out.handle.seconds, out.handle.bytes)
         self._maybe_forget(out)
 
     # -- failures --------------------------------------------------------------
@@ -673,6 +755,8 @@ class Source(Endpoint):
             return
         req = out.handle.req
         out.handle._fail(peer, stage, cause)
+        self.metrics.failure(peer_label(out.engine), stage, cause)
+        self.metrics.request_finished(peer_label(out.engine), False, 0.0, out.handle.bytes)
         log.warning("src %d: request %s failed at %s with %s: %s", self.rank, req, stage, peer, cause)
         if tell:
             for d in out.written:
@@ -732,7 +816,7 @@ class Source(Endpoint):
         return list(self._targets)
 
     def _stats(self) -> EndpointStats:
-        return dataclasses.replace(super()._stats(), held_grants=self._held_count)
+        return dataclasses.replace(super()._stats(), held_grants=self._held_count, engines=len(self.engines))
 
     def _check_stalls(self, now: float) -> None:
         """An announced request never granted within ``ready_timeout_s``, or a
@@ -761,6 +845,7 @@ class Source(Endpoint):
             running = target is not None and self._peer_running(target.conn, now)
             if out is not None and not out.slow:
                 out.slow = True
+                self.metrics.slow(peer_label(w.job.engine, w.job.dst), "write")
                 log.warning("src %d: request %s is slow: chunk %d's write to %s not complete after %.1f s (%s)",
                             self.rank, w.job.req, w.job.chunk, rank_name(w.job.engine, "destination", w.job.dst),
                             waited, "it runs" if running else "it is alive, busy: its loop does not turn")

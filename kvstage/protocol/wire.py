@@ -30,6 +30,8 @@ MAX_FRAME = 16 << 20
 MAX_ID = 256
 #: an engine id names one engine's ranks on the wire and in logs: short, printable
 MAX_ENGINE_ID = 128
+#: a model identity (name or path, and a hash): both sides of a link must serve the same model
+MAX_MODEL_ID = 512
 _LEN = struct.Struct("!I")
 # one encoder for every message: ``json.dumps`` with separators builds a new one per call, on a request's critical path
 _COMPACT = json.JSONEncoder(separators=(",", ":"))

@@ -14,7 +14,10 @@ names the destination's pages is a direct one:
   straight into the granted slot and say ``landed`` on the control connection;
   one launch fills the pieces of a 1->N source's chunk for every mapped destination;
 - ``FromPages``: a transport that walks many spans at the cost of one (cma) writes
-  the chunk straight from this rank's pages into the granted slot.
+  the chunk straight from this rank's pages into the granted slot;
+- ``PlacedPages`` (direct-ipc): the destination's KV pages are opened here (same host,
+  CUDA IPC): one kernel stores each head slice at its place in them, in the
+  destination's page size and layout; the destination copies nothing.
 """
 
 from __future__ import annotations
@@ -25,10 +28,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kvstage.errors import KVStageError
+from kvstage.errors import KVStageError, ProtocolError
 from kvstage.protocol.endpoint import rank_name
 from kvstage.protocol.wire import encode_notice
 from kvstage.staging.copy import TokenIndex, gather, gather_pieces
+from kvstage.staging.cuda_place import PlacedWrite
 from kvstage.staging.fence import CopyFence
 from kvstage.staging.spans import chunk_spans
 from kvstage.transports.base import ReadyWrite, Spans
@@ -168,7 +172,9 @@ class StagedWrite(WritePath):
             return False
         src._jobs.popleft()
         if job.blocked is not None:
-            out.handle.stages["slot_wait"] += time.perf_counter() - job.blocked
+            waited = time.perf_counter() - job.blocked
+            out.handle.stages["slot_wait"] += waited
+            src.metrics.stage("slot_wait", waited)
         target = self._target(job)
         if target is None:
             src.arena.allocator.release(slot)
@@ -238,6 +244,8 @@ class MappedGather(WritePath):
         return True
 
     def _take(self) -> list:
+        """The queue's head and the jobs right behind it for the same tokens of the same request on
+        this path, for distinct destinations: one launch serves them all."""
         src = self.src
         jobs = [src._jobs.popleft()]
         head = jobs[0]
@@ -249,3 +257,44 @@ class MappedGather(WritePath):
                 break
             jobs.append(src._jobs.popleft())
         return jobs
+
+
+class PlacedPages(MappedGather):
+    name = "direct-ipc"
+
+    def start(self, out, poll: bool = True) -> bool:
+        """Store the request's head slices straight into the destinations' KV pages (opened here
+        through CUDA IPC), in their page size and layout: the queue's head and the jobs right
+        behind it for the same request (a 1->N source's destinations), in one launch. The
+        grant's page ids are checked before anything is launched; ``landed`` follows the
+        kernel's end (``Source._poll_gathers``), and the destination copies nothing."""
+        src = self.src
+        jobs = self._take()
+        job = jobs[0]
+        targets = [src.target_of(j) for j in jobs]
+        if None in targets:
+            gone = jobs[targets.index(None)].dst
+            src._fail(out.key, rank_name(job.engine, "destination", gone), "write", "not connected", tell=False)
+            return True
+        sizes = [t.plan.piece_token_bytes(t.piece) * j.count for t, j in zip(targets, jobs)]
+        t0 = time.perf_counter()
+        self._stamp(out, job, t0)
+        copier = targets[0].placed.copier
+        try:
+            fence = CopyFence(src.cache.device)
+            idx = TokenIndex(src.cache, out.pages, job.start, job.count, out.kernel_pages)
+            copier.launch(idx, [PlacedWrite(t.placed.destination, t.piece, j.ipc_pages) for t, j in zip(targets, jobs)])
+            fence.close()
+            log.debug("src %d: %s direct-ipc launched into destination ranks %s", src.rank, job.req,
+                      ",".join(str(j.dst) for j in jobs))
+        except ProtocolError as e:  # a grant whose pages the checks refuse: nothing was launched
+            src._fail(out.key, rank_name(job.engine, "destination", job.dst), "grant", str(e), tell=True)
+            return True
+        except Exception as e:
+            src._fail(out.key, "local", "gather", f"{type(e).__name__}: {e}", tell=True)
+            return True
+        out.inflight += 1
+        src._gathering.append(Gathering(fence, out, jobs, None, sizes, t0))
+        if poll:
+            src._poll_gathers()
+        return True

@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import logging
 import os
 import threading
 import time
@@ -75,6 +76,22 @@ if TYPE_CHECKING:
 
 logger = init_logger(f"vllm.{__name__}")  # under "vllm" so vLLM's log settings show it
 
+
+def _into_vllms_log() -> None:
+    """kvstage's own lines (its endpoints log to "kvstage") go out through vLLM's handlers, in its
+    format, at its level: vLLM's logger does not propagate to the root, so they would otherwise
+    reach stderr bare (Python's last-resort handler)."""
+    ours, theirs = logging.getLogger("kvstage"), logging.getLogger("vllm")
+    if ours.handlers or not theirs.handlers:
+        return
+    for h in theirs.handlers:
+        ours.addHandler(h)
+    ours.setLevel(theirs.level)
+    ours.propagate = False
+
+
+_into_vllms_log()
+
 PARAMS_VERSION = 1
 
 #: ``kv_connector_extra_config`` keys and their defaults (docs/vllm.md lists them)
@@ -106,6 +123,23 @@ def _settings(extra: dict) -> Settings:
     if "ready_timeout_s" not in kw and not os.environ.get("KVSTAGE_READY_TIMEOUT_S"):
         kw["ready_timeout_s"] = READY_TIMEOUT_S
     return Settings(**kw)
+
+
+def model_identity(vllm_config: "VllmConfig") -> str:
+    """What kvstage's handshake compares between two engines: the model's name or path and a hash
+    of what shapes its KV (as vLLM's own NixlConnector's compatibility hash). Another model of the
+    same shapes would take the KV and decode wrong tokens; a mismatch is refused by name."""
+    import hashlib
+    import json
+
+    from vllm import __version__ as vllm_version
+
+    mc, cc = vllm_config.model_config, vllm_config.cache_config
+    factors = {"vllm": vllm_version, "model": mc.model, "dtype": str(mc.dtype), "kv_heads": mc.get_total_num_kv_heads(),
+               "head_size": mc.get_head_size(), "layers": mc.get_total_num_hidden_layers(),
+               "cache_dtype": str(cc.cache_dtype)}
+    digest = hashlib.sha256(json.dumps(factors, sort_keys=True).encode()).hexdigest()[:16]
+    return f"{str(mc.model)[-400:]}#{digest}"
 
 
 def _is_remote_prefill(params: dict | None) -> bool:
@@ -394,13 +428,14 @@ class _Worker:
             check_listen(self.settings, (self.extra["host"], 0), f"kvstage prefill rank {self.rank}'s pull port")
             from kvstage.protocol.source import Source
 
-            self.src = self._registered(Source(self.cache, self.settings, engine=self.engine_id))
+            self.src = self._registered(Source(self.cache, self.settings, engine=self.engine_id,
+                                               model=model_identity(vc)))
             self.server = PullServer(self.extra["host"], self._on_pull, token=self.settings.auth_token)
         if self.consumer:
             from kvstage.protocol.destination import Destination
 
             self.dst = self._registered(Destination(self.cache, self.settings, listen=(self.extra["host"], 0),
-                                                    engine=self.engine_id))
+                                                    engine=self.engine_id, model=model_identity(vc)))
         logger.info("kvstage: rank %d/%d (%s): %d layers as kvstage %s, %d heads here, pages of %d %s%s",
                     self.rank, self.tp, _role(self), self.layout.layers, spec.geometry, spec.local_heads(),
                     self.layout.page_size, self.layout.order,
