@@ -66,6 +66,9 @@ def _bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--plot", metavar="PATH", help="write a chart of GB/s against tokens (.png, .svg or .pdf; needs matplotlib)")
     p.add_argument("--markdown", metavar="PATH", help="write the table as GitHub markdown (for docs/benchmarks.md)")
     p.add_argument("--title", help="a line above the table and the plot (scenario files set it)")
+    p.add_argument("--metrics", metavar="FILE",
+                   help="write every rank's Prometheus metrics (exposition text, one block per rank) at the end of the "
+                        "run; needs prometheus_client (pip install 'kvstage[metrics]')")
     p.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
                    help="progress bar on stderr (default: on a terminal, once a run passes 2 s)")
     p.add_argument("--role", choices=("local", "dst", "src"), default="local",
@@ -204,7 +207,7 @@ def _check_outputs(a: argparse.Namespace) -> None:
 
     from kvstage.errors import ConfigError
 
-    for flag in ("json", "csv", "plot", "markdown"):
+    for flag in ("json", "csv", "plot", "markdown", "metrics"):
         path = getattr(a, flag)
         if not path or (flag == "json" and path == "-"):
             continue
@@ -219,6 +222,13 @@ def _check_outputs(a: argparse.Namespace) -> None:
         from kvstage.bench.report import check_plot_available
 
         check_plot_available()
+    if a.metrics:
+        from kvstage import metrics
+
+        if a.role == "src":
+            raise ConfigError("metrics: the --role dst side collects every rank's metrics; give --metrics there")
+        if not metrics.available():
+            raise ConfigError(f"metrics={a.metrics!r}: {metrics.why_unavailable()}")
 
 
 def _check_memory(sweep, roles) -> None:
@@ -268,7 +278,8 @@ def _command_line(a: argparse.Namespace) -> str:
     """How to rerun this run: the command line without its output flags."""
     import shlex
 
-    drop = {"--json", "--csv", "--plot", "--markdown", "--title", "--progress", "--no-progress", "--log-level"}
+    drop = {"--json", "--csv", "--plot", "--markdown", "--metrics", "--title", "--progress", "--no-progress",
+            "--log-level"}
     argv, out, skip = sys.argv[1:], [], False
     for x in argv:
         if skip:
@@ -338,7 +349,7 @@ def cmd_bench(a: argparse.Namespace) -> int:
         _terminate_cleanly()
         try:
             result = run_sweep(sweep, progress=progress, role=a.role, listen=listen, src_hosts=a.src_hosts,
-                               on_listen=announce, log_level=a.log_level, clock_sync=a.clock_sync)
+                               on_listen=announce, log_level=a.log_level, clock_sync=a.clock_sync, metrics=a.metrics)
         finally:
             progress.close()
     _emit(result, a, a.title)

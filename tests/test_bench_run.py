@@ -12,6 +12,8 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 from kvstage.bench.runner import run
 from kvstage.bench.scenario import Scenario
 from kvstage.layout import KVGeometry, PageLayout
@@ -257,3 +259,88 @@ def test_two_engines_of_one_tp_to_two_engines_same_request_ids(tmp_path):
                   arena_mb=4, src_engines=(2, 2), dst_engines=(1, 2))
     result = run(sc)
     _check_pairs(result, [("s0", "d0", 2, 1), ("s0", "d1", 2, 2), ("s1", "d0", 2, 1), ("s1", "d1", 2, 2)], 1)
+
+
+# -- --metrics FILE -----------------------------------------------------------------------------------------
+
+def metrics_blocks(path) -> dict:
+    """``kvstage bench --metrics`` FILE as {(TP, role, rank): {(sample, labels): value}}, one block per rank."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    blocks, key, lines = {}, None, []
+    for line in list(path.read_text().splitlines()) + ["# kvstage bench: END"]:
+        head = re.match(r"# kvstage bench: (?:TP (\S+), \w+ rank \d+ \(role=(\w+), rank=(\d+)\)|END)$", line)
+        if head:
+            if key is not None:
+                blocks[key] = {(s.name, frozenset(s.labels.items())): s.value
+                               for fam in text_string_to_metric_families("\n".join(lines) + "\n") for s in fam.samples}
+                blocks[key]["families"] = {fam.name for fam in text_string_to_metric_families("\n".join(lines) + "\n")}
+            key, lines = (head.group(1), head.group(2), int(head.group(3))) if head.group(1) else None, []
+        else:
+            lines.append(line)
+    return blocks
+
+
+def total(block: dict, name: str, **labels) -> float:
+    return sum(v for k, v in block.items() if k != "families" and k[0] == name and labels.items() <= dict(k[1]).items())
+
+
+def test_metrics_file_holds_every_ranks_exposition(tmp_path):
+    out = tmp_path / "metrics.txt"
+    proc = bench(*TINY, "--src-tp", "2", "--tokens", "64", "--iters", "1", "--warmup", "0", "--mode", "staged",
+                 "--metrics", str(out))
+    assert proc.returncode == 0, proc.stderr
+    blocks = metrics_blocks(out)
+    assert list(blocks) == [("2->1", "dst", 0), ("2->1", "src", 0), ("2->1", "src", 1)]
+    for block in blocks.values():
+        assert {"kvstage_requests", "kvstage_failures", "kvstage_transfer_bytes", "kvstage_request_seconds",
+                "kvstage_stage_seconds", "kvstage_slots_free", "kvstage_slots_total", "kvstage_requests_in_flight",
+                "kvstage_link_info", "kvstage_slow_requests"} <= block["families"]
+
+
+def test_a_ranks_recorded_metrics_reach_the_file(tmp_path):
+    """The plumbing from a rank's metrics to the coordinator's file: the exposition a rank takes at
+    the end of its run (``worker._exposition``) and the file the coordinator writes from them."""
+    from kvstage import metrics
+    from kvstage.bench.runner import write_metrics
+    from kvstage.bench.worker import _exposition
+
+    m = metrics.endpoint_metrics("dst", 0, "bench-plumbing")
+    m.request_finished("src/1", True, 0.01, 4096)
+    m.slots(7, 8)
+    assert _exposition(False) is None
+    write_metrics(str(tmp_path / "m.txt"), [("4->1", "dst", 0, _exposition(True)), ("4->1", "src", 3, "")])
+    blocks = metrics_blocks(tmp_path / "m.txt")
+    assert list(blocks) == [("4->1", "dst", 0), ("4->1", "src", 3)]
+    ep = dict(role="dst", rank="0", engine="bench-plumbing")
+    assert total(blocks[("4->1", "dst", 0)], "kvstage_requests_total", **ep, result="done") == 1
+    assert total(blocks[("4->1", "dst", 0)], "kvstage_transfer_bytes_total", **ep) == 4096
+    assert total(blocks[("4->1", "dst", 0)], "kvstage_slots_free", **ep) == 7
+    m.close()
+
+
+def test_metrics_count_a_known_bench_run(tmp_path):
+    """What every rank's metrics say after a run whose requests, bytes and stages are known:
+    2 source ranks -> 1 destination rank, 3 steps (1 warm-up) of 2 requests of 200 tokens."""
+    out = tmp_path / "metrics.txt"
+    proc = bench(*TINY, "--src-tp", "2", "--tokens", "200", "--concurrency", "2", "--iters", "2", "--warmup", "1",
+                 "--mode", "staged", "--metrics", str(out))
+    assert proc.returncode == 0, proc.stderr
+    blocks = metrics_blocks(out)
+    requests, payload = 3 * 2, 200 * 2 * 2 * 8 * 32 * 2  # steps x concurrency; tokens x layers x K,V x heads x dim x 2 B
+    for (_, role, rank), b in blocks.items():
+        ep = dict(role=role, rank=str(rank))
+        assert total(b, "kvstage_requests_total", **ep, result="done") == requests, (role, rank)
+        assert total(b, "kvstage_requests_total", **ep, result="failed") == 0
+        assert total(b, "kvstage_failures_total", **ep) == 0
+        assert total(b, "kvstage_transfer_bytes_total", **ep) == requests * (payload if role == "dst" else payload // 2)
+        assert total(b, "kvstage_request_seconds_count", **ep) == requests
+        assert total(b, "kvstage_request_seconds_sum", **ep) > 0
+        for stage in ("scatter",) if role == "dst" else ("gather", "write"):
+            assert total(b, "kvstage_stage_seconds_count", **ep, stage=stage) >= requests, (role, rank, stage)
+        slots = total(b, "kvstage_slots_total", **ep)
+        assert slots > 0 and total(b, "kvstage_slots_free", **ep) == slots  # idle at the end: every slot back
+        assert total(b, "kvstage_requests_in_flight", **ep) == 0
+        links = [(dict(k[1])["severity"], v) for k, v in b.items() if k != "families" and k[0] == "kvstage_link_info"
+                 and v == 1 and ep.items() <= dict(k[1]).items()]
+        assert links and all(sev in ("INFO", "WARNING", "ERROR") for sev, _ in links), (role, rank, links)

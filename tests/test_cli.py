@@ -1,6 +1,7 @@
 """The ``kvstage bench`` command: invalid input, JSON output, exit codes."""
 
 import json
+import os
 import subprocess
 import sys
 
@@ -21,6 +22,9 @@ from kvstage.cli import main
     (["--src-engines", "2,4", "--mode", "staged,bulk"], "mode=staged,bulk: a run with several engines"),
     (["--src-engines", "2,4", "--src-tp", "2,4"], "src_tp=2,4 with src_engines=2,4"),
     (["--src-tp", "2", "--dst-engines", "1,3"], "destination engine d1 (TP 3)"),
+    (["--role", "src", "--connect", "127.0.0.1:1", "--metrics", "m.txt"],
+     "metrics: the --role dst side collects every rank's metrics; give --metrics there"),
+    (["--metrics", "/no/such/dir/m.txt"], "metrics='/no/such/dir/m.txt': directory '/no/such/dir' does not exist"),
 ])
 def test_invalid_input_exits_2_with_the_field_named(args, needle, capsys):
     assert main(["bench", *args]) == 2
@@ -45,3 +49,11 @@ def test_bench_json_end_to_end(tmp_path):
         assert set(r) >= {"mode", "bytes", "seconds", "gbps", "descriptors", "verified"}
         assert r["bytes"] == 64 * 2 * 2 * 8 * 32 * 2
     assert "staged / per-slice" in proc.stdout
+
+
+def test_bench_metrics_needs_metrics_on(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "kvstage.cli", "bench", "--metrics", str(tmp_path / "m.txt")],
+                          capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "KVSTAGE_METRICS": "off"})
+    assert proc.returncode == 2, proc.stderr
+    assert f"kvstage: invalid input: metrics='{tmp_path / 'm.txt'}': KVSTAGE_METRICS=off" in proc.stderr

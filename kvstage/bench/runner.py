@@ -106,10 +106,12 @@ class Session:
     """The coordinator's side of a run: groups one after another."""
 
     def __init__(self, coord: Coordinator, children: Children, listen_host: str, agents: list[Peer] | None = None,
-                 progress=None):
+                 progress=None, metrics: bool = False):
         self.coord, self.children, self.listen_host = coord, children, listen_host
         self.agents = agents or []  # source hosts; empty: source ranks are ours too
         self.progress = progress
+        self.metrics = metrics  # each rank sends its metrics' exposition text with its bye
+        self.expositions: list[tuple[str, str, int, str]] = []  # (group label, role, rank, text)
         self.group_peers: dict[tuple[str, int], Peer] = {}
         self.gi = -1
         self.clock_error_s = 0.0  # largest offset error of a rank on another clock
@@ -192,7 +194,7 @@ class Session:
                 if peer.kind != "rank" or key not in want or key in self.group_peers:
                     raise BenchError(f"unexpected process joined: {peer.name} of group {peer.group}")
                 self.group_peers[key] = peer
-                peer.send({"type": "config", "group": wire, "listen_host": self.listen_host})
+                peer.send({"type": "config", "group": wire, "listen_host": self.listen_host, "metrics": self.metrics})
             elif ev[2]["type"] == "ready" and peer.role == "dst":
                 ready_dst[(peer.engine, peer.rank)] = ev[2]["info"]
                 self._clock(peer, ev[2])
@@ -241,7 +243,10 @@ class Session:
                 reports.append((p.role, p.rank, pi, mode, it, data))
         for p in everyone:
             p.send({"type": "end"})
-        self._gather(everyone, "bye", "rank processes to finish")
+        byes = self._gather(everyone, "bye", "rank processes to finish")
+        if self.metrics:
+            for p in sorted(everyone, key=lambda p: (p.role != "dst", p.rank)):
+                self.expositions.append((group.label, p.role, p.rank, byes[p].get("metrics") or ""))
         self.children.reap(gi)
         for agent in self.agents:
             agent.send({"type": "reap", "group": gi})
@@ -286,9 +291,10 @@ def _sweep_of(target) -> Sweep:
 
 
 def run_sweep(target, progress=None, role: str = "local", listen: tuple[str, int] | None = None, src_hosts: int = 1,
-              on_listen=None, log_level: str = "WARNING", clock_sync: bool = False) -> dict:
+              on_listen=None, log_level: str = "WARNING", clock_sync: bool = False, metrics: str | None = None) -> dict:
     """Run every group of ``target`` (a ``Sweep``, a ``Scenario`` or a list of
-    point lists); return ``{"config", "results"}``.
+    point lists); return ``{"config", "results"}``. ``metrics``: a file to write
+    every rank's Prometheus exposition text into at the end (``write_metrics``).
 
     ``role="dst"``: listen on ``listen`` and wait for ``src_hosts`` source hosts
     (``run_source_host``) before starting; ``on_listen(address)`` is called once
@@ -332,7 +338,7 @@ def run_sweep(target, progress=None, role: str = "local", listen: tuple[str, int
                     raise BenchError(f"{ev[1].name} disconnected before the run started ({ev[2]})")
                 elif ev[0] == "joined":
                     raise BenchError(f"{ev[1].name} connected before any group started")
-        session = Session(coord, children, listen_host, agents, progress)
+        session = Session(coord, children, listen_host, agents, progress, metrics=metrics is not None)
         reports, done = [], 0
         for gi, g in enumerate(sweep.groups):
             rep = session.run_group(gi, g, done, total)
@@ -345,6 +351,8 @@ def run_sweep(target, progress=None, role: str = "local", listen: tuple[str, int
         result["host"] = dict(host, load_end=_load())
         result["clock"] = {"hosts": len({p.boot_id for p in coord.peers}), "synced_ranks": session.synced_ranks,
                            "max_offset_error_s": session.clock_error_s}
+        if metrics is not None:
+            write_metrics(metrics, session.expositions)
         for agent in agents:
             agent.send({"type": "results", "result": result})
         ok = True
@@ -355,6 +363,16 @@ def run_sweep(target, progress=None, role: str = "local", listen: tuple[str, int
         time.sleep(0.05 if agents else 0)
         coord.close()
         children.stop_all()
+
+
+def write_metrics(path: str, expositions) -> None:
+    """Every rank's exposition text into one file, each block headed by a comment naming its
+    group, role and rank (a block is one rank's whole exposition: split at those lines to parse)."""
+    with open(path, "w") as f:
+        for label, role, rank, text in expositions:
+            side = "source" if role == "src" else "destination"
+            f.write(f"# kvstage bench: TP {label}, {side} rank {rank} (role={role}, rank={rank})\n")
+            f.write(text if text.endswith("\n") or not text else text + "\n")
 
 
 def _load() -> float | None:

@@ -173,7 +173,16 @@ def _bulk_buffer(g: Group, token_bytes: int, dev, base) -> tuple:
     return bulk, base.register(bulk)
 
 
-def dst_main(link: Link, g: Group, rank: int, listen_host: str) -> None:
+def _exposition(want: bool) -> str | None:
+    """This rank's metrics as Prometheus text, taken at the end of its run (``kvstage bench --metrics``)."""
+    if not want:
+        return None
+    from kvstage import metrics
+
+    return metrics.exposition().decode()
+
+
+def dst_main(link: Link, g: Group, rank: int, listen_host: str, want_metrics: bool = False) -> str | None:
     import torch
 
     from kvstage.bench.baselines import slice_spans
@@ -269,11 +278,13 @@ def dst_main(link: Link, g: Group, rank: int, listen_host: str) -> None:
             "arena": ep.arena_location, "arena_bytes": ep.arena.buffer.nbytes, "copier": ep.copier.name,
         } | _links(ep, step, g)})
     link.recv("end")
+    text = _exposition(want_metrics)  # before the endpoint closes: its gauges and links are still there
     ep.close()
     base.close()
+    return text
 
 
-def src_main(link: Link, g: Group, rank: int) -> None:
+def src_main(link: Link, g: Group, rank: int, want_metrics: bool = False) -> str | None:
     import torch
 
     from kvstage.bench.baselines import slice_spans
@@ -370,8 +381,10 @@ def src_main(link: Link, g: Group, rank: int) -> None:
         } | _links(ep, step, g)})
         del prepared
     link.recv("end")
+    text = _exposition(want_metrics)  # before the endpoint closes: its gauges and links are still there
     ep.close()
     base.close()
+    return text
 
 
 # -- multi-engine groups: staged only, every source engine to every destination engine -------------
@@ -383,7 +396,8 @@ def _endpoint(ep, step: int, g: Group) -> dict:
     return {"endpoint": {"engines": st.engines, "peers": st.peers, "slots_total": st.slots_total}}
 
 
-def dst_engines_main(link: Link, g: Group, rank: int, engine: int, listen_host: str) -> None:
+def dst_engines_main(link: Link, g: Group, rank: int, engine: int, listen_host: str,
+                     want_metrics: bool = False) -> str | None:
     """Rank ``rank`` of destination engine ``d{engine}``: one ``Destination`` expects every source
     engine's requests; results per source engine (``done[i][k]``, ``stages[i]``, ``verified[i]``)."""
     import torch
@@ -439,10 +453,12 @@ def dst_engines_main(link: Link, g: Group, rank: int, engine: int, listen_host: 
             "arena": ep.arena_location, "arena_bytes": ep.arena.buffer.nbytes, "copier": ep.copier.name,
         } | _links(ep, step, g) | _endpoint(ep, step, g)})
     link.recv("end")
+    text = _exposition(want_metrics)  # before the endpoint closes: its gauges and links are still there
     ep.close()
+    return text
 
 
-def src_engines_main(link: Link, g: Group, rank: int, engine: int) -> None:
+def src_engines_main(link: Link, g: Group, rank: int, engine: int, want_metrics: bool = False) -> str | None:
     """Rank ``rank`` of source engine ``s{engine}``: one ``Source`` connected to every destination
     engine's ranks sends ``concurrency`` requests to each, interleaved (request k to d0, d1, ...,
     then k+1); results per destination engine (``sent[j][k]``, ``stages[j]``)."""
@@ -493,7 +509,9 @@ def src_engines_main(link: Link, g: Group, rank: int, engine: int) -> None:
             "arena": ep.arena_location, "copier": ep.copier.name,
         } | _links(ep, step, g) | _endpoint(ep, step, g)})
     link.recv("end")
+    text = _exposition(want_metrics)  # before the endpoint closes: its gauges and links are still there
     ep.close()
+    return text
 
 
 def main(argv=None) -> int:
@@ -527,14 +545,15 @@ def main(argv=None) -> int:
     try:
         cfg = link.recv("config", timeout=WAIT_S)
         g = Group.from_wire(cfg["group"])
+        want = bool(cfg.get("metrics"))
         if a.engine is not None and a.role == "dst":
-            dst_engines_main(link, g, a.rank, a.engine, cfg["listen_host"])
+            exposition = dst_engines_main(link, g, a.rank, a.engine, cfg["listen_host"], want)
         elif a.engine is not None:
-            src_engines_main(link, g, a.rank, a.engine)
+            exposition = src_engines_main(link, g, a.rank, a.engine, want)
         elif a.role == "dst":
-            dst_main(link, g, a.rank, cfg["listen_host"])
+            exposition = dst_main(link, g, a.rank, cfg["listen_host"], want)
         else:
-            src_main(link, g, a.rank)
+            exposition = src_main(link, g, a.rank, want)
     except Aborted:
         link.close()
         return 1
@@ -551,7 +570,7 @@ def main(argv=None) -> int:
         link.close()
         return 1
     link.finished = True
-    link.send({"type": "bye"})
+    link.send({"type": "bye"} | ({"metrics": exposition} if exposition is not None else {}))
     link.close()
     return 0
 

@@ -56,10 +56,12 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.logger import init_logger
 
+from kvstage import metrics as kvmetrics
 from kvstage.config import Settings
 from kvstage.errors import ConfigError, KVStageError
 from kvstage.plugin.vllm.pull import PullError, PullServer, pull
 from kvstage.plugin.vllm.layout import VllmKVLayout, describe
+from kvstage.plugin.vllm.stats import KVStagePromMetrics, KVStageStats
 from kvstage.protocol.request import State
 from kvstage.protocol.gate import check_listen
 
@@ -250,6 +252,18 @@ class KVStageConnector(KVConnectorBase_V1):
         if self._w is not None:
             self._w.close()
 
+    # stats: each step's loads (worker) and recomputes (scheduler), through vLLM's connector stats (stats.py)
+    def get_kv_connector_stats(self) -> KVStageStats | None:
+        return (self._w if self._w is not None else self._s).stats.take()
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVStageStats:
+        return KVStageStats(data=data) if data is not None else KVStageStats()
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config, metric_types, labelnames, per_engine_labelvalues) -> KVStagePromMetrics:
+        return KVStagePromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+
 
 # -- scheduler side ----------------------------------------------------------------------------
 
@@ -264,6 +278,8 @@ class _Scheduler:
         self._producing: dict[str, "Request"] = {}
         self._loading: set[str] = set()  # decode requests whose KV is being received
         self._meta = KVStageMeta()
+        self.recompute = getattr(vllm_config.kv_transfer_config, "kv_load_failure_policy", "fail") == "recompute"
+        self.stats = KVStageStats()
 
     def set_ranks(self, metadata: dict) -> None:
         ranks = sorted(metadata.items())
@@ -315,6 +331,11 @@ class _Scheduler:
         return meta
 
     def update_connector_output(self, connector_output: "KVConnectorOutput") -> None:
+        if self.recompute:  # a failed load of a request still waiting for it: vLLM recomputes its prompt
+            for req_id in connector_output.failed_recving or ():
+                if req_id in self._loading:
+                    self.stats.record_recompute()
+                    kvmetrics.recomputed(self.engine_id)
         for req_id in connector_output.finished_recving or ():
             self._loading.discard(req_id)
 
@@ -408,6 +429,9 @@ class _Worker:
         # pulls (one per prefill rank and request; a hung prefill holds one for pull_timeout_s), releases
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=16, thread_name_prefix="kvstage")
         self.recent: list[dict] = []  # the last receives on this rank (tests, benchmarks)
+        self.policy = getattr(cfg, "kv_load_failure_policy", "fail")  # what vLLM does after a failed load
+        self.stats = KVStageStats()  # this step's loads, for vLLM's connector stats
+        self.summary = kvmetrics.LoadSummary("kvstage: rank 0")  # the once-a-minute INFO line of loads
 
     # -- setup ---------------------------------------------------------------------------------
     def register(self, kv_caches: dict) -> None:
@@ -418,6 +442,7 @@ class _Worker:
         vc = self.vllm_config
         self.rank = get_tensor_model_parallel_rank()
         self.tp = vc.parallel_config.tensor_parallel_size
+        self.summary.what = f"kvstage: rank {self.rank}"
         self.layout = describe(kv_caches, vc.model_config.get_total_num_kv_heads(), vc.cache_config.block_size,
                                getattr(vc.cache_config, "kv_cache_layout", None))
         spec = self.layout.spec(self.tp)
@@ -514,16 +539,27 @@ class _Worker:
             del self._loading[req_id]
             out.finished_recving.add(req_id)
             seconds = time.perf_counter() - ld.started
+            nbytes = ld.handle.bytes if ld.handle else 0
             if failed:
                 out.failed_recving.add(req_id)
-                logger.warning("kvstage: rank %d: KV of %s not received after %.3f s: %s", self.rank, req_id,
-                               seconds, failed)
+                err = ld.handle.error if ld.handle is not None else None
+                stage, peer, cause = (err.stage, err.peer, err.cause) if err is not None else ("start", "its prefill engine", failed)
+                logger.warning("kvstage: rank %d: KV load of request %s (%s) failed after %.3f s at stage %s with "
+                               "%s: %s; vLLM %s (kv_load_failure_policy=%s)", self.rank, req_id, ld.kvreq, seconds,
+                               stage, peer, cause, "recomputes its prompt" if self.policy == "recompute"
+                               else "fails the request", self.policy)
+                self.stats.record_load(False, seconds, nbytes, kvmetrics.classify(cause, stage))
             else:
                 logger.debug("kvstage: rank %d: KV of %s received in %.3f s (%d bytes, %s)", self.rank, req_id,
                              seconds, ld.handle.bytes, ld.handle.path)
+                self.stats.record_load(True, seconds, nbytes)
+            self.summary.add(not failed, seconds, nbytes)
             self.recent = (self.recent + [{"req": req_id, "seconds": seconds, "ok": not failed, "error": failed,
                                            "bytes": ld.handle.bytes if ld.handle else 0,
                                            "path": ld.handle.path if ld.handle else None}])[-64:]
+        line = self.summary.due()
+        if line:
+            logger.info("%s", line)
         if self.producer:
             out.finished_sending = self._finished_sending(finished_req_ids)
         return out
