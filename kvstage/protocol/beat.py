@@ -19,10 +19,10 @@ False and each endpoint's loop pings itself, as its one log line says.
 from __future__ import annotations
 
 import ctypes
-import importlib.util
 import os
 import threading
 
+from kvstage.native import load as load_native
 from kvstage.config import PING_INTERVAL_S
 
 _lib: ctypes.CDLL | None = None
@@ -38,14 +38,8 @@ def _load() -> None:
     with _lock:
         if _lib is not None or _why_not:
             return
-        spec = importlib.util.find_spec("kvstage.protocol._beat")
-        if spec is None or not spec.origin:
-            _why_not = "kvstage.protocol._beat is not built (install kvstage with pip, which compiles it)"
-            return
-        try:
-            lib = ctypes.CDLL(spec.origin)
-        except OSError as e:
-            _why_not = f"{spec.origin} does not load: {e}"
+        lib, _why_not = load_native("kvstage.protocol._beat")
+        if lib is None:
             return
         lib.kvstage_beat_send.restype = ctypes.c_int
         lib.kvstage_beat_send.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_size_t]

@@ -418,11 +418,8 @@ class Destination(Endpoint):
             eng = self.engines[engine] = SourceEngine(engine, p)
             log.info("dst %d: prefill engine %r connects: %s -> %s", self.rank, engine, p.src, p.dst)
         old = eng.writers.get(rank)
-        if old is not None:  # the same identity again (a restarted or reconnected rank): the new one replaces it
-            log.warning("dst %d: %s connects again from %s; its connection from %s is closed", self.rank, old.name,
-                        conn.peer, old.conn.peer)
-            old.conn.close()
-            self._drop(old.conn, "replaced by a new connection from the same source rank")
+        if old is not None:  # the same identity again: the new connection replaces the old one
+            self._replace_peer(old.conn, old.name, conn.peer)
             eng = self.engines.setdefault(engine, eng)  # kept anew if the old connection was its last
         name = rank_name(engine, "source", rank)
         conn.peer = f"{name} ({conn.peer})"

@@ -585,6 +585,14 @@ class Endpoint:
             except OSError:
                 pass  # a broken connection is reported by its reader
 
+    def _replace_peer(self, old: Connection, name: str, new_peer: str) -> None:
+        """``name`` (a peer rank) connected again, from ``new_peer``: a restarted or reconnected rank
+        with the same identity. Its old connection closes, and what was in flight on it fails."""
+        log.warning("%s %d: %s connected again (%s); its connection %s is closed", self.role, self.rank, name,
+                    new_peer, old.peer)
+        old.close()
+        self._drop(old, f"replaced by a new connection of {name}")
+
     def _pinged_peer(self, conn: Connection) -> None:
         """``conn`` leads to a peer endpoint: the native pinger pings it from now on (without
         one, ``_ping`` does, from this loop), and this side's messages go through the pinger's

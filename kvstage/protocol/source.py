@@ -309,11 +309,8 @@ class Source(Endpoint):
             conn.close()
             raise TransferFailed("-", conn.peer, "handshake", f"destination offered {len(kv)} KV regions, need {len(self.cache.buffers)}")
         old = eng.targets.get(rank)
-        if old is not None:  # the same identity again (a restarted or reconnected rank): the new one replaces it
-            log.warning("src %d: %s connected again at %s; its connection at %s is closed", self.rank, old.name,
-                        conn.peer, old.conn.peer)
-            old.conn.close()
-            self._drop(old.conn, "replaced by a new connection to the same destination rank")
+        if old is not None:  # the same identity again: the new connection replaces the old one
+            self._replace_peer(old.conn, old.name, conn.peer)
             eng = self._engine(engine, p, conn)  # made anew if the old connection was its last
         facts = welcome.get("facts")
         mapped = self._map_arena(conn, arena, welcome.get("mapped"), facts)

@@ -211,10 +211,10 @@ class MappedGather(WritePath):
     name = "mapped"
 
     def start(self, out, poll: bool = True) -> bool:
-        """Gather straight into the granted slots of the destinations' mapped arenas: the
-        queue's head and the jobs right behind it for the same tokens of the same request
-        (a 1->N source's pieces of one chunk, granted together), in one launch. ``poll``
-        False: the loop reports them landed, on its next turn."""
+        """Copy straight into the destinations' memory mapped here: the queue's head and the jobs
+        right behind it for the same tokens of the same request (a 1->N source's pieces of one
+        chunk, granted together), in one launch (``_launch``). ``poll`` False: the loop reports
+        them landed, on its next turn."""
         src = self.src
         jobs = self._take()
         job = jobs[0]
@@ -229,11 +229,13 @@ class MappedGather(WritePath):
         try:
             fence = CopyFence(src.cache.device)
             idx = TokenIndex(src.cache, out.pages, job.start, job.count, out.kernel_pages)
-            gather_pieces(src.cache, idx, [(t.piece.src_offset, t.piece.heads.count, t.mapped.view(j.offset, n))
-                                           for t, j, n in zip(targets, jobs, sizes)])
+            self._launch(idx, targets, jobs, sizes)
             fence.close()
-            log.debug("src %d: %s chunk %d gather launched%s", src.rank, job.req, job.chunk,
+            log.debug("src %d: %s chunk %d %s launched%s", src.rank, job.req, job.chunk, self.name,
                       f" (one launch for destination ranks {','.join(str(j.dst) for j in jobs)})" if len(jobs) > 1 else "")
+        except ProtocolError as e:  # a grant the checks refuse before any launch
+            src._fail(out.key, rank_name(job.engine, "destination", job.dst), "grant", str(e), tell=True)
+            return True
         except Exception as e:
             src._fail(out.key, "local", "gather", f"{type(e).__name__}: {e}", tell=True)
             return True
@@ -242,6 +244,11 @@ class MappedGather(WritePath):
         if poll:
             src._poll_gathers()
         return True
+
+    def _launch(self, idx, targets, jobs, sizes) -> None:
+        """Gather each job's piece into its granted slot of its destination's mapped arena."""
+        gather_pieces(self.src.cache, idx, [(t.piece.src_offset, t.piece.heads.count, t.mapped.view(j.offset, n))
+                                            for t, j, n in zip(targets, jobs, sizes)])
 
     def _take(self) -> list:
         """The queue's head and the jobs right behind it for the same tokens of the same request on
@@ -260,41 +267,13 @@ class MappedGather(WritePath):
 
 
 class PlacedPages(MappedGather):
+    """direct-ipc: the request's head slices stored straight into the destinations' KV pages
+    (opened here through CUDA IPC), in their page size and layout, one launch for a 1->N
+    source's destinations. The grant's page ids are checked before anything is launched;
+    ``landed`` follows the kernel's end (``Source._poll_gathers``); the destination copies nothing."""
+
     name = "direct-ipc"
 
-    def start(self, out, poll: bool = True) -> bool:
-        """Store the request's head slices straight into the destinations' KV pages (opened here
-        through CUDA IPC), in their page size and layout: the queue's head and the jobs right
-        behind it for the same request (a 1->N source's destinations), in one launch. The
-        grant's page ids are checked before anything is launched; ``landed`` follows the
-        kernel's end (``Source._poll_gathers``), and the destination copies nothing."""
-        src = self.src
-        jobs = self._take()
-        job = jobs[0]
-        targets = [src.target_of(j) for j in jobs]
-        if None in targets:
-            gone = jobs[targets.index(None)].dst
-            src._fail(out.key, rank_name(job.engine, "destination", gone), "write", "not connected", tell=False)
-            return True
-        sizes = [t.plan.piece_token_bytes(t.piece) * j.count for t, j in zip(targets, jobs)]
-        t0 = time.perf_counter()
-        self._stamp(out, job, t0)
-        copier = targets[0].placed.copier
-        try:
-            fence = CopyFence(src.cache.device)
-            idx = TokenIndex(src.cache, out.pages, job.start, job.count, out.kernel_pages)
-            copier.launch(idx, [PlacedWrite(t.placed.destination, t.piece, j.ipc_pages) for t, j in zip(targets, jobs)])
-            fence.close()
-            log.debug("src %d: %s direct-ipc launched into destination ranks %s", src.rank, job.req,
-                      ",".join(str(j.dst) for j in jobs))
-        except ProtocolError as e:  # a grant whose pages the checks refuse: nothing was launched
-            src._fail(out.key, rank_name(job.engine, "destination", job.dst), "grant", str(e), tell=True)
-            return True
-        except Exception as e:
-            src._fail(out.key, "local", "gather", f"{type(e).__name__}: {e}", tell=True)
-            return True
-        out.inflight += 1
-        src._gathering.append(Gathering(fence, out, jobs, None, sizes, t0))
-        if poll:
-            src._poll_gathers()
-        return True
+    def _launch(self, idx, targets, jobs, sizes) -> None:
+        targets[0].placed.copier.launch(idx, [PlacedWrite(t.placed.destination, t.piece, j.ipc_pages)
+                                              for t, j in zip(targets, jobs)])

@@ -14,10 +14,11 @@ native call: the C side trusts its arguments.
 from __future__ import annotations
 
 import ctypes
-import importlib.util
 from typing import Sequence
 
 import numpy as np
+
+from kvstage.native import load as load_native
 
 _I64 = np.ctypeslib.ndpointer(dtype=np.int64, flags="C_CONTIGUOUS")
 _U64 = np.ctypeslib.ndpointer(dtype=np.uint64, flags="C_CONTIGUOUS")
@@ -29,14 +30,8 @@ def _load() -> None:
     global _lib, _why_not
     if _lib is not None or _why_not:
         return
-    spec = importlib.util.find_spec("kvstage.staging._spans")
-    if spec is None or not spec.origin:
-        _why_not = "kvstage.staging._spans is not built (install kvstage with pip, which compiles it)"
-        return
-    try:
-        lib = ctypes.CDLL(spec.origin)
-    except OSError as e:
-        _why_not = f"{spec.origin} does not load: {e}"
+    lib, _why_not = load_native("kvstage.staging._spans")
+    if lib is None:
         return
     lib.kvstage_copy_spans.restype = None
     lib.kvstage_copy_spans.argtypes = [_U64, _U64, ctypes.c_size_t, _I64, _I64, _I64, ctypes.c_size_t, ctypes.c_int]
