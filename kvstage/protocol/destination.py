@@ -1048,9 +1048,13 @@ class Destination(Endpoint):
         eng = self.engines.get(inc.engine)
         late = [c for c in inc.open.values() if waited[c.index] > slow]
         pending = sorted(set().union(*(c.pending for c in late)))
-        who = "source ranks " + ",".join(map(str, pending)) + (f" of engine {inc.engine}" if inc.engine else "")
+        who = (rank_name(inc.engine, "source", pending[0]) if len(pending) == 1 else
+               "source ranks " + ",".join(map(str, pending)) + (f" of engine {inc.engine}" if inc.engine else ""))
         writers = [eng.writers.get(r) for r in pending] if eng else []
-        running = all(w is not None and self._peer_running(w.conn, now) for w in writers)
+        def runs_since(since: float) -> bool:
+            return all(w is not None and self._peer_running(w.conn, now, since) for w in writers)
+        first = max(waited[c.index] for c in late)  # how long the longest-waiting chunk has waited
+        running = runs_since(now - first + slow)
         if not inc.slow:
             inc.slow = True
             self.metrics.slow(peer_label(inc.engine), "write")
@@ -1058,7 +1062,7 @@ class Destination(Endpoint):
                         self.rank, inc.handle.req, late[0].index, waited[late[0].index], who,
                         "running" if running else "alive, busy: its loop does not turn")
         stuck = [c for c in late if waited[c.index] > self.settings.stall_timeout_s]
-        if stuck and running:
+        if stuck and runs_since(now - first + self.settings.stall_timeout_s):
             self._fail(inc.key, who, "write", f"chunk {stuck[0].index} not landed {self.settings.stall_timeout_s:g} s "
                        "after its grant, while the source runs", tell=True)
 

@@ -601,13 +601,14 @@ class Endpoint:
             self._clock.watch(conn.sock.fileno())
             conn.native = True
 
-    def _peer_running(self, conn: Connection, now: float) -> bool:
-        """Whether the peer's loop turned within ``LIVE_LOOP_S`` of its last ping, and that ping
-        is the latest due (pings come every ``PING_INTERVAL_S``): it runs, so what it stalls is
-        stuck. A late ping says nothing either way, and nothing is failed on it. A peer whose
-        loop pings itself (no native pinger there) runs whenever it pings."""
+    def _peer_running(self, conn: Connection, now: float, since: float) -> bool:
+        """Whether a ping heard after ``since`` (the moment a step became late) says the peer's
+        loop turned within ``LIVE_LOOP_S``, and that ping is the latest due (pings come every
+        ``PING_INTERVAL_S``): it ran after the step was due, so what it stalls is stuck. A ping
+        from before then, or a late one, says nothing either way, and nothing is failed on it.
+        A peer whose loop pings itself (no native pinger there) runs whenever it pings."""
         when, age = self._peer_loop.get(conn, (self._heard.get(conn, now), 0.0))
-        return age <= LIVE_LOOP_S and now - when <= 1.5 * PING_INTERVAL_S
+        return when >= since and age <= LIVE_LOOP_S and now - when <= 1.5 * PING_INTERVAL_S
 
     def _silent(self, conn: Connection, now: float) -> float | None:
         """Seconds since ``conn``'s peer last sent anything, if past ``peer_timeout_s``.

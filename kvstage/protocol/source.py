@@ -839,14 +839,15 @@ class Source(Endpoint):
                 continue
             out = self.requests.get((w.job.engine, w.job.req))
             target = self.target_of(w.job)
-            running = target is not None and self._peer_running(target.conn, now)
+            running = target is not None and self._peer_running(target.conn, now, now - waited + min(SLOW_S, self.settings.stall_timeout_s))
             if out is not None and not out.slow:
                 out.slow = True
                 self.metrics.slow(peer_label(w.job.engine, w.job.dst), "write")
                 log.warning("src %d: request %s is slow: chunk %d's write to %s not complete after %.1f s (%s)",
                             self.rank, w.job.req, w.job.chunk, rank_name(w.job.engine, "destination", w.job.dst),
                             waited, "it runs" if running else "it is alive, busy: its loop does not turn")
-            if waited > self.settings.stall_timeout_s and running:
+            if waited > self.settings.stall_timeout_s and target is not None and \
+                    self._peer_running(target.conn, now, now - waited + self.settings.stall_timeout_s):
                 self._fail((w.job.engine, w.job.req), rank_name(w.job.engine, "destination", w.job.dst), "write",
                            f"write not complete after {self.settings.stall_timeout_s:g} s, while the destination runs",
                            tell=True)
