@@ -269,7 +269,7 @@ def metrics_blocks(path) -> dict:
 
     blocks, key, lines = {}, None, []
     for line in list(path.read_text().splitlines()) + ["# kvstage bench: END"]:
-        head = re.match(r"# kvstage bench: (?:TP (\S+), \w+ rank \d+ \(role=(\w+), rank=(\d+)\)|END)$", line)
+        head = re.match(r"# kvstage bench: (?:TP (\S+), \w+ rank \d+(?: of engine \w+)? \(role=(\w+), rank=(\d+)(?:, engine=\w+)?\)|END)$", line)
         if head:
             if key is not None:
                 blocks[key] = {(s.name, frozenset(s.labels.items())): s.value
@@ -309,9 +309,9 @@ def test_a_ranks_recorded_metrics_reach_the_file(tmp_path):
     m.request_finished("src/1", True, 0.01, 4096)
     m.slots(7, 8)
     assert _exposition(False) is None
-    write_metrics(str(tmp_path / "m.txt"), [("4->1", "dst", 0, _exposition(True)), ("4->1", "src", 3, "")])
+    write_metrics(str(tmp_path / "m.txt"), [("4->1", "dst", 0, "", _exposition(True)), ("2,4->1", "src", 3, "s1", "")])
     blocks = metrics_blocks(tmp_path / "m.txt")
-    assert list(blocks) == [("4->1", "dst", 0), ("4->1", "src", 3)]
+    assert list(blocks) == [("4->1", "dst", 0), ("2,4->1", "src", 3)]
     ep = dict(role="dst", rank="0", engine="bench-plumbing")
     assert total(blocks[("4->1", "dst", 0)], "kvstage_requests_total", **ep, result="done") == 1
     assert total(blocks[("4->1", "dst", 0)], "kvstage_transfer_bytes_total", **ep) == 4096

@@ -27,7 +27,7 @@ import sys
 import time
 
 from kvstage.bench.control import BenchError, Coordinator, Link, Peer, rank_name, wildcard
-from kvstage.bench.scenario import Group, Scenario, Sweep
+from kvstage.bench.scenario import Group, Scenario, Sweep, engine_id
 from kvstage.link.paths import LOW_FRACTION
 
 WAIT_S = 600.0
@@ -111,7 +111,7 @@ class Session:
         self.agents = agents or []  # source hosts; empty: source ranks are ours too
         self.progress = progress
         self.metrics = metrics  # each rank sends its metrics' exposition text with its bye
-        self.expositions: list[tuple[str, str, int, str]] = []  # (group label, role, rank, text)
+        self.expositions: list[tuple[str, str, int, str, str]] = []  # (group label, role, rank, engine, text)
         self.group_peers: dict[tuple[str, int], Peer] = {}
         self.gi = -1
         self.clock_error_s = 0.0  # largest offset error of a rank on another clock
@@ -245,8 +245,9 @@ class Session:
             p.send({"type": "end"})
         byes = self._gather(everyone, "bye", "rank processes to finish")
         if self.metrics:
-            for p in sorted(everyone, key=lambda p: (p.role != "dst", p.rank)):
-                self.expositions.append((group.label, p.role, p.rank, byes[p].get("metrics") or ""))
+            for p in sorted(everyone, key=lambda p: (p.role != "dst", p.engine or 0, p.rank)):
+                engine = "" if p.engine is None else engine_id(p.role, p.engine)
+                self.expositions.append((group.label, p.role, p.rank, engine, byes[p].get("metrics") or ""))
         self.children.reap(gi)
         for agent in self.agents:
             agent.send({"type": "reap", "group": gi})
@@ -367,11 +368,13 @@ def run_sweep(target, progress=None, role: str = "local", listen: tuple[str, int
 
 def write_metrics(path: str, expositions) -> None:
     """Every rank's exposition text into one file, each block headed by a comment naming its
-    group, role and rank (a block is one rank's whole exposition: split at those lines to parse)."""
+    group, role, rank and engine (a block is one rank's whole exposition: split at those lines to parse)."""
     with open(path, "w") as f:
-        for label, role, rank, text in expositions:
+        for label, role, rank, engine, text in expositions:
             side = "source" if role == "src" else "destination"
-            f.write(f"# kvstage bench: TP {label}, {side} rank {rank} (role={role}, rank={rank})\n")
+            of = f" of engine {engine}" if engine else ""
+            tags = f", engine={engine}" if engine else ""
+            f.write(f"# kvstage bench: TP {label}, {side} rank {rank}{of} (role={role}, rank={rank}{tags})\n")
             f.write(text if text.endswith("\n") or not text else text + "\n")
 
 
@@ -587,7 +590,7 @@ def summarize_engines(group: Group, reports: list) -> list[dict]:
                 mid = walls.index(sorted(walls)[len(walls) // 2])
                 payload = sc.payload_bytes(j)
                 row = {
-                    "mode": mode, "engines": group.label, "src_engine": f"s{i}", "dst_engine": f"d{j}", "src_tp": src_tps[i], "dst_tp": dst_tps[j],
+                    "mode": mode, "engines": group.label, "src_engine": engine_id("src", i), "dst_engine": engine_id("dst", j), "src_tp": src_tps[i], "dst_tp": dst_tps[j],
                     "tokens": sc.tokens, "concurrency": n, "bytes": payload, "total_bytes": payload * n,
                     "seconds": wall, "seconds_all": walls, "gbps": payload * n / wall / 1e9,
                     "latency_p50_s": percentile(lat, 50), "latency_p99_s": percentile(lat, 99), "latency_samples": len(lat),

@@ -352,3 +352,8 @@ class Sweep:
             head = "" if n == 1 else f"{len(bad_pairs)} of {n} TP pairs cannot run (nothing was started; --skip-invalid runs the others):\n  "
             raise IncompatibleGeometry(head + "\n  ".join(bad_pairs) if n > 1 else bad_pairs[0].split(": ", 1)[1])
         return cls(groups, bad_pairs)
+
+
+def engine_id(role: str, engine: int) -> str:
+    """The engine id a multi-engine rank's endpoint is made with, and its name in results: ``s0``, ``d1``."""
+    return f"{'s' if role == 'src' else 'd'}{engine}"

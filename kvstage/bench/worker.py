@@ -39,7 +39,7 @@ import traceback
 import numpy as np
 
 from kvstage.bench.control import Aborted, BenchError, Link, parse_hostport
-from kvstage.bench.scenario import MAX_ENGINES, MODES, Group
+from kvstage.bench.scenario import MAX_ENGINES, MODES, Group, engine_id
 from kvstage.layout import pages_needed
 
 WAIT_S = 600.0
@@ -78,11 +78,6 @@ def content_seed(g: Group, pi: int, mode: str, it: int, k: int, pair: tuple[int,
         return seed
     i, j = pair
     return (seed * MAX_ENGINES + i) * MAX_ENGINES + j
-
-
-def engine_id(role: str, engine: int) -> str:
-    """The engine id a multi-engine rank's endpoint is made with: ``s0``, ``d1``."""
-    return f"{'s' if role == 'src' else 'd'}{engine}"
 
 
 def tag(pi: int, mode: str, it: int, k: int) -> str:

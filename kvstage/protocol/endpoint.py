@@ -95,8 +95,10 @@ def check_model(model) -> str:
 
 def peer_label(engine: str, rank: int | None = None) -> str:
     """A peer as a metrics label: ``engine/rank``, or ``engine/*`` for every rank of that engine a
-    request involves (few distinct values: one per peer engine and rank)."""
-    return f"{engine}/{'*' if rank is None else rank}"
+    request involves (few distinct values: one per peer engine and rank); the unnamed engine's
+    peers are ``rank`` and ``*``."""
+    who = "*" if rank is None else str(rank)
+    return f"{engine}/{who}" if engine else who
 
 
 def rank_name(engine: str, role: str, rank: int) -> str:
