@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import secrets
 import statistics
 import sys
 import tempfile
@@ -33,6 +34,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from support.vllm_engine import EngineProcess  # noqa: E402
 from support.vllm_model import build, prompts  # noqa: E402
 
+TOKEN = secrets.token_hex(16)
 BIND = {2: "0|1", 1: "0"}  # prefill engines; the decode engine takes core 1
 MODEL = dict(layers=8, heads=8, kv_heads=8, head_dim=64, intermediate=1024, max_len=2048)
 
@@ -46,9 +48,8 @@ def engine_env(connector: str, port: int, bind: str) -> dict:
 
 def start_engines(connector, model, pairs, root, kv_mb, port0):
     common = ["--model", model, "--connector", connector, "--max-len", str(MODEL["max_len"]), "--kv-mb", str(kv_mb)]
-    # stall_timeout_s: a chunk may take seconds on a 2-core machine that other jobs load
-    extra = (["--extra", json.dumps({"arena_mb": 256, "slot_mb": 32, "stall_timeout_s": 60})]
-             if connector == "kvstage" else [])
+    # kvstage at its defaults, with an auth token: without one it never takes the direct path (equal TP)
+    extra = ["--extra", json.dumps({"auth_token": TOKEN})] if connector == "kvstage" else []
     engines = {}
     for i, tp in enumerate(sorted({p for p, _ in pairs}, reverse=True)):
         engines[tp] = EngineProcess(f"{connector}-P{tp}", os.path.join(root, f"{connector}-P{tp}.log"), *common,

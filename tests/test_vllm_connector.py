@@ -2,9 +2,10 @@
 
 Three engines on a tiny random Llama with 4 KV heads (tests/support/vllm_model.py):
 
-- A: TP 2, kv_both, ``kv_load_failure_policy="recompute"``
+- A: TP 2, kv_both, ``kv_load_failure_policy="recompute"``, vLLM's stats on (its log line, ``LLM.get_metrics``)
 - B: TP 1, kv_both, ``kv_load_failure_policy="fail"``
-- C: TP 1, kv_producer: the prefill that gets stopped and killed
+- C: TP 1, kv_producer: a second prefill engine for B (xPyD), then the prefill that gets stopped
+  and killed
 
 Plain runs (no kv_transfer_params) on A and B are the references; every
 disaggregated decode must give the same tokens. One run of vLLM's CPU engines
@@ -18,7 +19,9 @@ import importlib.util
 import json
 import math
 import os
+import re
 import signal
+import socket
 import sys
 import time
 
@@ -45,7 +48,7 @@ def engines(tmp_path_factory):
     model = build(str(root / "model"))
     common = ["--model", model, "--extra", json.dumps(EXTRA)]
     procs = {
-        "A": EngineProcess("A", str(root / "A.log"), *common, "--tp", "2", "--policy", "recompute",
+        "A": EngineProcess("A", str(root / "A.log"), *common, "--tp", "2", "--policy", "recompute", "--log-stats",
                            env={"VLLM_CPU_OMP_THREADS_BIND": "0|1"}),
         "B": EngineProcess("B", str(root / "B.log"), *common, "--tp", "1", "--policy", "fail",
                            env={"VLLM_CPU_OMP_THREADS_BIND": "1"}),
@@ -124,6 +127,32 @@ def test_decode_really_uses_the_transferred_kv(engines, plain):
         assert len(got) == MAX_TOKENS and got != want
 
 
+def test_two_prefill_engines_feed_one_decode_engine(engines, plain):
+    """xPyD: A (TP 2) and C (TP 1, a peer B has not met yet) prefill one request each; B (TP 1)
+    loads both in one batch, token for token as its plain run, with the one destination it has
+    had since it started: no new endpoint or arena for the new peer engine."""
+    ps, ref = plain
+    A, B, C = engines["A"], engines["B"], engines["C"]
+    (before,) = B.cmd(cmd="endpoints")["outputs"]
+    seen = len(B.cmd(cmd="transfers")["outputs"])
+    params = [A.cmd(cmd="prefill", prompts=ps[:1])["outputs"][0]["params"],
+              C.cmd(cmd="prefill", prompts=ps[1:2])["outputs"][0]["params"]]
+    engine_a, engine_c = (p["remote_engine_id"] for p in params)
+    assert engine_a != engine_c and engine_c not in before["destination_engines"]
+    out = B.cmd(cmd="generate", prompts=ps[:2], params=params, max_tokens=MAX_TOKENS)
+    assert tokens(out) == ref["B"][:2]
+    assert [o["finish"] for o in out["outputs"]] == ["length"] * 2
+    got = B.cmd(cmd="transfers")["outputs"][seen:]
+    assert [t["ok"] for t in got] == [True, True], got
+    assert sorted(t["bytes"] for t in got) == sorted(received_bytes(len(p)) for p in ps[:2])
+    (after,) = B.cmd(cmd="endpoints")["outputs"]
+    assert {engine_a, engine_c} <= set(after["destination_engines"])
+    # B is kv_both: one Source and one Destination for the engine's life, one arena each
+    assert (after["endpoints"], after["arenas"], after["arena_bytes"]) == \
+        (before["endpoints"], before["arenas"], before["arena_bytes"]) == (2, 2, 2 * EXTRA["arena_mb"] << 20)
+    assert [e["endpoints"] for e in A.cmd(cmd="endpoints")["outputs"] + C.cmd(cmd="endpoints")["outputs"]] == [2, 2, 1]
+
+
 def test_dead_or_hung_prefill_fails_or_recomputes_by_policy(engines, plain):
     ps, ref = plain
     C = engines["C"]
@@ -149,14 +178,84 @@ def test_dead_or_hung_prefill_fails_or_recomputes_by_policy(engines, plain):
     assert failed and "cannot connect" in failed[-1]["error"]
 
 
+def _vllm_stats(engine) -> tuple[dict, str]:
+    """vLLM's own metrics of kvstage in ``engine`` (counters and histogram counts, summed over labels),
+    and kvstage's exposition text of its main process."""
+    reply = engine.cmd(cmd="metrics")["outputs"]
+    got: dict = {}
+    for m in reply["vllm"]:
+        key, value = (m["name"], m["value"]) if "value" in m else (m["name"] + ":count", m["count"])
+        got[key] = got.get(key, 0) + value
+    return got, reply["kvstage"]
+
+
+def _stats_lines(log_text: str) -> list[dict]:
+    """vLLM's ``KV Transfer metrics: k=v, ...`` lines, as dicts."""
+    return [dict(kv.split("=", 1) for kv in m.group(1).split(", "))
+            for m in re.finditer(r"KV Transfer metrics: (.*)", log_text)]
+
+
+def test_kvstage_figures_reach_vllm_stats_metrics_and_log_line(engines, plain):
+    """A decode engine's kvstage loads show through vLLM's own connector stats interface: in
+    ``LLM.get_metrics`` (the ``vllm:`` metrics its /metrics serves) and in its ``KV Transfer
+    metrics`` log line; a failed load is counted with its recompute and logged at WARNING
+    naming the request, the stage and the cause."""
+    ps, ref = plain
+    A, B = engines["A"], engines["B"]
+    before, _ = _vllm_stats(A)  # also logs (and so empties) vLLM's interval so far
+    with open(A.log_path) as f:
+        offset = len(f.read())
+    params = B.cmd(cmd="prefill", prompts=ps[:1])["outputs"][0]["params"]
+    # a prefill rank that is gone (its port closed): both of A's ranks fail their load, and A recomputes
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        gone = s.getsockname()[1]
+    dead = dict(params, remote_request_id="gone", remote_ranks=[["127.0.0.1", gone]])
+    out = A.cmd(cmd="generate", prompts=ps[:1], params=[dead], max_tokens=MAX_TOKENS)
+    assert tokens(out) == ref["A"][:1]
+    out = A.cmd(cmd="generate", prompts=ps[:1], params=[params], max_tokens=MAX_TOKENS)
+    assert tokens(out) == ref["A"][:1]
+    after, text = _vllm_stats(A)
+    delta = {k: after[k] - before.get(k, 0) for k in after}
+    assert delta["vllm:kvstage_loads_done"] == 2  # a load per rank: A runs TP 2
+    assert delta["vllm:kvstage_loads_failed"] == 2
+    assert delta["vllm:kvstage_recomputes"] == 1  # a recompute per request
+    assert delta["vllm:kvstage_loaded_bytes"] == received_bytes(len(ps[0]))  # the two ranks' halves
+    assert delta["vllm:kvstage_load_time_seconds:count"] == 2
+    # kvstage's own counter, in the process that schedules (A's engine core runs in its main process here)
+    assert re.search(r'^kvstage_recomputes_total\{engine="[^"]+"\} [1-9]', text, re.M), text
+
+    deadline = time.monotonic() + 10
+    while True:
+        with open(A.log_path) as f:
+            log = f.read()[offset:]
+        lines = _stats_lines(log)
+        if sum(int(x.get("Loads failed", 0)) for x in lines) >= 2 or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    assert sum(int(x.get("Loads done", 0)) for x in lines) == 2, log[-3000:]
+    assert sum(int(x.get("Loads failed", 0)) for x in lines) == 2
+    assert sum(int(x.get("Recomputes", 0)) for x in lines) == 1
+    causes: dict = {}
+    for x in lines:
+        for part in x.get("Failed by cause", "").split():
+            cls, n = part.split(":")
+            causes[cls] = causes.get(cls, 0) + int(n)
+    assert causes == {"connection_lost": 2}, lines
+    warned = re.findall(r"WARNING.*kvstage: rank (\d): KV load of request \S+ \(\S+:gone\) failed after [0-9.]+ s "
+                        rf"at stage abort with local: prefill rank at 127.0.0.1:{gone}: cannot connect .*; "
+                        r"vLLM recomputes its prompt \(kv_load_failure_policy=recompute\)", log)
+    assert sorted(warned) == ["0", "1"], log[-3000:]
+
+
 # -- the scheduler side's translation, without engines -------------------------------------------
 
-def _scheduler(tp=1, block=BLOCK, pull_ranks=(("127.0.0.1", 1),)):
+def _scheduler(tp=1, block=BLOCK, pull_ranks=(("127.0.0.1", 1),), policy="fail"):
     from types import SimpleNamespace
 
     from kvstage.plugin.vllm.connector import _Scheduler
 
-    cfg = SimpleNamespace(kv_transfer_config=SimpleNamespace(engine_id="eng"),
+    cfg = SimpleNamespace(kv_transfer_config=SimpleNamespace(engine_id="eng", kv_load_failure_policy=policy),
                           parallel_config=SimpleNamespace(tensor_parallel_size=tp),
                           cache_config=SimpleNamespace(block_size=block))
     blocks = {}
@@ -286,3 +385,38 @@ def test_extra_config_carries_kvstage_settings_and_refuses_unknown_keys():
     assert (s.late_write_hold_s, s.stall_timeout_s, s.peer_timeout_s) == (7, 9, 30)
     with pytest.raises(ConfigError, match=r"unknown keys \['late_write_hold'\]"):
         _extra(cfg({"late_write_hold": 7}))
+
+
+def test_stats_add_up_over_ranks_and_reduce_to_the_log_line():
+    from types import SimpleNamespace
+
+    from kvstage.plugin.vllm.connector import KVStageConnector
+    from kvstage.plugin.vllm.stats import KVStageStats
+
+    rank0, rank1 = KVStageStats(), KVStageStats()
+    assert rank0.take() is None  # nothing this step: nothing handed to vLLM
+    rank0.record_load(True, 0.010, 3 << 20)
+    rank0.record_load(False, 2.0, 0, "timeout")
+    rank1.record_load(True, 0.030, 1 << 20)
+    rank1.record_load(False, 0.1, 0, "connection_lost")
+    taken = rank0.take()
+    assert rank0.is_empty() and not taken.is_empty()
+    both = taken.aggregate(rank1)
+    # what vLLM ships from the scheduler to its loggers: the data dict, rebuilt by the connector class
+    rebuilt = KVStageConnector.build_kv_connector_stats(both.to_dict())
+    assert rebuilt.reduce() == {
+        "Loads done": 2, "Loads failed": 2, "Recomputes": 0, "MB loaded": 4.0, "Avg load time (ms)": 20.0,
+        "P50 load time (ms)": 20.0, "P90 load time (ms)": 28.0, "Throughput (MB/s)": 100.0,
+        "Failed by cause": "connection_lost:1 timeout:1",
+    }
+
+    s, _ = _scheduler(policy="recompute")
+    s.update_state_after_alloc(_request("d1", 100, _remote(100)), _blocks([1, 2, 3, 4]), 100)
+    s.update_state_after_alloc(_request("d2", 100, _remote(100)), _blocks([5, 6, 7, 8]), 100)
+    s.request_finished(_request("d2", 100, {}), [5, 6, 7, 8])  # aborted while loading: not recomputed
+    s.update_connector_output(SimpleNamespace(finished_recving={"d1", "d2"}, failed_recving={"d1", "d2"}))
+    assert s.stats.take().reduce()["Recomputes"] == 1
+    f, _ = _scheduler(policy="fail")  # the request fails instead: no recompute to count
+    f.update_state_after_alloc(_request("d1", 100, _remote(100)), _blocks([1, 2, 3, 4]), 100)
+    f.update_connector_output(SimpleNamespace(finished_recving={"d1"}, failed_recving={"d1"}))
+    assert f.stats.take() is None
