@@ -69,6 +69,10 @@ class FakeSource:
         if say:
             self.conn.send({"type": "ready", "req": req, "tokens": tokens})
 
+    def ping(self) -> None:
+        """A ping saying this source's loop just turned, as a running source's pinger sends each second."""
+        self.conn.send({"type": "ping", "loop_s": 0.0})
+
     def message(self, match, timeout: float = 10) -> dict:
         """The first control message ``match`` accepts within ``timeout`` seconds
         (``TimeoutError`` after); others are kept for later."""
