@@ -14,7 +14,14 @@ group, all scenarios at once to keep the run short on two cores:
   mismatches;
 - an abort on either side, a prefill whose decode never calls (bootstrap
   timeout) and a decode whose prefill never sends (waiting timeout) end in
-  Failed with a clear exception on the side(s) that hold the request, no hang.
+  Failed with a clear exception on the side(s) that hold the request, no hang;
+- decode TP 2, a failure only decode rank 1 sees (kvstage's, or SGLang's own as its heartbeat sets for
+  a lost prefill): SGLang's poll all-reduce fails the room on rank 0 too, and rank 0 (whose exception
+  is what a client gets) reports rank 1's cause;
+- several prefill engines, one decode engine (xPyD): prefill engines at TP 2 and TP 1 feed one decode
+  rank at TP 1, their rooms interleaved, through its one Destination, byte-identical; a prefill engine
+  whose model identity differs (another dtype) is refused by name in kvstage's handshake, and one whose KV geometry gives
+  the decode rank another spec is refused by the decode; both fail only their own rooms.
 
 Needs sglang (0.5.23); the main venv skips this file. CI installs it into its own venv (.ci/run).
 """
@@ -48,10 +55,23 @@ ABORTS = [{"room": 3003, "tokens": 9, "abort": "prefill"},
 TIMEOUTS = [{"room": 5005, "tokens": 5, "abort": "never_decode"},
             {"room": 6006, "tokens": 5, "abort": "never_prefill"}]
 CORRUPT = [{"room": 7007, "tokens": 13, "corrupt": True}]
+# a failure only decode rank 1 sees (its kvstage request aborted; or SGLang's own, as its heartbeat fails
+# the rooms of a lost prefill); the prefill stays silent meanwhile
+ONE_RANK = [{"room": 8008, "tokens": 9, "abort": "decode_rank1", "hold_s": 4},
+            {"room": 8118, "tokens": 9, "abort": "decode_rank1_sglang", "hold_s": 4}]
+# several prefill engines into one decode engine at TP 1: name -> (prefill TP, requests, config overrides)
+PREFILL_ENGINES = {
+    "tp2": (2, [{"room": 9101, "tokens": 23}, {"room": 9102, "tokens": 6}], {}),
+    "tp1": (1, [{"room": 9201, "tokens": 17}, {"room": 9202, "tokens": 40}], {}),
+    # served in float16 (the others: SGLang's "auto"): another model identity
+    "other-model": (1, [{"room": 9301, "tokens": 9}], {"dtype": "float16"}),
+    # 8 KV heads of 4 elements: the same bytes per page as the decode's 4 heads of 8, another spec
+    "other-geometry": (1, [{"room": 9401, "tokens": 9}], {"kv_heads": 8, "head_dim": 4}),
+}
 SCENARIOS = {  # name: (prefill TP, decode TP, MLA, requests, state buffers)
     "tp1-1": (1, 1, False, OK, False),
     "tp2-1": (2, 1, False, OK + ABORTS + TIMEOUTS, False),
-    "tp1-2": (1, 2, False, OK + ABORTS, False),
+    "tp1-2": (1, 2, False, OK + ABORTS + ONE_RANK, False),
     "mla2-1": (2, 1, True, OK, False),
     "state1-1": (1, 1, False, OK + CORRUPT, True),
     "state2-2": (2, 2, False, OK, True),
@@ -103,7 +123,8 @@ def runs(tmp_path_factory):
                 procs.append((name, role, rank, log, subprocess.Popen(
                     [sys.executable, os.path.join(HERE, "support", "sglang_rank.py"), json.dumps(cfg)],
                     env=env, stdout=subprocess.PIPE, stderr=log, text=True)))
-    out: dict = {name: {} for name in SCENARIOS}
+    procs += _many_prefills(env, logs)
+    out: dict = {name: {} for name in list(SCENARIOS) + ["many"]}
     deadline = time.monotonic() + 400
     try:
         for name, role, rank, log, p in procs:
@@ -120,6 +141,30 @@ def runs(tmp_path_factory):
                 p.kill()
             log.close()
     return out
+
+
+def _many_prefills(env: dict, logs) -> list:
+    """Scenario "many": every engine of PREFILL_ENGINES (each with its own bootstrap server) and one
+    decode rank that receives all their rooms, interleaved; results under role "prefill:<engine>"."""
+    procs, decode_reqs = [], []
+    for engine, (tp, reqs, extra) in PREFILL_ENGINES.items():
+        bootstrap, http, store = _port(), _port(), _port()
+        decode_reqs += [dict(r, bootstrap_port=bootstrap) for r in reqs]
+        for rank in range(tp):
+            cfg = dict(dict(role="prefill", tp=tp, rank=rank, mla=False, kv_heads=4, http_port=http,
+                            bootstrap_port=bootstrap, store_port=store, requests=reqs, deadline_s=200), **extra)
+            log = open(logs / f"many-{engine}-prefill{rank}.log", "w")
+            procs.append(("many", f"prefill:{engine}", rank, log, subprocess.Popen(
+                [sys.executable, os.path.join(HERE, "support", "sglang_rank.py"), json.dumps(cfg)],
+                env=env, stdout=subprocess.PIPE, stderr=log, text=True)))
+    cfg = dict(role="decode", tp=1, rank=0, mla=False, kv_heads=4, http_port=_port(),
+               bootstrap_port=decode_reqs[0]["bootstrap_port"], store_port=_port(), requests=decode_reqs,
+               deadline_s=200, report_engines=True)
+    log = open(logs / "many-decode0.log", "w")
+    procs.append(("many", "decode", 0, log, subprocess.Popen(
+        [sys.executable, os.path.join(HERE, "support", "sglang_rank.py"), json.dumps(cfg)],
+        env=env, stdout=subprocess.PIPE, stderr=log, text=True)))
+    return procs
 
 
 def test_registration():
@@ -212,16 +257,28 @@ def test_abort_from_either_side(runs, name):
                for g in got), got
     assert any("decode aborted" in g["error"] for g in got), got
     # each decode rank: the prefill's own record ("Aborted by AbortReq.") or kvstage's, from whichever prefill
-    # rank (each aborts) reached the wire first. As on the prefill side, a decode rank that has not read it yet
-    # when the decode ranks' MIN all-reduce turns Failed reports SGLang's "from another rank" (seen once in six
-    # CI runs with decode TP 2); at least one decode rank names the prefill rank and the abort
+    # rank (each aborts) reached the wire first. A decode rank reports Failed only once the others hold the
+    # cause, so every decode rank names the prefill rank and the abort (never SGLang's "from another rank")
     got = [res[("decode", rank)]["3003"] for rank in range(dtp)]
-    named = [g for g in got if re.search(f"prefill rank [0-{ptp - 1}]: ", g["error"]) and "abort" in g["error"].lower()]
-    assert all(g["state"] == "failed" and (g in named or "from another rank" in g["error"]) for g in got), got
-    assert named, got
+    assert all(g["state"] == "failed" and re.search(f"prefill rank [0-{ptp - 1}]: ", g["error"])
+               and "abort" in g["error"].lower() for g in got), got
     for rank in range(dtp):
         got = res[("decode", rank)]
         assert got["4004"]["state"] == "failed" and "Aborted by AbortReq" in got["4004"]["error"], got["4004"]
+
+
+def test_failure_seen_by_one_decode_rank_reaches_every_decode_rank(runs):
+    """Decode TP 2: only decode rank 1 sees the failure (its kvstage request aborted, or SGLang's own
+    Failed, as its heartbeat sets for a lost prefill), and the prefill stays silent for 4 s. SGLang's MIN all-reduce fails the room on rank 0 too, and rank 0's
+    failure_exception() is the one a client gets: it must carry rank 1's cause, not SGLang's
+    "Failed due to an unknown reason from another rank"."""
+    res = runs["tp1-2"]
+    for room, cause in (("8008", "its kvstage request aborted"), ("8118", "SGLang failed the room")):
+        got = [res[("decode", rank)][room] for rank in range(2)]
+        assert all(g["state"] == "failed" and "injected on decode rank 1" in g["error"] and cause in g["error"]
+                   for g in got), got
+        assert got[0]["error"].startswith("KVTransferError") and "decode rank 1: " in got[0]["error"], got[0]
+        assert res[("prefill", 0)][room]["state"] == "failed", res[("prefill", 0)][room]
 
 
 def test_timeouts_fail_cleanly(runs):
@@ -232,3 +289,34 @@ def test_timeouts_fail_cleanly(runs):
     assert any("timed out" in g["error"] and "KVPoll.Bootstrapping" in g["error"] for g in got), got
     got = res[("decode", 0)]["6006"]
     assert got["state"] == "failed" and "KVPoll.WaitingForInput" in got["error"], got
+
+
+def test_several_prefill_engines_one_decode_endpoint(runs):
+    """Prefill engines at TP 2 and TP 1 feed one decode rank, their rooms interleaved: every room
+    byte-identical, through the decode rank's one Destination, which serves both engines."""
+    res = runs["many"]
+    dec = res[("decode", 0)]
+    for engine in ("tp2", "tp1"):
+        tp, reqs, _ = PREFILL_ENGINES[engine]
+        for r in reqs:
+            for rank in range(tp):
+                assert res[(f"prefill:{engine}", rank)][str(r["room"])] == {"state": "success"}, (engine, rank, r)
+            want = {"state": "success", "kv_mismatch": [], "aux_mismatch": [], "room_row": r["room"]}
+            assert dec[str(r["room"])] == want, (engine, r, dec[str(r["room"])])
+    assert dec["engines"] == 2, dec  # the two prefill engines, on one Destination (the refused ones never joined)
+
+
+def test_another_model_or_geometry_is_refused_by_name(runs):
+    """A prefill engine whose model identity differs (served in another dtype): kvstage's handshake
+    refuses it, naming both identities; one whose KV gives the decode rank another spec: the decode
+    refuses it, saying why. Each fails only its own room, on both sides."""
+    res = runs["many"]
+    dec = res[("decode", 0)]
+    got, pre = dec["9301"], res[("prefill:other-model", 0)]["9301"]
+    for g in (got, pre):
+        ids = set(re.findall(r"'(dummy#[0-9a-f]{16})'", g["error"]))
+        assert g["state"] == "failed" and "model: " in g["error"] and len(ids) == 2, g
+    got, pre = dec["9401"], res[("prefill:other-geometry", 0)]["9401"]
+    assert got["state"] == "failed" and "cannot send to this decode" in got["error"] \
+        and "the first prefill's" in got["error"], got
+    assert pre["state"] == "failed" and "decode rank 0: " in pre["error"] and "the first prefill's" in pre["error"], pre

@@ -23,6 +23,12 @@ window pages from ``kv_to_page_indices``, the mamba slot as a one-element list
 of an array. The decode compares its own rows (other pages, another slot) with
 the prefill's bytes.
 
+A decode rank may receive from several prefill engines: a request's
+``"bootstrap_port"`` names its prefill engine (default: the config's). With
+``"report_engines": true`` the decode also reports how many prefill engines its
+one kvstage Destination serves. ``"dtype"`` and ``"head_dim"`` set what a
+prefill engine serves (another model identity, another KV geometry: refused controls).
+
 A request with ``"corrupt": true`` has one byte of its KV, of its metadata row
 and of each state component changed on the prefill after the bytes the decode
 expects are fixed: the decode's comparison must report exactly those.
@@ -45,6 +51,8 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 LAYERS, HEAD_DIM, PAGE, POOL_TOKENS = 3, 8, 4, 512
+INJECTED = "injected on decode rank 1: its kvstage request aborted"
+INJECTED_SGLANG = "injected on decode rank 1: SGLang failed the room (as its heartbeat does for a lost prefill)"
 KV_LORA = 24  # MLA latent width (elements)
 SWA_LAYERS, SWA_TOKENS, SWA_WINDOW = 2, 256, 8  # "state" runs: sliding-window layers beside the LAYERS full ones
 MAMBA_LAYERS, MAMBA_SLOTS = 2, 8  # and a mamba-style state: conv and temporal tensors per layer, a row per slot
@@ -94,15 +102,22 @@ def main(cfg: dict) -> None:
     from sglang.srt.server_args import ServerArgs
 
     role, tp, rank, mla, with_state = cfg["role"], cfg["tp"], cfg["rank"], cfg["mla"], cfg.get("state", False)
+    head_dim = cfg.get("head_dim", HEAD_DIM)
     backend = TransferBackend("kvstage")
-    args = ServerArgs(model_path="dummy", device="cpu", tp_size=tp, host="127.0.0.1", port=cfg["http_port"],
+    args = ServerArgs(model_path="dummy", dtype=cfg.get("dtype", "auto"), device="cpu", tp_size=tp, host="127.0.0.1", port=cfg["http_port"],
                       disaggregation_mode=role, disaggregation_transfer_backend="kvstage",
                       disaggregation_bootstrap_port=cfg["bootstrap_port"], page_size=PAGE)
     publish(args, role="scheduler")
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{cfg['store_port']}", world_size=tp, rank=rank)
-    group = dist.new_group(list(range(tp)), backend="gloo")
+    from sglang.srt.distributed.parallel_state import GroupCoordinator
+
+    # the scheduler's attention-TP group: its CPU group is what SGLang all-reduces polls over
+    attn_tp = GroupCoordinator([list(range(tp))], rank, "gloo", use_pynccl=False, use_mscclpp=False,
+                               use_custom_allreduce=False, use_torch_symm_mem_all_reduce=False,
+                               use_hpu_communicator=False, use_xpu_communicator=False, group_name="attn_tp")
+    group = attn_tp.cpu_group
     get_parallel().override_permanently(tp_rank=rank, attn_tp_rank=rank, attn_tp_size=tp, attn_dp_rank=0,
-                                        attn_cp_rank=0, pp_rank=0, pp_group=None)
+                                        attn_cp_rank=0, pp_rank=0, pp_group=None, attn_tp_group=attn_tp)
     server = None
     if role == "prefill" and rank == 0:
         server = get_kv_class(backend, KVClassType.BOOTSTRAP_SERVER)("127.0.0.1", cfg["bootstrap_port"])
@@ -115,11 +130,11 @@ def main(cfg: dict) -> None:
         local = heads_of(total_heads, tp, rank)
         if with_state:  # a hybrid SWA model: model layers 0, 2, 4 full attention, 1 and 3 sliding-window
             pool = SWAKVPool(size=POOL_TOKENS, size_swa=SWA_TOKENS, page_size=PAGE, dtype=torch.bfloat16,
-                             head_num=len(local), head_dim=HEAD_DIM, device="cpu", enable_memory_saver=False,
+                             head_num=len(local), head_dim=head_dim, device="cpu", enable_memory_saver=False,
                              swa_attention_layer_ids=[2 * i + 1 for i in range(SWA_LAYERS)],
                              full_attention_layer_ids=[2 * i for i in range(LAYERS)])
         else:
-            pool = MHATokenToKVPool(POOL_TOKENS, PAGE, torch.bfloat16, len(local), HEAD_DIM, LAYERS, "cpu", False)
+            pool = MHATokenToKVPool(POOL_TOKENS, PAGE, torch.bfloat16, len(local), head_dim, LAYERS, "cpu", False)
     meta = MetadataBuffers(8, hidden_size=16, hidden_states_dtype=torch.bfloat16, max_sampling_mask_tokens=16)
     kv_args = get_kv_class(backend, KVClassType.KVARGS)()
     kv_args.engine_rank, kv_args.pp_rank, kv_args.system_dp_rank = rank, 0, 0
@@ -144,9 +159,10 @@ def main(cfg: dict) -> None:
     bufs = [pool.kv_buffer[layer] for layer in range(LAYERS)] if mla else \
         [b for layer in range(LAYERS) for b in (kv_pool.k_buffer[layer], kv_pool.v_buffer[layer])]
     planes = 1 if mla else 2
-    dim = KV_LORA if mla else HEAD_DIM
+    dim = KV_LORA if mla else head_dim
     heads_total = 1 if mla else total_heads
-    reqs = cfg["requests"]  # [{"room", "tokens", "abort": None|"prefill"|"decode"|"never_decode"}]
+    # [{"room", "tokens", "abort": None|"prefill"|"decode"|"never_decode"|"decode_rank1"|"decode_rank1_sglang"}]
+    reqs = cfg["requests"]
     rng = np.random.default_rng(1000 + rank + (100 if role == "decode" else 0))
     free_pages = rng.permutation(np.arange(1, POOL_TOKENS // PAGE))
     free_swa = rng.permutation(np.arange(1, SWA_TOKENS // PAGE))
@@ -237,14 +253,18 @@ def main(cfg: dict) -> None:
         for room in list(waiting) + list(sent):
             results[room] = {"state": "hung"}
     else:
-        while not mgr.try_ensure_parallel_info(addr):
-            if time.monotonic() > deadline:
-                raise TimeoutError("prefill parallel info never became available")
-            time.sleep(0.2)
+        def addr_of(r):
+            return f"127.0.0.1:{r.get('bootstrap_port', cfg['bootstrap_port'])}"
+
+        for a in dict.fromkeys(addr_of(r) for r in reqs):  # in order: the first prefill read sizes the Destination
+            while not mgr.try_ensure_parallel_info(a):
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"prefill parallel info at {a} never became available")
+                time.sleep(0.2)
         active = [r for r in reqs if r.get("abort") != "never_decode"]
         recvs = {}
         for slot, r in enumerate(active):
-            rec = get_kv_class(backend, KVClassType.RECEIVER)(mgr, addr, r["room"])
+            rec = get_kv_class(backend, KVClassType.RECEIVER)(mgr, addr_of(r), r["room"])
             rec.init(0)
             recvs[r["room"]] = rec
             r["slot"] = slot
@@ -267,6 +287,11 @@ def main(cfg: dict) -> None:
                     meta.clear_slot(r["slot"])
                     rec.send_metadata(pages_of[room], r["slot"], state_of.get(room))
                     transferring[room] = pending.pop(room)
+                    if r.get("abort") == "decode_rank1" and rank == 1:  # a failure only this rank sees
+                        mgr.abort_incoming(room, INJECTED)
+                    if r.get("abort") == "decode_rank1_sglang" and rank == 1:  # SGLang's own, on this rank only
+                        mgr.record_failure(room, INJECTED_SGLANG)
+                        mgr.update_status(room, KVPoll.Failed)
             rooms = list(transferring)
             gate = [DecodeReq(next(q for q in active if q["room"] == x)["slot"]) for x in rooms]
             for room, poll in zip(rooms, poll_all([transferring[x] for x in rooms], gate)):
@@ -287,6 +312,8 @@ def main(cfg: dict) -> None:
             time.sleep(0.01)
         for room in list(pending) + list(transferring):
             results[room] = {"state": "hung"}
+        if cfg.get("report_engines"):
+            results["engines"] = mgr.dst.stats().engines
     print("RESULT " + json.dumps({"role": role, "rank": rank, "results": {str(k): v for k, v in results.items()}}),
           flush=True)
     dist.barrier(group)

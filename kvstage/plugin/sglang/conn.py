@@ -4,24 +4,45 @@ They subclass SGLang's Common classes (the schedulers call Common-only members
 directly) and translate SGLang's rooms, pages and metadata rows into kvstage
 requests; the bytes move with kvstage's planner, staging and NIXL.
 
+Endpoints: one per rank and role, for the engine's life. A prefill rank makes
+its one kvstage ``Source`` at start and sends every decode engine's rooms with
+it; a decode rank makes its one ``Destination`` when it first reads a prefill's
+layout and receives every prefill engine's rooms with it. Engines are told
+apart by id: a prefill engine's is its bootstrap address and DP rank (the same
+on all its ranks), published with its layout; a decode engine's is the control
+address of its attention-TP rank 0, gathered once at start.
+
 One request (a "room"):
 
-1. The prefill ranks publish their KV layout on the bootstrap server
-   (``/kvstage/layout``, beside SGLang's ``/route``). A decode rank reads it
-   once per prefill engine and opens a kvstage ``Destination`` for it.
-2. Decode ``send_metadata``: ``Destination.expect(room, its pages)``, then a
-   ``KVSTAGE_ROOM`` message to **every** prefill rank with its Destination's
-   address, page count, metadata row and state rows (kvstage's plan, not
-   SGLang's rank mapping, decides who writes where).
+1. The prefill ranks publish their KV layout and engine id on the bootstrap
+   server (``/kvstage/layout``, beside SGLang's ``/route``). A decode rank
+   reads it once per prefill address; the first one sizes its Destination, a
+   later one must describe the same per-rank KV, or its rooms fail, saying so.
+2. Decode ``send_metadata``: ``Destination.expect(room, its pages, engine=the
+   prefill's id)``, then a ``KVSTAGE_ROOM`` message to **every** prefill rank
+   with its Destination's address, its engine id, page count, metadata row and
+   state rows (kvstage's plan, not SGLang's rank mapping, decides who writes
+   where).
 3. Prefill: once the last chunk is queued and every decode rank's message is
-   in, ``Source.send(room, its pages)`` (one ``Source`` per decode engine).
-   The first writer of each decode rank sends it the metadata row (and, at
-   equal TP, the state rows) in a ``KVSTAGE_AUX`` message.
+   in, ``Source.connect`` (known addresses are reused) and ``Source.send(room,
+   its pages, engine=the decode's id)``. The first writer of each decode rank
+   sends it the metadata row (and, at equal TP, the state rows) in a
+   ``KVSTAGE_AUX`` message.
 4. Decode Success = its ``Destination`` handle DONE (scattered) and the aux
    row written. Prefill Success = its ``Source`` handle DONE (writes landed).
    A failure anywhere aborts the kvstage request on both sides and travels as
    SGLang's ``KV_STATUS`` / ``ABORT`` messages, so both schedulers see Failed
    with the cause in ``failure_exception()``.
+5. SGLang MIN-all-reduces the polls of a TP group, and each rank then raises
+   its own ``failure_exception()``; the client gets rank 0's. So a decode rank
+   that fails a room (kvstage's cause, or SGLang's own: a lost prefill, a
+   timeout) tells the other decode ranks of its engine the cause
+   (``KVSTAGE_CAUSE``) and reports Failed only once each has acknowledged it:
+   every decode rank reports the cause, not SGLang's "unknown reason from
+   another rank".
+
+Both endpoints carry the model's identity (``model_identity``): kvstage's
+handshake refuses a peer that serves another model, naming both.
 """
 
 from __future__ import annotations
@@ -65,6 +86,9 @@ log = logging.getLogger("kvstage.sglang")
 ROOM_TAG = b"KVSTAGE_ROOM"
 AUX_TAG = b"KVSTAGE_AUX"
 HELLO_TAG = b"KVSTAGE_HELLO"
+CAUSE_TAG = b"KVSTAGE_CAUSE"  # decode rank -> the other decode ranks of its engine: why a room failed
+CAUSE_ACK_TAG = b"KVSTAGE_CAUSE_ACK"
+CAUSE_ACK_TIMEOUT_S = 30.0  # a rank marks its room Failed without every ack after this long (a stopped sibling)
 LAYOUT_ROUTE = "/kvstage/layout"
 MAX_FAILED_ROOMS = 4096  # failed rooms remembered so a late decode message is answered Failed
 
@@ -104,6 +128,51 @@ def check_supported(mode: DisaggregationMode) -> None:
     policy = get_disagg().disaggregation_decode_allocation_policy
     if policy != "early":
         raise ConfigError(f"disaggregation_decode_allocation_policy={policy!r}: the kvstage backend implements 'early'")
+
+
+#: the fields of the model's config that shape its KV or its tokens: hashed into the model identity
+CONFIG_FIELDS = ("architectures", "model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                 "num_attention_heads", "num_key_value_heads", "head_dim", "kv_lora_rank", "qk_rope_head_dim",
+                 "qk_nope_head_dim", "v_head_dim", "rope_theta", "max_position_embeddings", "sliding_window")
+
+
+def model_identity(server_args, kv_args, mla: bool) -> str:
+    """What kvstage's handshake compares between a prefill and a decode engine: the model's path or
+    name and a hash of its config, dtype and KV layout (as vLLM's compatibility hash). KV of another
+    model of the same shapes would move and decode wrong tokens; a mismatch is refused by name.
+    The config is read from local files only (the engine loaded them already): no network call."""
+    import hashlib
+
+    import sglang
+
+    config = None
+    try:
+        from transformers import AutoConfig
+
+        hf = AutoConfig.from_pretrained(server_args.model_path, revision=getattr(server_args, "revision", None),
+                                        trust_remote_code=bool(getattr(server_args, "trust_remote_code", False)),
+                                        local_files_only=True)
+        text = hf.get_text_config().to_dict()
+        config = {k: text.get(k) for k in CONFIG_FIELDS + ("torch_dtype", "dtype")}
+    except Exception as e:  # a model path with no config on this host (the class-level harness: "dummy")
+        log.info("kvstage: no model config at %r (%s): the model identity is its path and KV layout",
+                 str(server_args.model_path)[-200:], type(e).__name__)
+    factors = {"sglang": sglang.__version__, "model": str(server_args.model_path), "config": config,
+               "dtype": str(getattr(server_args, "dtype", "")),
+               "kv_cache_dtype": str(getattr(kv_args, "kv_cache_dtype_str", "")), "page_size": int(kv_args.page_size),
+               "kv_buffers": len(kv_args.kv_data_ptrs), "mla": bool(mla)}
+    digest = hashlib.sha256(json.dumps(factors, sort_keys=True, default=str).encode()).hexdigest()[:16]
+    return f"{str(server_args.model_path)[-400:]}#{digest}"
+
+
+def prefill_engine_id(host: str, bootstrap_port: int, dp: int) -> str:
+    """A prefill engine's id: its bootstrap address and DP rank, the same on all its ranks."""
+    return f"sglang-prefill {NetworkAddress(host, bootstrap_port).to_host_port_str()} dp{dp}"
+
+
+def decode_engine_id(ip: str, port: int) -> str:
+    """A decode engine's id: the control address of its attention-TP rank 0."""
+    return f"sglang-decode {NetworkAddress(ip, port).to_host_port_str()}"
 
 
 def _device(kv_args) -> torch.device:
@@ -152,10 +221,29 @@ class _Incoming:
     aux_done: bool = False
 
 
+@dataclass
+class _Prefill:
+    """A prefill engine's bootstrap address as a decode rank knows it (read from ``/kvstage/layout``)."""
+
+    layout: dict  # its published KV layout (wire form)
+    engines: dict  # prefill DP rank -> engine id
+    refused: str | None = None  # why this decode rank cannot receive from it (its rooms fail with this)
+
+
+@dataclass
+class _Telling:
+    """A decode rank's failed room whose cause the other decode ranks are being told."""
+
+    waiting: set  # decode ranks that have not acknowledged the cause yet
+    deadline: float  # time.monotonic(): report Failed anyway after this
+
+
 # -- manager -----------------------------------------------------------------------------------
 
 class KVStageManager(CommonKVManager):
-    """One per scheduler rank: owns this rank's kvstage endpoints and control threads."""
+    """One per scheduler rank: owns this rank's one kvstage endpoint (a ``Source`` on a prefill
+    rank, a ``Destination`` on a decode rank), which serves every peer engine, and the control
+    threads."""
 
     kv_status_msg_tag = b"KV_STATUS"
     kv_status_msg_carries_reason = True
@@ -167,6 +255,8 @@ class KVStageManager(CommonKVManager):
         self.settings = settings_for(disaggregation_mode)
         self._lock = threading.Lock()
         self._connect_lock = threading.Lock()
+        self.model = model_identity(server_args, args, self.mla)
+        self.engine_id = ""  # this engine's id (prefill: set by register_to_bootstrap, which publishes it)
         if disaggregation_mode == DisaggregationMode.PREFILL:
             self.layout = prefill_layout(args, self.mla)  # published by register_to_bootstrap below
         super().__init__(args, disaggregation_mode, server_args, is_mla_backend)
@@ -179,15 +269,29 @@ class KVStageManager(CommonKVManager):
             self.cache = RankCache(spec, self.attn_tp_rank, kv_buffers(args, spec, self.device))
             self._rooms: dict[int, _Outgoing] = {}
             self._failed: collections.OrderedDict[int, str] = collections.OrderedDict()
-            self._sources: dict[tuple, object] = {}  # decode Destination addresses -> Source
+            from kvstage.protocol.source import Source
+
+            self.src = self._registered(Source(self.cache, self.settings, engine=self.engine_id, model=self.model))
+            log.info("kvstage: prefill rank %d of engine %r sends to every decode engine (model %s)",
+                     self.attn_tp_rank, self.engine_id, self.model)
             threading.Thread(target=self._serve, args=(self._on_decode_message,), daemon=True,
                              name="kvstage-sglang-prefill").start()
         else:
-            self._dsts: dict[str, object] = {}  # prefill bootstrap address -> Destination
+            self.dst = None  # this rank's Destination, made when the first prefill's layout is read
+            self._prefills: dict[str, _Prefill] = {}  # prefill bootstrap address -> what it published
             self._incoming: dict[int, _Incoming] = {}
+            self._telling: dict[int, _Telling] = {}  # failed rooms, until cleared
+            self._siblings, self.engine_id = self._decode_siblings()
             threading.Thread(target=self._serve, args=(self._on_prefill_message,), daemon=True,
                              name="kvstage-sglang-decode").start()
             self._start_heartbeat_checker_thread()
+
+    def _registered(self, ep):
+        """``ep`` with the KV pool registered now where the direct path may need it (equal TP), so
+        the first request of a peer engine does not wait for the registration."""
+        if self.settings.direct:
+            ep.kv_regions()
+        return ep
 
     def _serve(self, handler) -> None:
         while True:
@@ -203,7 +307,9 @@ class KVStageManager(CommonKVManager):
         host = (NetworkAddress.parse(self.dist_init_addr).resolved().host if self.dist_init_addr
                 else {"0.0.0.0": "127.0.0.1", "::": "::1"}.get(self.bootstrap_host, self.bootstrap_host))
         url = NetworkAddress(host, self.bootstrap_port).to_url() + LAYOUT_ROUTE
-        body = {"dp": self.attn_dp_rank, "rank": self.attn_tp_rank, "layout": self.layout.to_wire()}
+        self.engine_id = prefill_engine_id(host, self.bootstrap_port, self.attn_dp_rank)
+        body = {"dp": self.attn_dp_rank, "rank": self.attn_tp_rank, "layout": self.layout.to_wire(),
+                "engine": self.engine_id}
         for attempt in range(10):
             try:
                 r = requests.put(url, json=body, timeout=5)
@@ -255,6 +361,14 @@ class KVStageManager(CommonKVManager):
             log.warning("kvstage: prefill rank %d ignored a message tagged %r", self.attn_tp_rank, tag[:20])
             return
         room, header = int(msg[1]), json.loads(msg[2])
+        if header.get("failed"):  # this decode rank cannot receive the room
+            with self._lock:
+                out = self._rooms.setdefault(room, _Outgoing())
+                out.peers[int(header["rank"])] = header
+                self._fail_locked(room, out, f"decode rank {header.get('rank')}: {header['failed']}")
+            return
+        log.debug("kvstage: prefill rank %d, room %d: decode rank %s of %s called in (%s pages)", self.attn_tp_rank,
+                  room, header.get("rank"), header.get("tp"), header.get("pages"))
         with self._lock:
             reason = self._failed.get(room)
             if reason is not None:
@@ -274,8 +388,13 @@ class KVStageManager(CommonKVManager):
         """A Sender exists now: if every decode rank already called in, the room may proceed."""
         with self._lock:
             out = self._rooms.get(room)
-            if out is not None and out.peers and len(out.peers) == int(next(iter(out.peers.values()))["tp"]):
+            failed = out.failed if out is not None else None
+            if failed is None and out is not None and out.peers and \
+                    len(out.peers) == int(next(iter(out.peers.values()))["tp"]):
                 self.update_status(room, KVPoll.WaitingForInput)
+        if failed is not None:  # a decode rank failed it before this Sender existed
+            self.record_failure(room, failed)
+            self.update_status(room, KVPoll.Failed)
 
     def _maybe_start_locked(self, room: int, out: _Outgoing) -> None:
         if out.started or out.failed or not out.complete or not out.peers:
@@ -287,13 +406,18 @@ class KVStageManager(CommonKVManager):
         self._pool.submit(self._start, room, out)
 
     def _start(self, room: int, out: _Outgoing) -> None:
-        """Connect (once per decode engine), send the pages, send the metadata rows (pool thread)."""
+        """Connect to the decode ranks not connected yet, send the pages, send the metadata rows (pool thread)."""
         try:
             peers = [out.peers[d] for d in range(len(out.peers))]
             pages = np.concatenate(out.pages) if out.pages else np.zeros(0, dtype=np.int64)
             want = {int(h["pages"]) for h in peers}
             if want != {len(pages)}:
                 raise ConfigError(f"the decode ranks allocated {sorted(want)} pages, this prefill rank holds {len(pages)}")
+            engines = {str(h.get("engine", "")) for h in peers}
+            if len(engines) != 1:
+                raise ConfigError(f"the decode ranks of room {room} name engines {sorted(engines)}: one engine's "
+                                  "ranks share one id")
+            engine = engines.pop()
             if out.state and len(peers) != self.attn_tp_size:  # refused before any byte moves
                 raise ConfigError(f"state buffers (mamba/SWA/...) with prefill TP {self.attn_tp_size} and decode TP "
                                   f"{len(peers)}: the kvstage backend moves state rows at equal TP only")
@@ -303,11 +427,14 @@ class KVStageManager(CommonKVManager):
             p = plan(spec, SideSpec(spec.geometry, len(peers), spec.page))
             handle = None
             if p.targets_of(self.attn_tp_rank):
-                src = self._source(tuple(tuple(h["dst"]) for h in peers))
+                with self._connect_lock:  # rooms of a new decode engine that start together handshake once
+                    self.src.connect([tuple(h["dst"]) for h in peers])
                 if len(pages):
-                    handle = src.send(str(room), pages, len(pages) * spec.page.page_size)
+                    handle = self.src.send(str(room), pages, len(pages) * spec.page.page_size, engine=engine)
             with self._lock:
                 out.handle = handle
+            log.debug("kvstage: prefill rank %d, room %d: %s %d pages to decode TP %d", self.attn_tp_rank, room,
+                      "sending" if handle is not None else "writes none of", len(pages), len(peers))
             if handle is not None:
                 self.update_status(room, KVPoll.Transferring)
             for d, h in enumerate(peers):
@@ -316,7 +443,7 @@ class KVStageManager(CommonKVManager):
             with self._lock:
                 out.sent = True
         except Exception as e:
-            self.fail_room(room, f"prefill rank {self.attn_tp_rank}: {type(e).__name__}: {e}")
+            self.fail_room(room, f"{type(e).__name__}: {e}")  # the decode names this rank
 
     def _send_aux(self, room: int, out: _Outgoing, header: dict) -> None:
         frames, parts = [], []
@@ -332,26 +459,6 @@ class KVStageManager(CommonKVManager):
         na = NetworkAddress(*header["status"])
         self._send_multipart_locked(na.to_tcp(), msg, is_ipv6=na.is_ipv6)
 
-    def _source(self, addrs: tuple):
-        """This rank's kvstage Source to one decode engine's Destinations."""
-        from kvstage.protocol.source import Source
-
-        with self._connect_lock:  # one Source per decode engine, even when rooms start together
-            for key, s in list(self._sources.items()):  # decode engines that went away
-                if s.plan is not None and not s.targets:
-                    s.close()
-                    del self._sources[key]
-            src = self._sources.get(addrs)
-            if src is None:
-                src = Source(self.cache, self.settings)
-                try:
-                    src.connect([tuple(a) for a in addrs])
-                except BaseException:
-                    src.close()
-                    raise
-                self._sources[addrs] = src
-            return src
-
     def conclude_if_done(self, room: int) -> None:
         """Sender.poll: report Success once the writes landed and the rows were sent, Failed on failure."""
         with self._lock:
@@ -364,6 +471,7 @@ class KVStageManager(CommonKVManager):
             out.concluded = True
             targets = out.status_targets()
         if h is None or h.state is State.DONE:
+            log.debug("kvstage: prefill rank %d, room %d: sent", self.attn_tp_rank, room)
             self.conclude_transfer(bootstrap_room=room, status=KVPoll.Success, targets=targets)
         else:
             self.fail_room(room, str(h.error))
@@ -416,49 +524,115 @@ class KVStageManager(CommonKVManager):
         info.required_prefill_response_num = info.attn_tp_size
 
     def try_ensure_parallel_info(self, bootstrap_addr: str) -> bool:
+        """SGLang's parallel info, and the prefill's kvstage layout and engine ids: read once per
+        prefill address (again after SGLang dropped a lost prefill). The first layout read makes this
+        rank's Destination; a later prefill whose layout gives another spec here is refused, room by
+        room, with the reason."""
+        known = bootstrap_addr in self.prefill_info_table
         if not super().try_ensure_parallel_info(bootstrap_addr):
             return False
-        if bootstrap_addr in self._dsts:
+        if known and bootstrap_addr in self._prefills:
             return True
+        published = self._read_layout(bootstrap_addr)
+        if published is None:
+            return False
+        layout, engines = published
+        refused = None
+        try:
+            spec = decode_spec(self.kv_args, self.mla, SglangKVLayout.from_wire(layout), self.attn_tp_size)
+            dst = self._destination(spec)
+            if dst.spec != spec:
+                raise ConfigError(f"its KV layout {layout} gives this decode rank the spec {spec}; this rank's "
+                                  f"Destination receives with {dst.spec} (the first prefill's): every prefill engine "
+                                  "of one decode engine must serve the same model with the same KV dtype and page size")
+        except ConfigError as e:
+            refused = f"the prefill at {bootstrap_addr} cannot send to this decode: {e}"
+            log.error("kvstage: decode rank %d: %s", self.attn_tp_rank, refused)
+        with self._lock:
+            self._prefills[bootstrap_addr] = _Prefill(layout, engines, refused)
+        if refused is None:
+            log.info("kvstage: decode rank %d receives from prefill %s (engines %s) on %s:%d", self.attn_tp_rank,
+                     bootstrap_addr, sorted(engines.values()), *self.dst.address)
+        return True
+
+    def _read_layout(self, bootstrap_addr: str) -> tuple[dict, dict] | None:
+        """(layout, {DP rank: engine id}) the prefill at ``bootstrap_addr`` published; None: not yet."""
         r = requests.get(f"http://{bootstrap_addr}{LAYOUT_ROUTE}", timeout=5)
         if r.status_code == 503:
-            return False
+            return None
         if r.status_code != 200:
             raise ConfigError(f"the prefill at {bootstrap_addr} serves no kvstage layout ({r.status_code} {r.text[:200]}): "
                               "start it with --disaggregation-transfer-backend kvstage too")
+        data = r.json()
+        return data["layout"], {int(dp): str(e) for dp, e in data["engines"].items()}
+
+    def _destination(self, spec: SideSpec):
+        """This rank's one Destination, made for ``spec`` the first time (it serves every prefill engine)."""
         from kvstage.protocol.destination import Destination
 
-        spec = decode_spec(self.kv_args, self.mla, SglangKVLayout.from_wire(r.json()), self.attn_tp_size)
-        cache = RankCache(spec, self.attn_tp_rank, kv_buffers(self.kv_args, spec, self.device))
-        dst = Destination(cache, self.settings, listen=(self.local_ip, 0))
-        with self._lock:
-            self._dsts[bootstrap_addr] = dst
-        log.info("kvstage: decode rank %d receives from prefill %s on %s:%d", self.attn_tp_rank, bootstrap_addr, *dst.address)
-        return True
+        with self._connect_lock:
+            if self.dst is None:
+                cache = RankCache(spec, self.attn_tp_rank, kv_buffers(self.kv_args, spec, self.device))
+                self.dst = self._registered(Destination(cache, self.settings, listen=(self.local_ip, 0),
+                                                        engine=self.engine_id, model=self.model))
+                log.info("kvstage: decode rank %d of engine %r receives from every prefill engine on %s:%d (%s, "
+                         "model %s)", self.attn_tp_rank, self.engine_id, *self.dst.address, spec, self.model)
+            return self.dst
 
-    def expect(self, bootstrap_addr: str, room: int, kv_indices, aux_index: int, state_indices) -> tuple:
+    def prefill_engine(self, bootstrap_addr: str, dp: int) -> str:
+        """The engine id of the prefill at ``bootstrap_addr``, DP rank ``dp``; ConfigError when this
+        rank cannot receive from it."""
+        with self._lock:
+            pf = self._prefills.get(bootstrap_addr)
+        if pf is None:
+            raise ConfigError(f"the prefill at {bootstrap_addr}: its kvstage layout was never read")
+        if pf.refused:
+            raise ConfigError(pf.refused)
+        if dp not in pf.engines:  # a DP rank that published after this rank read the route
+            published = self._read_layout(bootstrap_addr)
+            if published is not None:
+                pf.engines.update(published[1])
+        if dp not in pf.engines:
+            raise ConfigError(f"the prefill at {bootstrap_addr} has no DP rank {dp} with kvstage (it has "
+                              f"{sorted(pf.engines)})")
+        return pf.engines[dp]
+
+    def expect(self, bootstrap_addr: str, dp: int, room: int, kv_indices, aux_index: int, state_indices) -> tuple:
         """Open the kvstage request for ``room``; return the header every prefill rank gets."""
         pages = np.asarray(kv_indices, dtype=np.int64).reshape(-1)
-        dst = self._dsts[bootstrap_addr]
-        handle = dst.expect(str(room), pages, len(pages) * self.kv_args.page_size) if len(pages) else None
+        engine = self.prefill_engine(bootstrap_addr, dp)
+        handle = self.dst.expect(str(room), pages, len(pages) * self.kv_args.page_size, engine=engine) \
+            if len(pages) else None
         state = _rows_of(self.states, state_indices)
         with self._lock:
             self._incoming[room] = _Incoming(handle, int(aux_index), state)
-        return {"tp": self.attn_tp_size, "rank": self.attn_tp_rank, "dst": list(dst.address),
-                "status": [self.local_ip, self.rank_port], "aux_index": int(aux_index), "pages": len(pages),
-                "state": state}
+        log.debug("kvstage: decode rank %d, room %d: expecting %d pages from %r, metadata row %d", self.attn_tp_rank,
+                  room, len(pages), engine, aux_index)
+        return {"tp": self.attn_tp_size, "rank": self.attn_tp_rank, "engine": self.engine_id,
+                "dst": list(self.dst.address), "status": [self.local_ip, self.rank_port], "aux_index": int(aux_index),
+                "pages": len(pages), "state": state}
 
     def check_room(self, room: int) -> None:
-        """Receiver.poll: Success once scattered and the metadata row landed; Failed on failure."""
+        """Receiver.poll: Success once scattered and the metadata row landed; Failed on failure
+        (once the other decode ranks hold the cause, see ``fail_incoming``)."""
         with self._lock:
             inc = self._incoming.get(room)
-        if inc is None:
+            told = self._telling.get(room)
+            late = told is not None and told.waiting and time.monotonic() > told.deadline
+            if late:
+                waiting, told.waiting = sorted(told.waiting), set()
+        if late:
+            log.warning("kvstage: decode rank %d, room %d: decode ranks %s did not acknowledge the failure's cause "
+                        "in %.0f s; reporting Failed without them", self.attn_tp_rank, room, waiting, CAUSE_ACK_TIMEOUT_S)
+            self._report_failed(room)
+        if inc is None or told is not None:
             return
         h = inc.handle
         if h is not None and h.state is State.FAILED:
-            self.first_failure(room, str(h.error))
-            self.update_status(room, KVPoll.Failed)
+            self.fail_incoming(room, str(h.error))
         elif (h is None or h.state is State.DONE) and inc.aux_done:
+            if self.request_status.get(room) != KVPoll.Success:
+                log.debug("kvstage: decode rank %d, room %d: received", self.attn_tp_rank, room)
             self.update_status(room, KVPoll.Success)
         elif h is not None and h.state is State.TRANSFERRING:
             self.update_status(room, KVPoll.Transferring)
@@ -466,24 +640,95 @@ class KVStageManager(CommonKVManager):
     def abort_incoming(self, room: int, reason: str, forget: bool = False) -> None:
         with self._lock:
             inc = self._incoming.pop(room, None) if forget else self._incoming.get(room)
+            if forget:
+                self._telling.pop(room, None)
         if inc is not None and inc.handle is not None and not inc.handle.done():
             inc.handle.abort(reason)
+
+    def _decode_siblings(self) -> tuple[dict, str]:
+        """The other decode ranks of this engine (its attention-TP group, whose polls SGLang
+        all-reduces), rank -> (ip, control port), and this engine's id. One all-gather at start-up,
+        in every rank."""
+        if self.attn_tp_size == 1:
+            return {}, decode_engine_id(self.local_ip, self.rank_port)
+        rows = get_parallel().attn_tp_group.all_gather_object((self.attn_tp_rank, self.local_ip, self.rank_port))
+        ranks = {int(r): (ip, int(port)) for r, ip, port in rows}
+        return {r: a for r, a in ranks.items() if r != self.attn_tp_rank}, decode_engine_id(*ranks[0])
+
+    def fail_incoming(self, room: int, reason: str) -> None:
+        """This decode rank failed ``room``: keep the cause, abort the kvstage request, and tell
+        the other decode ranks the cause; the room turns Failed here when each has acknowledged it
+        (``CAUSE_ACK_TIMEOUT_S`` at most). SGLang MIN-all-reduces the polls, so Failed here fails
+        the room on every rank, and each rank raises its own ``failure_exception()``."""
+        self.first_failure(room, reason)
+        self.abort_incoming(room, reason)
+        with self._lock:
+            if room in self._telling:
+                return
+            self._telling[room] = _Telling(set(self._siblings), time.monotonic() + CAUSE_ACK_TIMEOUT_S)
+        if not self._siblings:
+            self._report_failed(room)
+            return
+        with self.failure_lock:
+            cause = self.failure_records.get(room, reason)
+        msg = [CAUSE_TAG, str(room).encode(), str(self.attn_tp_rank).encode(), cause.encode()]
+        for ip, port in self._siblings.values():
+            na = NetworkAddress(ip, port)
+            self._send_multipart_locked(na.to_tcp(), msg, is_ipv6=na.is_ipv6)
+
+    def update_status(self, bootstrap_room: int, status: KVPoll):
+        """A decode room that SGLang itself fails here (a lost prefill, a timeout, no bootstrap info)
+        goes through ``fail_incoming`` too, so the other decode ranks hold its cause first."""
+        if status == KVPoll.Failed and getattr(self, "_siblings", None) and bootstrap_room in self.request_status:
+            with self.failure_lock:
+                reason = self.failure_records.get(bootstrap_room)
+            self.fail_incoming(bootstrap_room, reason or "failed on this decode rank")
+            return
+        super().update_status(bootstrap_room, status)
+
+    def _report_failed(self, room: int) -> None:
+        """Failed in the status SGLang polls (the other decode ranks hold the cause by now)."""
+        CommonKVManager.update_status(self, room, KVPoll.Failed)
+
+    def _on_cause(self, msg: list) -> None:
+        """Another decode rank's failure of a room: take its cause, fail the room here, acknowledge."""
+        room, rank = int(msg[1]), int(msg[2])
+        if room in self.request_status:  # else cleared here already, or never seen: nothing to report
+            cause = f"decode rank {rank}: {msg[3].decode(errors='replace')}"
+            self.first_failure(room, cause)
+            self.abort_incoming(room, cause)
+        if rank in self._siblings:
+            na = NetworkAddress(*self._siblings[rank])
+            self._send_multipart_locked(na.to_tcp(), [CAUSE_ACK_TAG, msg[1], str(self.attn_tp_rank).encode()],
+                                        is_ipv6=na.is_ipv6)
+
+    def _on_cause_ack(self, msg: list) -> None:
+        room, rank = int(msg[1]), int(msg[2])
+        with self._lock:
+            told = self._telling.get(room)
+            if told is None or rank not in told.waiting:
+                return
+            told.waiting.discard(rank)
+            done = not told.waiting
+        if done:
+            self._report_failed(room)
 
     def _on_prefill_message(self, msg: list) -> None:
         if self.handle_abort_ack_message(msg):
             return
         if msg[0] == AUX_TAG:
             return self._on_aux(msg)
+        if msg[0] == CAUSE_TAG:
+            return self._on_cause(msg)
+        if msg[0] == CAUSE_ACK_TAG:
+            return self._on_cause_ack(msg)
         parsed = self.parse_kv_status_message(msg)
         if parsed is None:
             log.warning("kvstage: decode rank %d ignored a message tagged %r", self.attn_tp_rank, msg[0][:20])
             return
         room, status, prefill_rank, reason = parsed
         if status == KVPoll.Failed and room in self.request_status:
-            reason = f"prefill rank {prefill_rank}: {reason or self.DEFAULT_PREFILL_FAILURE_REASON}"
-            self.first_failure(room, reason)
-            self.update_status(room, KVPoll.Failed)
-            self.abort_incoming(room, reason)
+            self.fail_incoming(room, f"prefill rank {prefill_rank}: {reason or self.DEFAULT_PREFILL_FAILURE_REASON}")
 
     def first_failure(self, room: int, reason: str) -> None:
         """Record ``reason`` unless a cause is already recorded: the root cause wins over its echoes
@@ -497,7 +742,9 @@ class KVStageManager(CommonKVManager):
         with self._lock:  # held while writing: clear() cannot hand the row to another request meanwhile
             inc = self._incoming.get(room)
             if inc is None or inc.aux_index != int(meta["aux_index"]):
-                return  # cleared, or a stale message for an earlier use of this room
+                log.debug("kvstage: decode rank %d, room %d: metadata row from prefill rank %s dropped (request "
+                          "cleared, or an earlier use of the room)", self.attn_tp_rank, room, msg[2].decode())
+                return
             try:
                 n = int(meta["aux"])
                 self.aux.write([inc.aux_index], frames[:n])
@@ -516,9 +763,7 @@ class KVStageManager(CommonKVManager):
                 return
             except Exception as e:
                 reason = f"metadata/state rows from prefill rank {msg[2].decode()}: {e}"
-        self.first_failure(room, reason)
-        self.update_status(room, KVPoll.Failed)
-        self.abort_incoming(room, reason)
+        self.fail_incoming(room, reason)
 
 
 # -- sender (prefill) ----------------------------------------------------------------------------
@@ -562,11 +807,13 @@ class KVStageReceiver(CommonKVReceiver):
             mgr.update_status(self.bootstrap_room, KVPoll.Failed)
             return
         try:
-            header = mgr.expect(self.bootstrap_addr, self.bootstrap_room, kv_indices, aux_index, state_indices)
-        except Exception as e:
-            mgr.record_failure(self.bootstrap_room, f"kvstage could not receive into this rank: {type(e).__name__}: {e}")
-            mgr.update_status(self.bootstrap_room, KVPoll.Failed)
-            return
+            header = mgr.expect(self.bootstrap_addr, int(getattr(self, "prefill_dp_rank", 0) or 0), self.bootstrap_room,
+                                kv_indices, aux_index, state_indices)
+        except Exception as e:  # the prefill ranks are told too: they fail the room now, not at their timeout
+            cause = f"kvstage could not receive into this rank: {type(e).__name__}: {e}"
+            mgr.fail_incoming(self.bootstrap_room, cause)
+            header = {"tp": mgr.attn_tp_size, "rank": mgr.attn_tp_rank, "status": [mgr.local_ip, mgr.rank_port],
+                      "failed": cause}
         header["prefix_len"] = int(decode_prefix_len or 0)
         message = [ROOM_TAG, str(self.bootstrap_room).encode(), json.dumps(header).encode()]
         for info in self.bootstrap_infos:
@@ -574,7 +821,8 @@ class KVStageReceiver(CommonKVReceiver):
                 self.invalidate_cached_bootstrap_infos()
                 mgr.abort_incoming(self.bootstrap_room, "could not reach a prefill rank")
                 return
-        self.init_time = time.time()
+        if "failed" not in header:
+            self.init_time = time.time()
 
     def _register_kv_args(self) -> bool:
         return self.bootstrap_infos is not None  # nothing to register: the room message carries it all
@@ -587,8 +835,10 @@ class KVStageReceiver(CommonKVReceiver):
         return status
 
     def abort(self):
-        super().abort()
+        # first: SGLang's abort fails the room through ``fail_incoming``, which would abort the kvstage
+        # request with SGLang's record ("Aborted by AbortReq.") instead of saying the decode did it
         self.kv_mgr.abort_incoming(self.bootstrap_room, "the decode aborted the request")
+        super().abort()
 
     def clear(self) -> None:
         super().clear()
@@ -598,7 +848,8 @@ class KVStageReceiver(CommonKVReceiver):
 # -- bootstrap server ----------------------------------------------------------------------------
 
 class KVStageBootstrapServer(CommonKVBootstrapServer):
-    """SGLang's bootstrap server plus ``/kvstage/layout``: the prefill ranks' KV layout."""
+    """SGLang's bootstrap server plus ``/kvstage/layout``: the prefill ranks' KV layout and their
+    engine id per DP rank."""
 
     def _setup_routes(self):
         super()._setup_routes()
@@ -607,18 +858,25 @@ class KVStageBootstrapServer(CommonKVBootstrapServer):
     async def _handle_kvstage_layout(self, request):
         from aiohttp import web
 
-        layouts = self.__dict__.setdefault("_kvstage_layouts", {})
+        ranks = self.__dict__.setdefault("_kvstage_ranks", {})  # (dp, rank) -> (layout, engine id)
         if request.method == "PUT":
             data = await request.json()
-            layout = data.get("layout")
-            other = next(iter(layouts.values()), None)
-            if other is not None and other != layout:
-                return web.Response(status=400, text=f"prefill rank {data.get('rank')} publishes KV layout {layout}, "
-                                                     f"another rank published {other}")
-            layouts[(data.get("dp"), data.get("rank"))] = layout
+            layout, engine, dp = data.get("layout"), data.get("engine"), data.get("dp")
+            if not isinstance(engine, str) or not engine:
+                return web.Response(status=400, text=f"prefill rank {data.get('rank')}: engine={engine!r}, must be "
+                                                     "a non-empty string")
+            for (d, r), (other, other_engine) in ranks.items():
+                if other != layout:
+                    return web.Response(status=400, text=f"prefill rank {data.get('rank')} publishes KV layout "
+                                                         f"{layout}, rank {r} published {other}")
+                if d == dp and other_engine != engine:
+                    return web.Response(status=400, text=f"prefill rank {data.get('rank')} of DP rank {dp} publishes "
+                                                         f"engine {engine!r}, rank {r} published {other_engine!r}")
+            ranks[(dp, data.get("rank"))] = (layout, engine)
             return web.Response(text="OK", status=200)
         if request.method == "GET":
-            if not layouts:
+            if not ranks:
                 return web.Response(status=503, text="no prefill rank has published its kvstage layout yet")
-            return web.json_response(next(iter(layouts.values())))
+            layout = next(iter(ranks.values()))[0]
+            return web.json_response({"layout": layout, "engines": {str(d): e for (d, _), (_, e) in ranks.items()}})
         return web.Response(status=405, text="Method not allowed")

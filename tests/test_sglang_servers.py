@@ -1,0 +1,242 @@
+"""Real SGLang servers end to end on CPU: prefill and decode servers of different TP sizes, the
+kvstage backend between them, SGLang's router in front (the shape of SGLang's own
+test_disaggregation_different_tp.py, on kvstage).
+
+One cluster for the module, every server started at once:
+
+- ``reference``: a plain (non-disaggregated) server, TP 1;
+- route ``p2-d1``: prefill TP 2 -> decode TP 1, and its router;
+- route ``p1-d2``: prefill TP 1 -> decode TP 2, and its router.
+
+Every prompt (shorter than a page, one page, several pages, more than one chunk, a radix-cache
+hit on the prefill) goes through each router, one at a time and then all at once, with greedy
+decoding; the output tokens must equal the reference server's, token for token. The model is a
+tiny random Llama built here in float32 (in bfloat16 the TP 2 all-reduce rounds differently
+from TP 1 and greedy decoding of a random model meets near-ties).
+
+Faults (tests/support/sglang_faults.py, armed by a file, on prefill rank 0 after its forward and
+before kvstage sends):
+
+- a slow forward the client gives up on: SGLang aborts the request on both servers, kvstage's
+  request ends on the decode, and the next request is served and matches;
+- one byte of a request's KV corrupted on the prefill, the control that the KV came through
+  kvstage: the decode's tokens must differ from the reference (its first token, computed by the
+  prefill before the corruption, must not);
+- the prefill server killed mid-request: the client gets the decode's failure, with kvstage's
+  cause, from whichever decode rank reports it; the decode server stays up. This runs last: it
+  takes each route's prefill down.
+
+Needs sglang 0.5.23 and sglang-router (.ci/sglang-venv); the main venv skips this file.
+"""
+
+import concurrent.futures
+import importlib.util
+import os
+import random
+import time
+
+import pytest
+
+if importlib.util.find_spec("sglang") is None or importlib.util.find_spec("sglang_router") is None:
+    if os.environ.get("KVSTAGE_REQUIRE_SGLANG"):
+        raise ImportError("KVSTAGE_REQUIRE_SGLANG is set but sglang or sglang_router is not importable")
+    pytest.skip("sglang is not importable here (CI runs these in the SGLang venv, see .ci/run)", allow_module_level=True)
+
+from support import sglang_servers as S  # noqa: E402
+
+ROUTES = {"p2-d1": (2, 1), "p1-d2": (1, 2)}  # name: (prefill TP, decode TP)
+MAX_NEW = 16
+START_S = 480  # every server and router up, on two loaded cores
+pytestmark = pytest.mark.timeout(START_S + 300)  # the first test also waits for the cluster
+DOCS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs", "sglang.md")
+
+
+def _prompt(seed: int, n: int) -> list:
+    rng = random.Random(seed)
+    return [rng.randrange(len(S.SPECIAL), S.VOCAB) for _ in range(n)]
+
+
+_LONG = _prompt(4, 300)
+PROMPTS = {  # name: input ids (page 16 tokens, chunk 128: S.PAGE_SIZE, S.CHUNK)
+    "3 tokens": _prompt(1, 3),
+    "one page": _prompt(2, S.PAGE_SIZE),
+    "37 tokens": _prompt(3, 37),
+    "two chunks": _prompt(5, S.CHUNK + 9),
+    "300 tokens": _LONG,
+    "radix hit": _LONG[:200] + _prompt(6, 41),  # after "300 tokens": the prefill reuses 192 cached tokens
+}
+CORRUPT_PROMPT = _prompt(7, 45)  # its own prefix: the prefill's radix cache keeps the corrupted page
+KILL_PROMPT = _prompt(8, 40)
+GIVE_UP_PROMPT = _prompt(9, 50)
+STALL_S = 8  # the prefill's "slow forward" in test_client_gives_up_mid_request
+
+
+class Cluster:
+    def __init__(self, root):
+        self.root = root
+        self.logs = os.path.join(root, "logs")
+        os.makedirs(self.logs)
+        self.model = S.build_model(os.path.join(root, "model"))
+        self.procs: list[S.Proc] = []
+        self.routes: dict = {}
+        self.timings: dict = {}
+
+    def start(self):
+        t0 = time.monotonic()
+        self.reference = self._add(S.server("reference", self.model, S.free_port(), 1, "plain", self.logs))
+        for name, (ptp, dtp) in ROUTES.items():
+            faults = os.path.join(self.root, f"faults-{name}")
+            os.makedirs(faults)
+            bootstrap = S.free_port()
+            prefill = self._add(S.server(f"{name}-prefill", self.model, S.free_port(), ptp, "prefill", self.logs,
+                                         bootstrap, env={"KVSTAGE_TEST_FAULTS": faults}))
+            decode = self._add(S.server(f"{name}-decode", self.model, S.free_port(), dtp, "decode", self.logs))
+            self.routes[name] = {"prefill": prefill, "decode": decode, "bootstrap": bootstrap, "faults": faults}
+        for p in self.procs:  # all at once: start-up is mostly imports, on both cores
+            p.start()
+        deadline = t0 + START_S
+        for p in self.procs:
+            p.wait_ready(deadline)
+        self.timings["servers up"] = time.monotonic() - t0
+        for name, r in self.routes.items():
+            r["router"] = self._add(S.router(f"{name}-router", r["prefill"], r["bootstrap"], r["decode"],
+                                             S.free_port(), S.free_port(), self.logs)).start()
+        for r in self.routes.values():
+            r["router"].wait_ready(deadline, "/readiness")
+        self.timings["routers up"] = time.monotonic() - t0
+
+    def _add(self, p: S.Proc) -> S.Proc:
+        self.procs.append(p)
+        return p
+
+    def stop(self):
+        for p in reversed(self.procs):
+            p.stop()
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    c = Cluster(str(tmp_path_factory.mktemp("sglang-servers")))
+    try:
+        c.start()
+        yield c
+    finally:
+        c.stop()
+
+
+@pytest.fixture(scope="module")
+def reference(cluster):
+    """The plain server's greedy tokens for every prompt (one at a time)."""
+    out = {}
+    for name, ids in list(PROMPTS.items()) + [("corrupt", CORRUPT_PROMPT)]:
+        status, body = S.generate(cluster.reference.url, ids, MAX_NEW)
+        assert status == 200, (name, status, body)
+        out[name] = body["output_ids"]
+        assert len(out[name]) == MAX_NEW, (name, body)
+    return out
+
+
+def _check(got: dict, want: list, name: str) -> None:
+    assert got["meta_info"]["prompt_tokens"] == len(PROMPTS[name]), got["meta_info"]
+    assert got["output_ids"] == want, f"{name}: {got['output_ids']} != reference {want}"
+
+
+@pytest.mark.parametrize("route", ROUTES)
+def test_each_prompt_matches_a_plain_server(cluster, reference, route):
+    """One request at a time through the router: every output token equals the plain server's."""
+    url = cluster.routes[route]["router"].url
+    for name, ids in PROMPTS.items():
+        status, body = S.generate(url, ids, MAX_NEW)
+        assert status == 200, (route, name, status, body)
+        _check(body, reference[name], name)
+    # the radix hit reused the prefill's cache: 192 tokens (12 whole pages of the 200 shared)
+    with open(cluster.routes[route]["prefill"].log_path) as f:
+        assert "#cached-token: 192," in f.read(), "the prefill never reported the radix hit"
+
+
+@pytest.mark.parametrize("route", ROUTES)
+def test_concurrent_prompts_match_a_plain_server(cluster, reference, route):
+    """All prompts at once: several rooms in flight in both servers and in kvstage."""
+    url = cluster.routes[route]["router"].url
+    with concurrent.futures.ThreadPoolExecutor(len(PROMPTS)) as pool:
+        futures = {name: pool.submit(S.generate, url, ids, MAX_NEW) for name, ids in PROMPTS.items()}
+    for name, f in futures.items():
+        status, body = f.result()
+        assert status == 200, (route, name, status, body)
+        _check(body, reference[name], name)
+
+
+def _arm(folder: str, fault: str, text: str = "") -> None:
+    """Arm a fault of tests/support/sglang_faults.py for the route's next request (written whole, then renamed)."""
+    with open(os.path.join(folder, fault + ".tmp"), "w") as f:
+        f.write(text)
+    os.rename(os.path.join(folder, fault + ".tmp"), os.path.join(folder, fault))
+
+
+def _wait_for_log(proc: S.Proc, start: int, needle: str, timeout_s: float) -> str:
+    """The part of ``proc``'s log after byte ``start`` once it holds ``needle``; AssertionError on timeout."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        with open(proc.log_path, errors="replace") as f:
+            f.seek(start)
+            text = f.read()
+        if needle in text:
+            return text
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{proc.name}'s log never said {needle!r}; it said:\n{text[-3000:]}")
+        time.sleep(1.0)
+
+
+@pytest.mark.parametrize("route", ROUTES)
+def test_client_gives_up_mid_request(cluster, reference, route):
+    """The client disconnects while prefill rank 0 holds the request after its forward (a slow
+    forward): the router drops it on both servers, SGLang aborts it on both, the kvstage request ends
+    on the decode, and the next request is served and matches the plain server."""
+    r = cluster.routes[route]
+    start = os.path.getsize(r["decode"].log_path)
+    _arm(r["faults"], "stall-next", str(STALL_S))
+    with pytest.raises(OSError):  # urllib's timeout: the client gives up
+        S.generate(r["router"].url, GIVE_UP_PROMPT, MAX_NEW, timeout=STALL_S / 2)
+    assert os.path.exists(os.path.join(r["faults"], "stall-next.fired")), "the stall hook never ran"
+    _wait_for_log(r["decode"], start, "the decode aborted the request", 120)
+    status, body = S.generate(r["router"].url, PROMPTS["37 tokens"], MAX_NEW)
+    assert status == 200, (status, body)
+    _check(body, reference["37 tokens"], "37 tokens")
+
+
+@pytest.mark.parametrize("route", ROUTES)
+def test_corrupted_prefill_byte_shows_in_the_decode(cluster, reference, route):
+    """The control: one KV byte changed on the prefill after its forward changes what the decode generates."""
+    r = cluster.routes[route]
+    _arm(r["faults"], "corrupt-next")
+    status, body = S.generate(r["router"].url, CORRUPT_PROMPT, MAX_NEW)
+    assert os.path.exists(os.path.join(r["faults"], "corrupt-next.fired")), "the corruption hook never ran"
+    assert status == 200, (status, body)
+    got, want = body["output_ids"], reference["corrupt"]
+    assert got[0] == want[0], (got, want)  # the prefill's own token, computed before the corruption
+    assert got[1:] != want[1:], f"decode output unchanged by a corrupted KV byte: {got}"
+
+
+@pytest.mark.parametrize("route", ROUTES)
+def test_prefill_killed_mid_request_fails_the_decode(cluster, reference, route):
+    """Prefill rank 0 dies after its forward, before kvstage sends: the client gets the decode's
+    KVTransferError with kvstage's cause; the decode server stays up. (Takes the route's prefill down.)"""
+    r = cluster.routes[route]
+    _arm(r["faults"], "die-next")
+    status, body = S.generate(r["router"].url, KILL_PROMPT, MAX_NEW)
+    assert os.path.exists(os.path.join(r["faults"], "die-next.fired")), "the kill hook never ran"
+    assert status != 200, (status, body)
+    assert "KVTransferError" in body and "connection lost" in body, (status, body)
+    assert "unknown reason from another rank" not in body, (status, body)
+    r["decode"].wait_ready(time.monotonic() + 30)  # still serving
+
+
+def test_docs_show_the_commands_this_test_runs():
+    """docs/sglang.md's CPU commands are the ones the cluster above launches (placeholders for paths and ports)."""
+    def flat(text: str) -> str:
+        return " ".join(text.replace("\\\n", " ").split())
+
+    docs = flat(open(DOCS).read())
+    for tps in ROUTES.values():
+        for command in S.doc_commands(*tps):
+            assert flat(command) in docs, f"docs/sglang.md does not show: {command}"
