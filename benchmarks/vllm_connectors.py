@@ -31,16 +31,15 @@ import tempfile
 import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
-from support.vllm_engine import EngineProcess  # noqa: E402
+from support.vllm_engine import SHARED_CORES, EngineProcess  # noqa: E402
 from support.vllm_model import build, prompts  # noqa: E402
 
 TOKEN = secrets.token_hex(16)
-BIND = {2: "0|1", 1: "0"}  # prefill engines; the decode engine takes core 1
 MODEL = dict(layers=8, heads=8, kv_heads=8, head_dim=64, intermediate=1024, max_len=2048)
 
 
-def engine_env(connector: str, port: int, bind: str) -> dict:
-    env = {"VLLM_CPU_OMP_THREADS_BIND": bind}
+def engine_env(connector: str, port: int) -> dict:
+    env = dict(SHARED_CORES)
     if connector == "nixl":
         env.update(VLLM_NIXL_SIDE_CHANNEL_HOST="127.0.0.1", VLLM_NIXL_SIDE_CHANNEL_PORT=str(port))
     return env
@@ -54,9 +53,9 @@ def start_engines(connector, model, pairs, root, kv_mb, port0):
     for i, tp in enumerate(sorted({p for p, _ in pairs}, reverse=True)):
         engines[tp] = EngineProcess(f"{connector}-P{tp}", os.path.join(root, f"{connector}-P{tp}.log"), *common,
                                     *extra, "--tp", str(tp), "--role", "kv_producer",
-                                    env=engine_env(connector, port0 + 10 * i, BIND[tp]))
+                                    env=engine_env(connector, port0 + 10 * i))
     engines["D"] = EngineProcess(f"{connector}-D", os.path.join(root, f"{connector}-D.log"), *common, *extra,
-                                 "--tp", "1", "--role", "kv_consumer", env=engine_env(connector, port0 + 90, "1"))
+                                 "--tp", "1", "--role", "kv_consumer", env=engine_env(connector, port0 + 90))
     return engines
 
 

@@ -2,8 +2,10 @@
 
 Starts the two OpenAI API servers of docs/vllm.md ("CPU: two engines on one machine") with the
 tiny random Llama of the tests (tests/support/vllm_model.py, plus a word-level tokenizer so that
-the servers take text): prefill TP 2 on cores 0-1, decode TP 1 on core 1 (the doc's 2-core choice),
-``kv_load_failure_policy`` recompute, ``KVSTAGE_ARENA_MB=64``, every other setting at its default.
+the servers take text): prefill TP 2 and decode TP 1 unpinned on the machine's two cores (the doc's
+2-core choice, ``SHARED_CORES``), ``kv_load_failure_policy`` recompute, ``KVSTAGE_ARENA_MB=64``, every
+other setting at its default. ``--pinned`` is the control: prefill ranks on cores 0 and 1, decode on
+core 1, as ``VLLM_CPU_OMP_THREADS_BIND`` would place them.
 Then, per request, one after another, as the doc's snippet does: the prompt to the prefill server
 with ``max_tokens=1`` and ``{"do_remote_decode": true}``, then to the decode server with the
 returned ``kv_transfer_params``.
@@ -19,7 +21,7 @@ returned ``kv_transfer_params``.
 - Worst waits: the longest load, kvstage's "is slow" warnings, pull errors, and the endpoints'
   "did not run for S s" lines (a process starved or stopped), from both servers' logs.
 
-    python benchmarks/vllm_http.py [--requests 24] [--runs 2] [--json out.json]
+    python benchmarks/vllm_http.py [--requests 24] [--runs 2] [--pinned] [--json out.json]
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ import urllib.error
 import urllib.request
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
+from support.vllm_engine import SHARED_CORES  # noqa: E402
 from support.vllm_model import build, prompts, text  # noqa: E402
 
 CFG = '"kv_connector":"KVStageConnector","kv_connector_module_path":"kvstage.plugin.vllm"'
@@ -70,7 +73,7 @@ def free_port(preferred: int) -> int:
             return s.getsockname()[1]
 
 
-def serve(model: str, port: int, role: str, root: str, label: str) -> subprocess.Popen:
+def serve(model: str, port: int, role: str, root: str, label: str, pinned: bool) -> subprocess.Popen:
     """The doc's command line for one server (its own session: it and its TP workers stop together)."""
     if role == "prefill":
         cmd = ["--port", str(port), "-tp", "2", *COMMON, "--kv-transfer-config", f'{{{CFG},"kv_role":"kv_producer"}}']
@@ -78,9 +81,9 @@ def serve(model: str, port: int, role: str, root: str, label: str) -> subprocess
     else:
         cmd = ["--port", str(port), *COMMON, "--kv-transfer-config",
                f'{{{CFG},"kv_role":"kv_consumer","kv_load_failure_policy":"recompute"}}']
-        bind = "1"  # the doc: on a 2-core machine the decode gets core 1
-    env = dict(os.environ, VLLM_CPU_OMP_THREADS_BIND=bind, KVSTAGE_ARENA_MB="64",
-               VLLM_LOGGING_CONFIG_PATH=log_config(root, label))
+        bind = "1"  # the control: the decode shares core 1 with the prefill's rank 1
+    cores = {"VLLM_CPU_OMP_THREADS_BIND": bind} if pinned else SHARED_CORES
+    env = dict(os.environ, **cores, KVSTAGE_ARENA_MB="64", VLLM_LOGGING_CONFIG_PATH=log_config(root, label))
     full = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model, *cmd]
     with open(os.path.join(root, f"{label}.cmd"), "w") as f:
         f.write(" ".join(full) + "\n")
@@ -151,11 +154,12 @@ def one_run(run: int, args, model: str, ps: list[str], root: str) -> dict:
     os.makedirs(rdir)
     pp, dp = free_port(args.prefill_port), free_port(args.decode_port)
     t0 = time.monotonic()
-    servers = {"prefill": serve(model, pp, "prefill", rdir, "prefill"), "decode": serve(model, dp, "decode", rdir, "decode")}
+    servers = {role: serve(model, port, role, rdir, role, args.pinned) for role, port in (("prefill", pp), ("decode", dp))}
     reqs = []
     try:
         startup = {k: wait_ready(p, servers[k]) for k, p in (("prefill", pp), ("decode", dp))}
-        print(f"run {run}: servers ready in {max(startup.values()):.0f} s, load avg {os.getloadavg()[0]:.1f}", flush=True)
+        print(f"run {run} ({'pinned to shared cores' if args.pinned else 'unpinned'}): servers ready in "
+              f"{max(startup.values()):.0f} s, load avg {os.getloadavg()[0]:.1f}", flush=True)
         plain = [post(dp, model=model, prompt=p, max_tokens=args.max_tokens, temperature=0, ignore_eos=True,
                       cache_salt="plain")["choices"][0]["text"] for p in ps]
         for i, p in enumerate(ps):
@@ -214,6 +218,7 @@ def main() -> None:
     ap.add_argument("--prefill-port", type=int, default=8100)
     ap.add_argument("--decode-port", type=int, default=8200)
     ap.add_argument("--seed", type=int, default=11)
+    ap.add_argument("--pinned", action="store_true", help="the control: pin the engines' workers to shared cores")
     ap.add_argument("--json", help="write every run's records here")
     args = ap.parse_args()
     root = tempfile.mkdtemp(prefix="kvstage-vllm-http-")

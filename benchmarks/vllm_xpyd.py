@@ -1,9 +1,9 @@
 """xPyD in real vLLM CPU engines: two prefill engines (TP 2 and TP 1), one decode engine (TP 1),
 KVStageConnector against vLLM's NixlConnector, the same model and prompts for both.
 
-Per connector three engines (tests/support/vllm_engine.py, one process each): ``P2`` (TP 2, cores
-0-1), ``P1`` (TP 1, core 0), ``D`` (TP 1, core 1, ``kv_load_failure_policy="fail"`` so that a failed
-load shows as a failed request). A minimal router in this script sends request *i* to ``P2`` when *i*
+Per connector three engines (tests/support/vllm_engine.py, one process each, unpinned on the
+machine's cores as ``SHARED_CORES`` says): ``P2`` (TP 2), ``P1`` (TP 1), ``D`` (TP 1,
+``kv_load_failure_policy="fail"`` so that a failed load shows as a failed request). A minimal router in this script sends request *i* to ``P2`` when *i*
 is even and to ``P1`` when odd (``max_tokens=1``, ``do_remote_decode``), then the same prompt to ``D``
 with the returned ``kv_transfer_params``, keeping ``--inflight`` requests in the pipeline.
 
@@ -39,11 +39,11 @@ import threading
 import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
-from support.vllm_engine import EngineProcess  # noqa: E402
+from support.vllm_engine import SHARED_CORES, EngineProcess  # noqa: E402
 from support.vllm_model import build, prompts  # noqa: E402
 
 MODEL = dict(layers=8, heads=8, kv_heads=8, head_dim=64, intermediate=1024, max_len=2048)
-PREFILL = {"P2": (2, "0|1"), "P1": (1, "0")}  # name -> (TP, VLLM_CPU_OMP_THREADS_BIND); D takes core 1
+PREFILL = {"P2": 2, "P1": 1}  # name -> TP
 
 
 def trace_config(root: str, label: str) -> str:
@@ -66,8 +66,8 @@ def start(connector: str, model: str, root: str, kv_mb: int, port0: int, extra: 
     if extra:
         common += ["--extra", json.dumps(extra)]
     engines = {}
-    for i, (name, (tp, bind)) in enumerate([*PREFILL.items(), ("D", (1, "1"))]):
-        env = {"VLLM_CPU_OMP_THREADS_BIND": bind}
+    for i, (name, tp) in enumerate([*PREFILL.items(), ("D", 1)]):
+        env = dict(SHARED_CORES)
         if trace:
             env["VLLM_LOGGING_CONFIG_PATH"] = trace_config(root, f"{connector}-{name}")
         if connector == "nixl":
@@ -154,7 +154,7 @@ def summarize(res: dict, ref: list) -> list[dict]:
             first = [x for x in r["first"] if x["prefill"] == p]
             bad = [x["i"] for x in load + first if x["tokens"] != ref[x["i"]]]
             rows.append({
-                "connector": c, "pair": f"{PREFILL[p][0]}→1", "prefill": p, "n": len(load),
+                "connector": c, "pair": f"{PREFILL[p]}→1", "prefill": p, "n": len(load),
                 "ttft_p50": pct([x["ttft_s"] for x in load], 50), "ttft_p99": pct([x["ttft_s"] for x in load], 99),
                 "load_p50": pct([x["load_s"] for x in load], 50), "load_p99": pct([x["load_s"] for x in load], 99),
                 "received_p50": pct([x.get("received_s") for x in load], 50),

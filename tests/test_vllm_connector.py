@@ -33,7 +33,7 @@ if importlib.util.find_spec("vllm") is None:
     pytest.skip("vllm is not importable here (CI runs these in the vLLM venv, see .ci/run)", allow_module_level=True)
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from support.vllm_engine import EngineProcess  # noqa: E402
+from support.vllm_engine import SHARED_CORES, EngineProcess  # noqa: E402
 from support.vllm_model import KV_HEADS, LAYERS, HEAD_DIM, build, prompts  # noqa: E402
 
 LENGTHS = (40, 77, 100)  # more than one 32-token block each, none a multiple of 32
@@ -49,11 +49,11 @@ def engines(tmp_path_factory):
     common = ["--model", model, "--extra", json.dumps(EXTRA)]
     procs = {
         "A": EngineProcess("A", str(root / "A.log"), *common, "--tp", "2", "--policy", "recompute", "--log-stats",
-                           env={"VLLM_CPU_OMP_THREADS_BIND": "0|1"}),
+                           env=SHARED_CORES),
         "B": EngineProcess("B", str(root / "B.log"), *common, "--tp", "1", "--policy", "fail",
-                           env={"VLLM_CPU_OMP_THREADS_BIND": "1"}),
+                           env=SHARED_CORES),
         "C": EngineProcess("C", str(root / "C.log"), *common, "--tp", "1", "--role", "kv_producer",
-                           env={"VLLM_CPU_OMP_THREADS_BIND": "0"}),
+                           env=SHARED_CORES),
     }
     try:
         for p in procs.values():

@@ -1,6 +1,5 @@
-"""Real SGLang 0.5.23 servers on CPU for tests/test_sglang_servers.py (and
-benchmarks/sglang_backends.py): a random model built here, server and router processes, and
-the HTTP calls made to them.
+"""Real SGLang 0.5.23 servers on CPU for tests/test_sglang_servers.py: a random model built
+here, server and router processes, and the HTTP calls made to them.
 
 Nothing here replaces SGLang code. The servers are ``python -m sglang.launch_server``
 processes and the router is ``python -m sglang_router.launch_router``; what CPU

@@ -45,6 +45,12 @@ import threading
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+
+#: The environment of an engine whose cores other engines share (the CI machine has two). vLLM pins
+#: each CPU worker's main thread (``VLLM_CPU_OMP_THREADS_BIND``), and that thread spins while a request
+#: waits for KV; another engine's process pinned to the same core then gets no CPU until a timeout
+#: ends the wait (docs/vllm.md). Unpinned, the kernel runs each where a core is free.
+SHARED_CORES = {"VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": "1"}
 log = logging.getLogger("kvstage.clock")  # timelines (benchmarks/vllm_timeline.py) read its DEBUG lines
 
 

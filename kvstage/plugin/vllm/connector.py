@@ -39,6 +39,7 @@ requests.
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import dataclasses
 import logging
 import os
@@ -93,6 +94,33 @@ def _into_vllms_log() -> None:
 
 
 _into_vllms_log()
+
+def _on_every_cpu() -> None:
+    """Let the calling thread run on every CPU this process may use. vLLM pins a CPU worker's
+    main thread to its cores, and threads inherit the pin; between steps that thread (or another
+    engine's on the same core) spins, and kvstage's threads there would get no CPU until a peer's
+    timeout ends the spin. Control threads need little CPU, but they need it on time."""
+    try:
+        os.sched_setaffinity(0, range(os.cpu_count() or 1))
+    except (AttributeError, OSError):  # not Linux, or a cpuset that refuses: keep the inherited mask
+        pass
+
+
+@contextlib.contextmanager
+def _threads_on_every_cpu():
+    """Threads started inside (the endpoint's loop and pinger, its transport's, the pull server's)
+    run on every CPU; the calling thread keeps its own pin afterwards."""
+    try:
+        saved = os.sched_getaffinity(0)
+    except (AttributeError, OSError):
+        yield
+        return
+    _on_every_cpu()
+    try:
+        yield
+    finally:
+        os.sched_setaffinity(0, saved)
+
 
 PARAMS_VERSION = 1
 
@@ -427,7 +455,8 @@ class _Worker:
         self._finished: set[str] = set()  # finished_req_ids seen (send reports must name one)
         self._loading: dict[str, _Loading] = {}
         # pulls (one per prefill rank and request; a hung prefill holds one for pull_timeout_s), releases
-        self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=16, thread_name_prefix="kvstage")
+        self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=16, thread_name_prefix="kvstage",
+                                                           initializer=_on_every_cpu)
         self.recent: list[dict] = []  # the last receives on this rank (tests, benchmarks)
         self.policy = getattr(cfg, "kv_load_failure_policy", "fail")  # what vLLM does after a failed load
         self.stats = KVStageStats()  # this step's loads, for vLLM's connector stats
@@ -449,6 +478,16 @@ class _Worker:
         self.cache = RankCache(spec, self.rank, self.layout.buffers(kv_caches))
         if self.layout.duplicated_last:
             self.settings.direct = False  # one layer stands in two buffers: never register it twice
+        with _threads_on_every_cpu():
+            self._open_endpoints(vc, spec)
+        logger.info("kvstage: rank %d/%d (%s): %d layers as kvstage %s, %d heads here, pages of %d %s%s; its "
+                    "threads run on every CPU, not on the worker's pinned cores",
+                    self.rank, self.tp, _role(self), self.layout.layers, spec.geometry, spec.local_heads(),
+                    self.layout.page_size, self.layout.order,
+                    f", pulls on {self.server.address[0]}:{self.server.address[1]}" if self.server else "")
+
+    def _open_endpoints(self, vc, spec) -> None:
+        """This rank's one Source (prefill) and one Destination (decode) for the engine's life."""
         if self.producer:
             check_listen(self.settings, (self.extra["host"], 0), f"kvstage prefill rank {self.rank}'s pull port")
             from kvstage.protocol.source import Source
@@ -461,10 +500,6 @@ class _Worker:
 
             self.dst = self._registered(Destination(self.cache, self.settings, listen=(self.extra["host"], 0),
                                                     engine=self.engine_id, model=model_identity(vc)))
-        logger.info("kvstage: rank %d/%d (%s): %d layers as kvstage %s, %d heads here, pages of %d %s%s",
-                    self.rank, self.tp, _role(self), self.layout.layers, spec.geometry, spec.local_heads(),
-                    self.layout.page_size, self.layout.order,
-                    f", pulls on {self.server.address[0]}:{self.server.address[1]}" if self.server else "")
 
     def _registered(self, ep):
         """``ep`` with the KV pool registered now where the direct path may need it (equal TP), so
