@@ -152,12 +152,13 @@ def scan(path: str) -> dict:
 def one_run(run: int, args, model: str, ps: list[str], root: str) -> dict:
     rdir = os.path.join(root, f"run{run}")
     os.makedirs(rdir)
-    pp, dp = free_port(args.prefill_port), free_port(args.decode_port)
+    ports = {"prefill": free_port(args.prefill_port), "decode": free_port(args.decode_port)}
+    pp, dp = ports["prefill"], ports["decode"]
     t0 = time.monotonic()
-    servers = {role: serve(model, port, role, rdir, role, args.pinned) for role, port in (("prefill", pp), ("decode", dp))}
+    servers = {role: serve(model, port, role, rdir, role, args.pinned) for role, port in ports.items()}
     reqs = []
     try:
-        startup = {k: wait_ready(p, servers[k]) for k, p in (("prefill", pp), ("decode", dp))}
+        startup = {role: wait_ready(port, servers[role]) for role, port in ports.items()}
         print(f"run {run} ({'pinned to shared cores' if args.pinned else 'unpinned'}): servers ready in "
               f"{max(startup.values()):.0f} s, load avg {os.getloadavg()[0]:.1f}", flush=True)
         plain = [post(dp, model=model, prompt=p, max_tokens=args.max_tokens, temperature=0, ignore_eos=True,

@@ -3,9 +3,10 @@ KVStageConnector against vLLM's NixlConnector, the same model and prompts for bo
 
 Per connector three engines (tests/support/vllm_engine.py, one process each, unpinned on the
 machine's cores as ``SHARED_CORES`` says): ``P2`` (TP 2), ``P1`` (TP 1), ``D`` (TP 1,
-``kv_load_failure_policy="fail"`` so that a failed load shows as a failed request). A minimal router in this script sends request *i* to ``P2`` when *i*
-is even and to ``P1`` when odd (``max_tokens=1``, ``do_remote_decode``), then the same prompt to ``D``
-with the returned ``kv_transfer_params``, keeping ``--inflight`` requests in the pipeline.
+``kv_load_failure_policy="fail"`` so that a failed load shows as a failed request). A minimal
+router in this script sends request *i* to ``P2`` when *i* is even and to ``P1`` when odd
+(``max_tokens=1``, ``do_remote_decode``), then the same prompt to ``D`` with the returned
+``kv_transfer_params``, keeping ``--inflight`` requests in the pipeline.
 
 1. **Plain reference.** Each ``D`` computes every prompt itself (no transfer); the two connectors'
    decode engines must agree, and every disaggregated decode must give the same tokens.

@@ -95,6 +95,7 @@ def _into_vllms_log() -> None:
 
 _into_vllms_log()
 
+
 def _on_every_cpu() -> None:
     """Let the calling thread run on every CPU this process may use. vLLM pins a CPU worker's
     main thread to its cores, and threads inherit the pin; between steps that thread (or another
