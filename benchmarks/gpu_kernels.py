@@ -2,10 +2,11 @@
 
 Llama-3-8B KV geometry (32 layers, 8 KV heads, head_dim 128, bf16), page
 size 16, random page order. Times with CUDA events, best of N after warm-up.
-The main figures time a chunk's copy as the endpoints issue it (page ids
-uploaded when the request was posted; the scatter prepared at grant time);
-"cold" puts every set-up step inside the timed call. "torch" rows run the
-same copies through the torch copier, for comparison.
+The gather is a source's whole shard in head order; the scatter, every writer's
+piece of a destination's slot. The main figures time a chunk's copy as the
+endpoints issue it (page ids uploaded when the request was posted; the scatter
+prepared at grant time); "cold" puts every set-up step inside the timed call.
+"torch" rows run the same copies through the torch copier, for comparison.
 Usage: python benchmarks/gpu_kernels.py [--json PATH]
 """
 
@@ -20,6 +21,7 @@ import torch
 from kvstage.layout import KVGeometry, PageLayout, pages_needed
 from kvstage.staging import copy as kcopy
 from kvstage.staging.cache import RankCache
+from kvstage.staging.region import Order, RegionPiece, end_to_end
 from kvstage.tp import SideSpec, plan
 
 
@@ -72,30 +74,31 @@ def case(src_tp, dst_tp, tokens, fused=True, host_region=False):
     dst = RankCache.allocate(p.dst, 0, pages, dev, copier=copier)
     sp = rng.permutation(pages)[: pages_needed(tokens, 16)]
     dp = rng.permutation(pages)[: pages_needed(tokens, 16)]
-    piece = p.targets_of(0)[0]
-    writers = p.writers_of(0)
-    nbytes_g = p.piece_token_bytes(piece) * tokens
-    offs = p.writer_offsets(0, tokens)
-    nbytes_s = sum(p.piece_token_bytes(w) * tokens for w in writers)
+    hb = geo.head_bytes()
+    # the source's gather: its whole shard, head order (each destination reads its heads' rows from it)
+    shard = [RegionPiece(0, p.src.local_heads(), range(geo.buffers), 0, Order.HEADS)]
+    # the destination's scatter: every writer's piece of its slot, laid end to end
+    pieces = end_to_end([RegionPiece(w.dst_offset, w.heads.count, w.buffers, 0, Order.HEADS) for w in p.writers_of(0)],
+                        hb, tokens)
+    nbytes_g = shard[0].nbytes(hb, tokens)
+    nbytes_s = pieces[-1].offset + pieces[-1].nbytes(hb, tokens)
     if host_region:  # the pinned-host arena: the kernel reads/writes host memory over the GPU's host link
         region = torch.empty(max(nbytes_g, nbytes_s), dtype=torch.uint8).pin_memory()
     else:
         region = torch.empty(max(nbytes_g, nbytes_s), dtype=torch.uint8, device=dev)
-    pieces = [(w.dst_offset, w.heads.count, offs[w.src_rank]) for w in writers]
     # as the endpoints run them: page ids uploaded once when the request is posted
     # (send / expect), the source building its chunk index at grant time, the
     # destination's scatter prepared at grant time and launched when the bytes land
     sdev, ddev = kcopy.upload_pages(src, sp), kcopy.upload_pages(dst, dp)
 
     def do_gather():
-        kcopy.gather(src, kcopy.TokenIndex(src, sp, 0, tokens, sdev), piece.src_offset, piece.heads.count,
-                     region[:nbytes_g])
+        kcopy.gather(src, kcopy.TokenIndex(src, sp, 0, tokens, sdev), shard, region)
 
     do_scatter = kcopy.prepare_scatter(dst, kcopy.TokenIndex(dst, dp, 0, tokens, ddev), pieces, region)
 
     # cold: every set-up step inside the timed call (page ids uploaded per call, scatter prepared per call)
     def cold_gather():
-        kcopy.gather(src, kcopy.TokenIndex(src, sp, 0, tokens), piece.src_offset, piece.heads.count, region[:nbytes_g])
+        kcopy.gather(src, kcopy.TokenIndex(src, sp, 0, tokens), shard, region)
 
     def cold_scatter():
         kcopy.scatter_chunk(dst, kcopy.TokenIndex(dst, dp, 0, tokens), pieces, region)

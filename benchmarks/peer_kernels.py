@@ -45,6 +45,7 @@ from gpu_kernels import timed
 from kvstage.layout import KVGeometry, PageLayout, pages_needed
 from kvstage.staging import copy as kcopy
 from kvstage.staging.cache import RankCache
+from kvstage.staging.region import Order, RegionPiece, end_to_end
 from kvstage.tp import SideSpec, plan
 
 PAGE = 16
@@ -111,22 +112,30 @@ def case(sb, src_tp: int, dst_tp: int, tokens: int) -> dict:
             b.view(torch.int16).random_(-2**15, 2**15)
     dst_ours = RankCache.allocate(p.dst, 0, pool, dev)
     dst_peer = RankCache.allocate(p.dst, 0, pool, dev)
-    offs = p.writer_offsets(0, tokens)
-    nbytes_s = sum(p.piece_token_bytes(w) * tokens for w in writers)
+    hb = geo.head_bytes()
+    # kvstage's slot: each writer's piece in head order, end to end (SGLang's staging holds the writers end to end
+    # in its own layout)
+    pieces = end_to_end([RegionPiece(w.dst_offset, w.heads.count, w.buffers, 0, Order.HEADS) for w in writers],
+                        hb, tokens)
+    offs = {w.src_rank: piece.offset for w, piece in zip(writers, pieces)}
+    nbytes_s = pieces[-1].offset + pieces[-1].nbytes(hb, tokens)
     region = torch.empty(nbytes_s, dtype=torch.uint8, device=dev)
     staging = sb.StagingBuffer(nbytes_s, "cuda", 0)
     w0 = writers[0]
     src0 = srcs[w0.src_rank]
     nbytes_g = p.piece_token_bytes(w0) * tokens
 
+    def gathered(w) -> list[RegionPiece]:
+        """Writer ``w``'s gather: its heads for destination 0, at its place in the slot."""
+        return [RegionPiece(w.src_offset, w.heads.count, w.buffers, offs[w.src_rank], Order.HEADS)]
+
     # kvstage, as the endpoints issue it
     sdev, ddev = kcopy.upload_pages(src0, sp), kcopy.upload_pages(dst_ours, dp)
+    first = gathered(w0)
 
     def ours_gather():
-        kcopy.gather(src0, kcopy.TokenIndex(src0, sp, 0, tokens, sdev), w0.src_offset, w0.heads.count,
-                     region[offs[w0.src_rank]:offs[w0.src_rank] + nbytes_g])
+        kcopy.gather(src0, kcopy.TokenIndex(src0, sp, 0, tokens, sdev), first, region)
 
-    pieces = [(w.dst_offset, w.heads.count, offs[w.src_rank]) for w in writers]
     ours_scatter = kcopy.prepare_scatter(dst_ours, kcopy.TokenIndex(dst_ours, dp, 0, tokens, ddev), pieces, region)
 
     # the peer, as SGLang's transfer path calls it (its staging holds a writer's region end to end)
@@ -143,8 +152,7 @@ def case(sb, src_tp: int, dst_tp: int, tokens: int) -> dict:
     # the same bytes land: every writer gathered by each side, then each side's scatter
     for w in writers:
         c = srcs[w.src_rank]
-        kcopy.gather(c, kcopy.TokenIndex(c, sp, 0, tokens), w.src_offset, w.heads.count,
-                     region[offs[w.src_rank]:offs[w.src_rank] + p.piece_token_bytes(w) * tokens])
+        kcopy.gather(c, kcopy.TokenIndex(c, sp, 0, tokens), gathered(w), region)
         kw, vw = layers(c)
         nbytes = p.piece_token_bytes(w) * tokens
         own = sb.StagingBuffer(nbytes, "cuda", 0)  # the writer's staging, sent end to end into the reader's

@@ -32,10 +32,12 @@ def _env(name: str, default, kind):
 
 
 ARENA_LOCATIONS = ("auto", "device", "host")
-MAPPED = ("auto", "on", "off")
-SHARE_KV = ("auto", "off")
+#: ``Settings.path``: "auto", or one path forced (``protocol.route.Path``; kept here, below the protocol)
+PATHS = ("auto", "ipc", "direct", "pages", "read")
+#: the paths that read a source's KV pages themselves (not its arena): they need a one-sided transport
+PAGE_PATHS = ("ipc", "direct", "pages")
 PING_INTERVAL_S = 1.0  # every endpoint pings each peer this often; silence past peer_timeout_s fails its requests
-#: transports ``Settings.transport`` may name; the one-sided ones support the direct path
+#: transports ``Settings.transport`` may name; the one-sided ones read a peer's pages without its offer
 TRANSPORTS = ("nixl", "ucx", "cma")
 ONE_SIDED = ("nixl", "cma")
 MIN_ARENA_BYTES = 4096  # one page: the smallest arena that holds a slot
@@ -45,7 +47,7 @@ MIN_ARENA_BYTES = 4096  # one page: the smallest arena that holds a slot
 class Settings:
     """Per-endpoint settings. Defaults come from ``KVSTAGE_*`` variables."""
 
-    #: nixl (one-sided NIXL writes), ucx (two-sided UCX through UCXX), cma (one host, host memory)
+    #: nixl (one-sided NIXL reads), ucx (two-sided UCX through UCXX), cma (one host, host memory)
     transport: str = field(default_factory=lambda: _env("KVSTAGE_TRANSPORT", "nixl", str))
     #: the shared secret every source presents in its hello; empty: none
     auth_token: str = field(default_factory=lambda: _env("KVSTAGE_AUTH_TOKEN", "", str))
@@ -54,29 +56,19 @@ class Settings:
     #: where the arena lives: auto (a CUDA cache's GPU when UCX can move device memory, else pinned host
     #: memory), device, host
     arena: str = field(default_factory=lambda: _env("KVSTAGE_ARENA", "auto", str))
-    #: whole shards with equal paging write their page runs in place. None: when that is expected to be
-    #: at least as fast as staging (``route``); True: always where possible; False: never
-    direct: bool | None = field(default_factory=lambda: _env("KVSTAGE_DIRECT", None, bool))
-    #: a source on its destination's host gathers straight into the destination's arena: auto (CUDA
-    #: arenas on the source's own GPU, through CUDA IPC), on (also another GPU's arena, and host arenas
-    #: through a memfd; refuse a destination that cannot share), off (always a transport write)
-    mapped: str = field(default_factory=lambda: _env("KVSTAGE_MAPPED", "auto", str))
-    #: a destination whose KV pages are CUDA memory shares them with authenticated sources of its host and
-    #: user that ask (CUDA IPC), which then write their head slices straight into its pages: auto (where the
-    #: memory can be shared) or off (never: they go through the arena)
-    share_kv: str = field(default_factory=lambda: _env("KVSTAGE_SHARE_KV", "auto", str))
-    #: a request waits this long for its other side to announce it
+    #: which way requests go: auto (by the route's rule, per request: ``protocol.route``), or one of ipc,
+    #: direct, pages, read, forced (a request that cannot take it fails, naming why)
+    path: str = field(default_factory=lambda: _env("KVSTAGE_PATH", "auto", str))
+    #: a request waits this long for its other side: a destination for its sources' ``ready``, a source for a
+    #: destination to start reading it
     ready_timeout_s: float = field(default_factory=lambda: _env("KVSTAGE_READY_TIMEOUT_S", 120.0, float))
-    #: a granted chunk not landed (a write not complete) this long after its grant fails its request, if
-    #: the peer it waits for runs (its pings say its loop turns); a busy peer's request is only slow
+    #: a request that makes no progress this long (a read not complete, a chunk not gathered, a read not
+    #: reported) fails, if the peer it waits for runs (its pings say its loop turns); a busy peer's is only slow
     stall_timeout_s: float = field(default_factory=lambda: _env("KVSTAGE_STALL_TIMEOUT_S", 30.0, float))
     #: a peer silent (no ping) this long is taken for stopped or hung, and its requests fail
     peer_timeout_s: float = field(default_factory=lambda: _env("KVSTAGE_PEER_TIMEOUT_S", 30.0, float))
-    #: a destination keeps the slots granted to a writer lost before they landed out of use this long,
-    #: unless the late writes' notices arrive first: bytes queued on a cut link can land once it is back
-    late_write_hold_s: float = field(default_factory=lambda: _env("KVSTAGE_LATE_WRITE_HOLD_S", 60.0, float))
     #: a destination with no ``auth_token`` may listen on an address other than loopback, open to anyone
-    #: who reaches it (who then may take staging slots, not KV pages: the direct path needs the token)
+    #: who reaches it (who then may read staging slots, not KV pages: the page paths need the token)
     allow_unauthenticated: bool = field(default_factory=lambda: _env("KVSTAGE_ALLOW_UNAUTHENTICATED", False, bool))
     #: serve this process's Prometheus metrics over HTTP on this port plus the endpoint's rank (``metrics.serve``);
     #: None: no port of kvstage's own (an engine's /metrics may still show them, docs/metrics.md)
@@ -92,24 +84,17 @@ class Settings:
                               "the arena from the model and the device")
         if self.transport not in TRANSPORTS:
             raise ConfigError(f"transport={self.transport!r}: must be one of {', '.join(TRANSPORTS)}")
-        if self.direct and self.transport not in ONE_SIDED:
+        if self.path not in PATHS:
+            raise ConfigError(f"path={self.path!r}: must be one of {', '.join(PATHS)}")
+        if self.path in PAGE_PATHS and self.path != "ipc" and self.transport not in ONE_SIDED:
             raise ConfigError(
-                f"direct={self.direct!r} with transport={self.transport!r}: the direct path writes into the "
-                f"destination's KV pages one-sidedly, which {self.transport} (two-sided) cannot do; "
-                "unset KVSTAGE_DIRECT (equal TP then goes staged) or set KVSTAGE_TRANSPORT=nixl"
+                f"path={self.path!r} with transport={self.transport!r}: the {self.path} path reads the source's KV "
+                f"pages one-sidedly, which {self.transport} (two-sided) cannot do; set KVSTAGE_PATH=auto or read, "
+                "or KVSTAGE_TRANSPORT=nixl"
             )
         if self.peer_timeout_s < 2 * PING_INTERVAL_S:
             raise ConfigError(f"peer_timeout_s={self.peer_timeout_s!r}: must be >= {2 * PING_INTERVAL_S:g} s "
                               f"(peers ping every {PING_INTERVAL_S:g} s)")
-        if self.share_kv not in SHARE_KV:
-            raise ConfigError(f"share_kv={self.share_kv!r}: must be one of {', '.join(SHARE_KV)}")
-        if self.mapped not in MAPPED:
-            raise ConfigError(f"mapped={self.mapped!r}: must be one of {', '.join(MAPPED)}")
-        if self.mapped == "on" and self.transport not in ONE_SIDED:
-            raise ConfigError(
-                f"mapped='on' with transport={self.transport!r}: a mapped arena replaces one-sided writes; "
-                f"{self.transport} is two-sided (its receives are posted per chunk); set KVSTAGE_MAPPED=auto or off"
-            )
         if self.arena not in ARENA_LOCATIONS:
             raise ConfigError(f"arena={self.arena!r}: must be one of {', '.join(ARENA_LOCATIONS)}")
         if not isinstance(self.allow_unauthenticated, bool):
@@ -123,17 +108,11 @@ class Settings:
             if importlib.util.find_spec("prometheus_client") is None:
                 raise ConfigError(f"metrics_port={self.metrics_port}: needs prometheus_client; "
                                   "pip install 'kvstage[metrics]', or unset metrics_port")
-        if self.direct and not self.auth_token:
-            raise ConfigError(
-                "direct=True without auth_token: the direct path lets a peer write into this rank's KV pages, "
-                "which only a peer presenting the token may; set KVSTAGE_AUTH_TOKEN (the same on every rank)"
-            )
-
     @property
-    def may_go_direct(self) -> bool:
-        """Whether the direct path is allowed at all (auto or on): a one-sided transport, and a token
-        (a peer is given the KV pages' regions only when it presented one)."""
-        return self.direct is not False and self.transport in ONE_SIDED and bool(self.auth_token)
+    def offers_pages(self) -> bool:
+        """Whether this rank's KV pages may be read by peers at all (a path other than read allowed, and a
+        token: a peer is given the pages only when it presented one)."""
+        return self.path != "read" and bool(self.auth_token)
 
     @property
     def arena_bytes(self) -> int | None:

@@ -17,6 +17,10 @@ class TransportError(KVStageError):
     """The transport failed a registration, a connection or a write."""
 
 
+class MappingError(KVStageError):
+    """A peer's shared memory (an arena, KV buffers, an event) cannot be mapped here; the reason says why."""
+
+
 class ProtocolError(KVStageError):
     """A peer sent a message that breaks the protocol (malformed, out of bounds, wrong state)."""
 

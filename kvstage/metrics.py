@@ -45,20 +45,20 @@ INSTALL = "pip install 'kvstage[metrics]'"
 SWITCH = "KVSTAGE_METRICS"
 
 #: the cause classes of ``kvstage_failures_total`` (``classify``); a small, closed set
-CAUSES = ("connection_lost", "peer_silent", "timeout", "aborted", "refused", "write_error", "copy_error", "mismatch",
+CAUSES = ("connection_lost", "peer_silent", "timeout", "aborted", "refused", "read_error", "copy_error", "mismatch",
           "shutdown", "other")
 #: the stages a failure or a slow request is labelled with; any other is "other"
-FAILURE_STAGES = ("start", "waiting_for_grant", "waiting_for_writers", "ready", "grant", "gather", "write", "scatter",
-                  "abort", "shutdown", "other")
+FAILURE_STAGES = ("start", "route", "waiting_for_a_reader", "waiting_for_writers", "ready", "read", "gather",
+                  "scatter", "abort", "shutdown", "other")
 #: the stages ``kvstage_stage_seconds`` times, per chunk
-STAGES = ("gather", "write", "scatter", "slot_wait")
+STAGES = ("gather", "read", "scatter", "slot_wait")
 SEVERITIES = ("INFO", "WARNING", "ERROR")
 #: distinct peer labels one process gives; later peers are labelled "other" (said once, at INFO)
 MAX_PEER_LABELS = 256
 
 #: kvstage_request_seconds: announce to done, 0.5 ms (one H200, small) to 30 s (a loaded host, large)
 REQUEST_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
-#: kvstage_stage_seconds: one chunk's gather, write or scatter, or its wait for a slot
+#: kvstage_stage_seconds: one chunk's gather, read or scatter, or its wait for a slot
 STAGE_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0, 5.0)
 
 _ENDPOINT = ("role", "rank", "engine")
@@ -67,26 +67,25 @@ _ENDPOINT = ("role", "rank", "engine")
 # -- cause classes -------------------------------------------------------------------------------
 
 _ABORTED_BY_PEER = re.compile(r"^(source|destination) aborted:")
-_TIMEOUT = re.compile(r"\b(within|after) [0-9.]+ ?s\b|not landed|not complete")
+_TIMEOUT = re.compile(r"\b(within|after|for) [0-9.]+ ?s\b|did not complete")
 _RULES = (  # (class, pattern), first match wins; the texts are the protocol's and the engine plugins' causes
-    ("connection_lost", re.compile(r"connection lost|not connected|cannot connect")),
+    ("connection_lost", re.compile(r"connection lost|not connected|cannot connect|every rank of .* left")),
     ("peer_silent", re.compile(r"no control message for")),
-    ("mismatch", re.compile(r"tokens?,? .*(expects|sends)|announced [0-9]+ tokens|^wrong (slot|size)")),
+    ("mismatch", re.compile(r"tokens?,? .*(expects|sends)|they must agree")),
     ("shutdown", re.compile(r"^(source|destination) closed$")),
     ("timeout", _TIMEOUT),
-    ("write_error", re.compile(r"^posting receives")),
     ("aborted", re.compile(r"aborted by caller|request was aborted|finished while its kv was loading")),
-    ("refused", re.compile(r"is not prefilled|its lease of|was already pulled")),
+    ("refused", re.compile(r"no allowed path|taken by engine|past the .* pages|lie outside|is not allowed here")),
 )
-_BY_STAGE = {"abort": "aborted", "write": "write_error", "gather": "copy_error", "scatter": "copy_error",
-             "shutdown": "shutdown", "start": "mismatch"}
+_BY_STAGE = {"abort": "aborted", "read": "read_error", "gather": "copy_error", "scatter": "copy_error",
+             "shutdown": "shutdown", "start": "mismatch", "route": "refused", "ready": "refused"}
 
 
 def classify(cause: str, stage: str = "") -> str:
     """The class of a failure's cause text, one of ``CAUSES``. A peer's abort is
     ``aborted`` whatever its reason (the peer counts its own cause); a text no rule
     knows takes its class from the stage where it has one (a transport's error at
-    ``write`` is a ``write_error``, a copy's error at ``gather`` or ``scatter`` a
+    ``read`` is a ``read_error``, a copy's error at ``gather`` or ``scatter`` a
     ``copy_error``, an engine plugin's load that could not start, its peer's layout
     or parameters not fitting, a ``mismatch``), else ``other``."""
     text = str(cause).strip().lower()
@@ -157,11 +156,11 @@ class _Families:
                                 ep + ("peer", "stage", "cause"), registry=None)
         self.slow = Counter("kvstage_slow_requests", "Requests that waited long on a peer that is alive (busy, "
                             "not dead), by stage.", ep + ("peer", "stage"), registry=None)
-        self.bytes = Counter("kvstage_transfer_bytes", "KV bytes moved (landed on a destination, written by a "
-                             "source), failed requests' included.", ep + ("peer",), registry=None)
+        self.bytes = Counter("kvstage_transfer_bytes", "KV bytes moved (read into a destination, made "
+                             "readable by a source), failed requests' included.", ep + ("peer",), registry=None)
         self.seconds = Histogram("kvstage_request_seconds", "Done requests: seconds from announce to done.",
                                  ep + ("peer",), buckets=REQUEST_BUCKETS, registry=None)
-        self.stages = Histogram("kvstage_stage_seconds", "Seconds per chunk in each stage (gather, write, scatter, "
+        self.stages = Histogram("kvstage_stage_seconds", "Seconds per chunk in each stage (gather, read, scatter, "
                                 "slot_wait).", ep + ("stage",), buckets=STAGE_BUCKETS, registry=None)
         self.slots_free = Gauge("kvstage_slots_free", "Staging slots free now.", ep, registry=None,
                                 multiprocess_mode="livesum")
@@ -374,7 +373,7 @@ class EndpointMetrics:
         child.inc()
 
     def stage(self, stage: str, seconds: float) -> None:
-        """One chunk's ``seconds`` in ``stage`` (gather, write, scatter, slot_wait): ``stage_seconds{stage}``."""
+        """One chunk's ``seconds`` in ``stage`` (gather, read, scatter, slot_wait): ``stage_seconds{stage}``."""
         child = self._stages.get(stage)
         if child is None:
             if stage not in STAGES:

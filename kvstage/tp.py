@@ -10,11 +10,17 @@ Rules
   and ranks ``[k*tp/h, (k+1)*tp/h)`` all hold head ``k``.
 - MLA: the latent is never split; every rank holds all of it.
 
-A plan is a list of pieces ``(src_rank, dst_rank, heads)`` covering every head
-of every destination rank exactly once. Pieces come from interval
-intersection, so any valid pair of TP sizes works (4 -> 6 with 12 heads too).
-Where several source ranks hold the same head (replication, MLA) the sending
-is spread across them so no replica sends more than one piece more than another.
+A plan is a list of pieces ``(src_rank, dst_rank, heads, buffers)`` covering
+every (head, buffer) of every destination rank exactly once; a buffer is one
+(layer, plane) of the cache. Pieces come from interval intersection, so any
+valid pair of TP sizes works (4 -> 6 with 12 heads too).
+
+Where several source ranks hold the same heads (replication, MLA), every holder
+serves a share: with at least as many destination ranks wanting those heads as
+holders, each destination rank takes them whole from one holder, round robin;
+with fewer, each destination rank takes them from several holders, a share of
+the layers from each, so MLA 4 -> 1 reads a quarter of the layers from each of
+the four prefill ranks (their links and memory in parallel), not all from one.
 """
 
 from __future__ import annotations
@@ -104,16 +110,18 @@ class SideSpec:
 
 @dataclass(frozen=True)
 class Piece:
-    """Heads ``heads`` travel from ``src_rank`` to ``dst_rank``.
+    """Heads ``heads`` of buffers ``buffers`` travel from ``src_rank`` to ``dst_rank``.
 
     ``src_offset`` / ``dst_offset`` are the first head's index inside each
-    rank's own shard."""
+    rank's own shard; ``buffers`` are (layer, plane) buffer indices, every
+    buffer unless the heads' holders share them (a whole number of layers each)."""
 
     src_rank: int
     dst_rank: int
     heads: HeadRange
     src_offset: int
     dst_offset: int
+    buffers: range
 
 
 @dataclass(frozen=True)
@@ -128,9 +136,9 @@ class TransferPlan:
 
     @property
     def direct(self) -> bool:
-        """Whole pages can move without staging: identical paging, and every
-        piece is a whole source shard and a whole destination shard (equal TP,
-        MLA, or replicated heads on both sides)."""
+        """Page runs can move without staging: identical paging, and every piece
+        is a whole source shard and a whole destination shard (equal TP, MLA, or
+        replicated heads on both sides); a piece may be a holder's share of the layers."""
         if self.src.page != self.dst.page:
             return False
         return all(
@@ -138,21 +146,23 @@ class TransferPlan:
         )
 
     def writers_of(self, dst_rank: int) -> tuple[Piece, ...]:
-        """Pieces landing on ``dst_rank``, in destination head order (the slot order)."""
-        return tuple(sorted((p for p in self.pieces if p.dst_rank == dst_rank), key=lambda p: p.dst_offset))
+        """Pieces landing on ``dst_rank``, in destination head order, then buffer order (the slot order)."""
+        return tuple(sorted((p for p in self.pieces if p.dst_rank == dst_rank),
+                            key=lambda p: (p.dst_offset, p.buffers.start)))
 
     def targets_of(self, src_rank: int) -> tuple[Piece, ...]:
         """Pieces ``src_rank`` sends, one per destination rank at most."""
         return tuple(p for p in self.pieces if p.src_rank == src_rank)
 
     def piece_token_bytes(self, piece: Piece) -> int:
-        return token_bytes(self.geometry, piece.heads.count)
+        """Bytes of one token of ``piece``: its heads in its buffers."""
+        return piece.heads.count * len(piece.buffers) * self.geometry.head_bytes()
 
     def dst_token_bytes(self) -> int:
         return token_bytes(self.geometry, self.dst.local_heads())
 
     def writer_offsets(self, dst_rank: int, tokens: int) -> dict[int, int]:
-        """Byte offset of each writer's region inside a slot holding ``tokens`` tokens."""
+        """Byte offset of each writer's piece inside a slot holding ``tokens`` tokens."""
         out, at = {}, 0
         for p in self.writers_of(dst_rank):
             out[p.src_rank] = at
@@ -174,27 +184,33 @@ def check_pair(src: SideSpec, dst: SideSpec) -> None:
     dst.check("destination")
 
 
+def layer_share(layers: int, planes: int, index: int, holders: int) -> range:
+    """The buffers holder ``index`` of ``holders`` serves: an even share of whole layers
+    (empty where there are more holders than layers)."""
+    return range(index * layers // holders * planes, (index + 1) * layers // holders * planes)
+
+
 def plan(src: SideSpec, dst: SideSpec) -> TransferPlan:
     """Build the transfer plan for a pair of sides (validated first)."""
     check_pair(src, dst)
-    load = [0] * src.tp
+    geo = src.geometry
+    every = range(geo.buffers)
     pieces: list[Piece] = []
-    if src.geometry.mla:
-        for d in range(dst.tp):
-            s = d % src.tp
-            pieces.append(Piece(s, d, HeadRange(0, 1), 0, 0))
-        return TransferPlan(src, dst, tuple(pieces))
-    for d in range(dst.tp):
-        want = dst.heads_of(d)
-        head = want.start
-        while head < want.stop:
-            holders = src.holders_of(head)
-            s = min(holders, key=lambda r: (load[r], r))
-            got = src.heads_of(s).intersect(HeadRange(head, want.stop))
-            assert got is not None  # a holder of `head` intersects [head, stop)
-            pieces.append(
-                Piece(s, d, got, got.start - src.heads_of(s).start, got.start - want.start)
-            )
-            load[s] += 1
-            head = got.stop
-    return TransferPlan(src, dst, tuple(pieces))
+    # source head groups: the distinct shards, each with the ranks holding it (several when replicated)
+    groups: dict[HeadRange, list[int]] = {}
+    for r in range(src.tp):
+        groups.setdefault(src.heads_of(r), []).append(r)
+    for shard, holders in groups.items():
+        wanting = [d for d in range(dst.tp) if dst.heads_of(d).intersect(shard) is not None]
+        for j, d in enumerate(wanting):
+            got = dst.heads_of(d).intersect(shard)
+            if len(wanting) >= len(holders):  # one holder each, round robin
+                mine = [(holders[j % len(holders)], every)]
+            else:  # several holders each, a share of the layers from every one of them
+                mine = holders[j :: len(wanting)]
+                mine = [(s, layer_share(geo.layers, geo.planes, i, len(mine))) for i, s in enumerate(mine)]
+            for s, buffers in mine:
+                if len(buffers):
+                    pieces.append(Piece(s, d, got, got.start - shard.start, got.start - dst.heads_of(d).start,
+                                        buffers))
+    return TransferPlan(src, dst, tuple(sorted(pieces, key=lambda p: (p.dst_rank, p.dst_offset, p.buffers.start))))

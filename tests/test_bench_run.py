@@ -58,6 +58,9 @@ def test_sweep_with_concurrency_writes_json_csv_and_plot(tmp_path):
         assert r["ratio_to_bulk"] > 0
         if r["mode"] == "bulk":
             assert r["descriptors"] == r["src_tp"]  # one write per source rank and request
+        if r["mode"] == "staged":  # the route's path, per request (2 or 4 -> 1 are not whole shards: never direct)
+            assert r["path"] and set(r["path"]) <= {"read", "pages"}, r["path"]
+            assert r["writes"] >= r["src_tp"]  # the destination's reads: at least one per source rank
     with table.open() as f:
         assert len(list(csv.DictReader(f))) == 24
     if HAVE_MPL:
@@ -78,7 +81,8 @@ def test_bench_over_ucx_runs_every_mode_and_verifies(tmp_path):
     assert set(rows) == {"staged", "bulk", "per-slice"}
     assert rows["staged"]["verified"] is True and rows["per-slice"]["verified"] is True, rows
     assert rows["bulk"]["verified"] is None and rows["bulk"]["descriptors"] == 2
-    assert rows["staged"]["path"] == ["staged"]
+    assert rows["staged"]["path"] == ["read"]  # two-sided: the arenas only, no page path
+    assert rows["staged"]["descriptors"] == rows["staged"]["writes"] >= 2  # one span per read, one read per source
 
 
 def test_bench_refuses_an_unknown_transport():
@@ -94,18 +98,27 @@ def test_json_to_stdout():
     assert [r["mode"] for r in data["results"]] == ["bulk"]
 
 
-def test_concurrent_requests_contend_for_a_small_arena_and_stay_byte_exact():
-    # 4 requests at once through 4 slots per rank: grants interleave and wait for freed slots
+@pytest.mark.parametrize("path", ["read", "pages"])
+def test_concurrent_requests_contend_for_a_small_arena_and_stay_byte_exact(path):
+    # 4 requests at once through 4 slots per rank: chunks interleave and wait for freed slots (the sources'
+    # arenas on the read path, the destinations' on both)
     sc = Scenario(KVGeometry(2, 8, 32), 4, 2, 300, PageLayout(16), PageLayout(4, "hnd"),
-                  modes=("staged", "per-slice"), iters=1, warmup=0, arena_mb=0.25, concurrency=4)
+                  modes=("staged", "per-slice"), iters=1, warmup=0, arena_mb=0.25, concurrency=4,
+                  settings_extra={"path": path})
     result = run(sc)
     rows = {r["mode"]: r for r in result["results"]}
     for mode in ("staged", "per-slice"):
         assert rows[mode]["verified"] is True, rows[mode].get("errors")
         assert rows[mode]["latency_samples"] == 4
-    assert rows["staged"]["path"] == ["staged"]
-    # each request was cut into several chunks: more than one write per (source, destination) pair
-    assert rows["staged"]["descriptors"] > 4
+    assert rows["staged"]["path"] == [path]
+    # each request was cut into several chunks: more than one read per (source, destination) pair
+    assert rows["staged"]["writes"] > 4
+    if path == "read":
+        assert rows["staged"]["descriptors"] == rows["staged"]["writes"]  # one span per read
+        assert rows["staged"]["stages"]["gather"] > 0
+    else:
+        assert rows["staged"]["descriptors"] > rows["staged"]["writes"]  # head slices of the pages
+        assert rows["staged"]["stages"]["gather"] == 0
 
 
 def _ranks_of(pid: int) -> list[int]:
@@ -217,7 +230,7 @@ def _check_pairs(data, want, concurrency, iters=1):
         assert r["gbps"] > 0 and 0 < r["latency_p50_s"] <= r["latency_p99_s"]
         assert r["latency_samples"] == concurrency * iters
         assert r["slot_wait_s"] >= 0 and r["src_slot_wait_s"] >= 0
-        assert r["path"] and set(r["path"]) <= {"staged", "direct"}  # the route's choice, by its cost model
+        assert r["path"] and set(r["path"]) <= {"read", "pages", "direct"}  # the route's choice, by its cost model
         # the whole step holds every pair: all pairs' bytes over a wall at least as long as any pair's
         assert r["step_bytes"] == sum(x["total_bytes"] for x in rows)
         assert r["step_seconds"] >= r["seconds"] and r["step_gbps"] > 0
@@ -319,12 +332,15 @@ def test_a_ranks_recorded_metrics_reach_the_file(tmp_path):
     m.close()
 
 
-def test_metrics_count_a_known_bench_run(tmp_path):
+@pytest.mark.parametrize("path", ["read", "pages"])
+def test_metrics_count_a_known_bench_run(tmp_path, path):
     """What every rank's metrics say after a run whose requests, bytes and stages are known:
-    2 source ranks -> 1 destination rank, 3 steps (1 warm-up) of 2 requests of 200 tokens."""
+    2 source ranks -> 1 destination rank, 3 steps (1 warm-up) of 2 requests of 200 tokens. On the read path
+    each source gathers its chunks; on the pages path nothing is gathered; the destination reads and
+    scatters every chunk on both, each chunk after its wait for a slot."""
     out = tmp_path / "metrics.txt"
     proc = bench(*TINY, "--src-tp", "2", "--tokens", "200", "--concurrency", "2", "--iters", "2", "--warmup", "1",
-                 "--mode", "staged", "--metrics", str(out))
+                 "--mode", "staged", "--metrics", str(out), env=dict(os.environ, KVSTAGE_PATH=path))
     assert proc.returncode == 0, proc.stderr
     blocks = metrics_blocks(out)
     requests, payload = 3 * 2, 200 * 2 * 2 * 8 * 32 * 2  # steps x concurrency; tokens x layers x K,V x heads x dim x 2 B
@@ -336,8 +352,11 @@ def test_metrics_count_a_known_bench_run(tmp_path):
         assert total(b, "kvstage_transfer_bytes_total", **ep) == requests * (payload if role == "dst" else payload // 2)
         assert total(b, "kvstage_request_seconds_count", **ep) == requests
         assert total(b, "kvstage_request_seconds_sum", **ep) > 0
-        for stage in ("scatter",) if role == "dst" else ("gather", "write"):
+        timed = ("read", "scatter", "slot_wait") if role == "dst" else ("gather",) if path == "read" else ()
+        for stage in timed:
             assert total(b, "kvstage_stage_seconds_count", **ep, stage=stage) >= requests, (role, rank, stage)
+        for stage in {"gather", "read", "scatter", "slot_wait"} - set(timed) - {"slot_wait"}:
+            assert total(b, "kvstage_stage_seconds_count", **ep, stage=stage) == 0, (role, rank, stage)
         slots = total(b, "kvstage_slots_total", **ep)
         assert slots > 0 and total(b, "kvstage_slots_free", **ep) == slots  # idle at the end: every slot back
         assert total(b, "kvstage_requests_in_flight", **ep) == 0

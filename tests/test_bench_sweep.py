@@ -155,22 +155,27 @@ def test_percentile_is_nearest_rank():
 
 
 def _synthetic():
-    """Two source ranks, one destination rank, 2 requests in flight, 2 measured iterations."""
+    """Two source ranks, one destination rank, 2 requests in flight, 2 measured iterations. On the kvstage path
+    the destination reads (its descriptors and reads count); a baseline's sources write (theirs count)."""
     sc = Scenario(KVGeometry(2, 8, 32), 2, 1, 64, PageLayout(16), PageLayout(16), modes=("staged", "bulk"),
                   iters=2, warmup=0, arena_mb=4, concurrency=2)
     g = Group([sc])
     reports = []
     for mode, scale in (("staged", 2.0), ("bulk", 1.0)):
+        staged = mode == "staged"
         for it in range(2):
             base = 100.0 * (it + 1)
             for r in range(2):
                 reports.append(("src", r, 0, mode, it, {
                     "t0": base + r * 1e-3, "sent": [base + r * 1e-3, base + 2e-3], "t_end": base + 0.01,
-                    "descriptors": 3 if mode == "staged" else 2, "writes": 2, "stages": {"gather": 1e-3, "start": 5e-4} if mode == "staged" else {}}))
+                    "descriptors": 0 if staged else 2, "writes": 0 if staged else 2,
+                    "stages": {"gather": 1e-3, "read": 0.0, "scatter": 0.0, "slot_wait": 0.0} if staged else {}}))
             reports.append(("dst", 0, 0, mode, it, {
                 "t1": base + 0.01 * scale * (it + 1), "done": [base + 0.004 * scale, base + 0.01 * scale * (it + 1)],
-                "verified": True if mode == "staged" else None, "errors": [], "stages": {"scatter": 2e-3},
-                "path": "staged" if mode == "staged" else None}))
+                "verified": True if staged else None, "errors": [],
+                "stages": {"gather": 0.0, "read": 3e-3, "scatter": 2e-3, "slot_wait": 5e-4} if staged else {},
+                "descriptors": 6 if staged else 0, "writes": 4 if staged else 0,
+                "path": "read" if staged else None}))
     return sc, g, reports
 
 
@@ -186,14 +191,19 @@ def test_summary_figures():
     lats = sorted([0.008, 0.02 - 0.002, 0.008, 0.04 - 0.002])
     assert s["latency_samples"] == 4
     assert s["latency_p50_s"] == pytest.approx(lats[1]) and s["latency_p99_s"] == pytest.approx(lats[3])
-    assert s["descriptors"] == 3  # 6 over two sources, per request
-    assert b["descriptors"] == 2
-    assert s["writes"] == b["writes"] == 2  # 4 over two sources, per request
+    # the kvstage path's spans and transfers are the destination's reads (6 spans, 4 reads over 2 requests);
+    # a baseline's are its sources' writes (2 each over 2 requests, two sources)
+    assert s["descriptors"] == 3 and s["writes"] == 2
+    assert b["descriptors"] == 2 and b["writes"] == 2
     assert s["arena_bytes"] == 4 << 20 and b["arena_bytes"] is None
     assert s["ratio_to_bulk"] == pytest.approx(b["seconds"] / s["seconds"])
+    # the source's gather (both ranks), the destination's read, slot wait and scatter
     assert s["stages"]["gather"] == pytest.approx(2e-3) and s["stages"]["scatter"] == pytest.approx(2e-3)
-    assert s["stages"]["start"] == pytest.approx(1e-3)  # each source's send-to-first-copy, summed
-    assert "start" not in b.get("stages", {})
+    assert s["stages"]["read"] == pytest.approx(3e-3) and s["stages"]["slot_wait"] == pytest.approx(5e-4)
+    # one source rank's gather, then the destination's reads and scatter, over the median wall (iteration 2)
+    assert s["stages"]["overlap"] == pytest.approx((1e-3 + 5e-3) / 0.04)
+    assert "write" not in s["stages"] and "start" not in s["stages"]
+    assert s["path"] == ["read"] and "path" not in b
     assert s["verified"] is True and b["verified"] is None
 
 
@@ -219,18 +229,28 @@ def test_table_and_csv_from_a_result(tmp_path):
     assert len(csv_rows(result)) == 2
 
 
-@pytest.mark.parametrize("path", ["staged", "mapped", "direct"])
-def test_table_names_how_staged_bytes_went(path):
-    """A staged row whose every request went another way than a transport write of a
-    staged chunk says so: "staged (mapped)", "staged (direct)"; plain staged rows do not."""
+@pytest.mark.parametrize("path", ["read", "pages", "direct", "ipc"])
+def test_table_names_the_path_staged_bytes_took(path):
+    """A staged row says the route's path its requests took (``protocol.route.Path``): "staged (read)",
+    "staged (pages)", ...; a baseline's row names none."""
     sc, g, reports = _synthetic()
     for who, *_, data in reports:
         if who == "dst" and data["path"] is not None:
             data["path"] = path
+    result = {"config": sc.to_dict(), "results": summarize(g, reports)}
+    text = render_table(result)
+    assert f"staged ({path})" in text
+    assert [p for p in ("read", "pages", "direct", "ipc") if f"staged ({p})" in text] == [path]
+    assert "bulk (" not in text
+    assert [r["path"] for r in csv_rows(result)] == [path, ""]
+
+
+def test_a_staged_row_whose_requests_took_several_paths_names_them_all():
+    sc, g, reports = _synthetic()
+    dsts = [data for who, *_, data in reports if who == "dst" and data["path"] is not None]
+    dsts[0]["path"] = "pages,read"  # one request read one writer's pages and another's arena
     text = render_table({"config": sc.to_dict(), "results": summarize(g, reports)})
-    labels = {"staged": "staged ", "mapped": "staged (mapped)", "direct": "staged (direct)"}
-    assert labels[path] in text
-    assert ("(mapped)" in text) is (path == "mapped") and ("(direct)" in text) is (path == "direct")
+    assert "staged (pages,read+read)" in text
 
 
 def test_plot_is_a_png(tmp_path):
@@ -447,15 +467,18 @@ def _engine_reports():
         for e, r in g.processes("src"):
             reports.append(("src", r, 0, "staged", it, {
                 "engine": e, "t0": base, "sent": [[base + e * 1e-3 + r * 1e-4, base + 2e-3]], "t_end": base + 0.05,
-                "descriptors": [4], "writes": [2], "arena": "host", "copier": "native",
-                "stages": [{"gather": 1e-3, "write": 2e-3, "queued": 0.0, "slot_wait": 1e-3 * (e + 1), "start": 1e-4}]}))
+                "descriptors": [0], "writes": [0], "arena": "host", "copier": "native",
+                "stages": [{"gather": 1e-3, "read": 0.0, "scatter": 0.0, "slot_wait": 1e-3 * (e + 1)}]}))
         # s0's requests done at +10/+20 ms (x it), s1's at +30/+40 ms
         reports.append(("dst", 0, 0, "staged", it, {
             "engine": 0, "t1": base + 0.04 * (it + 1),
             "done": [[base + 0.01 * (it + 1), base + 0.02 * (it + 1)], [base + 0.03 * (it + 1), base + 0.04 * (it + 1)]],
             "verified": [True, True] if it == 1 else None, "errors": [[], []],
-            "stages": [{"scatter": 1e-3, "slot_wait": 5e-3}, {"scatter": 1e-3, "slot_wait": 7e-3 * (it + 1)}],
-            "path": ["staged", "staged"], "arena": "host", "arena_bytes": 4 << 20, "copier": "native",
+            "stages": [{"read": 2e-3, "scatter": 1e-3, "slot_wait": 5e-3},
+                       {"read": 4e-3, "scatter": 1e-3, "slot_wait": 7e-3 * (it + 1)}],
+            # the destination's reads of each source engine's requests: one span per read (2 and 4 writers, 2 requests)
+            "descriptors": [4 * 2, 8 * 2], "writes": [4 * 2, 8 * 2],
+            "path": ["read", "read"], "arena": "host", "arena_bytes": 4 << 20, "copier": "native",
             "endpoint": {"engines": 2, "peers": 6, "slots_total": 4}}))
     return sc, g, reports
 
@@ -474,7 +497,10 @@ def test_engine_summary_has_one_row_per_pair():
     assert s0["slot_wait_s"] == pytest.approx(5e-3)  # the destination's wait for s0's requests
     assert s1["slot_wait_s"] == pytest.approx(14e-3)  # the median iteration's (of two, the slower)
     assert s0["src_slot_wait_s"] == pytest.approx(2 * 1e-3) and s1["src_slot_wait_s"] == pytest.approx(4 * 2e-3)
-    assert s0["descriptors"] == 4 and s1["descriptors"] == 8  # per request, summed over the engine's ranks
+    assert s0["descriptors"] == 4 and s1["descriptors"] == 8  # the destination's read spans, per request
+    assert s0["writes"] == 4 and s1["writes"] == 8  # its reads: one per chunk and source rank
+    assert s0["stages"] == pytest.approx({"gather": 2e-3, "slot_wait": 2e-3, "read": 2e-3, "scatter": 1e-3})
+    assert s0["path"] == ["read"]
     # the whole step: every pair's bytes over the earliest send to the latest completion
     assert s0["step_seconds_all"] == pytest.approx([0.04, 0.08]) and s0["step_bytes"] == 4 * sc.payload_bytes()
     assert s0["step_gbps"] == pytest.approx(4 * sc.payload_bytes() / 0.06 / 1e9)
@@ -496,8 +522,9 @@ def test_engine_table_markdown_and_csv(tmp_path):
                  "src slot wait ms", "slowest pair / fastest pair"):
         assert cell in text
     assert "NO" in text and "vs bulk" not in text and "(direct)" not in text
+    assert "s0 (TP 2) -> d0 (TP 1) (read)" in text
     md = markdown(result, "t", "kvstage bench --src-engines 2,4")
-    assert "| s1 (TP 4) → d0 (TP 1) |" in md and "**NO**" in md and "| all pairs (2,4→1) |" in md
+    assert "| s1 (TP 4) → d0 (TP 1) (read) |" in md and "**NO**" in md and "| all pairs (2,4→1) |" in md
     path = tmp_path / "r.csv"
     write_csv(result, str(path))
     got = list(csv.DictReader(path.open()))
@@ -505,6 +532,7 @@ def test_engine_table_markdown_and_csv(tmp_path):
     assert float(got[1]["slot_wait_s"]) == pytest.approx(result["results"][1]["slot_wait_s"])
     result["results"][1]["path"] = ["direct"]  # a pair whose bytes went as page runs says so
     assert "s1 (TP 4) -> d0 (TP 1) (direct)" in render_table(result)
+    assert [r["path"] for r in csv_rows(result)] == ["read", "direct"]
 
 
 def test_engine_plot(tmp_path):

@@ -44,6 +44,9 @@ def test_two_hosts_across_network_namespaces(netns_pair, tmp_path):
     for r in rows:
         assert r["verified"] is (None if r["mode"] == "bulk" else True), r.get("errors")
         assert r["concurrency"] == 2 and r["latency_samples"] == 2
+        if r["mode"] == "staged":  # the destination read it, by the route's path (host memory: no ipc)
+            assert r["path"] and set(r["path"]) <= {"read", "pages", "direct"}, r["path"]
+            assert r["writes"] >= 1
     assert data["clock"]["synced_ranks"] > 0  # offsets were measured (forced: one kernel, one clock)
     assert data["clock"]["max_offset_error_s"] < 0.05
     assert "clocks:" in d_out
@@ -74,6 +77,7 @@ def test_two_hosts_with_several_engines_split_over_two_source_hosts(netns_pair, 
     assert [(r["src_engine"], r["dst_engine"], r["src_tp"], r["dst_tp"]) for r in rows] == [("s0", "d0", 2, 2),
                                                                                              ("s1", "d0", 1, 2)]
     assert all(r["verified"] is True for r in rows), rows
+    assert all(r["path"] and set(r["path"]) <= {"read", "pages", "direct"} for r in rows), rows
     assert "destination rank 1 of engine d0 at" in d_err  # where the destination ranks are, by engine
 
 

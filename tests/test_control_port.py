@@ -26,17 +26,19 @@ import numpy as np
 import pytest
 
 from support import fault_ranks as fr
+from support.fake_peers import FakeDestination, FakeSource, OneWelcome, welcome_of
 from support.port_dst import PREFIX
 from kvstage.bench.reference import fill_shard
 from kvstage.config import Settings
-from kvstage.errors import ConfigError, IncompatibleGeometry
+from kvstage.errors import ConfigError, IncompatibleGeometry, TransferFailed
 from kvstage.layout import KVGeometry, PageLayout, pages_needed
 from kvstage.protocol import destination as destination_mod
 from kvstage.protocol.destination import Destination
 from kvstage.protocol.gate import MAX_UNAUTHENTICATED, PRE_AUTH_MAX_FRAME
 from kvstage.protocol.handshake import HANDSHAKE_TIMEOUT_S, spec_to_wire
+from kvstage.protocol.request import State
 from kvstage.protocol.source import Source
-from kvstage.protocol.wire import PROTOCOL_VERSION
+from kvstage.protocol.messages import PROTOCOL_VERSION
 from kvstage.staging.cache import RankCache
 from kvstage.tp import SideSpec
 
@@ -305,26 +307,31 @@ def test_at_most_64_strangers_are_held_the_oldest_dropped_first(caplog):
 
 def _hello(**over) -> dict:
     spec = SideSpec(fr.GEO, 1, PageLayout(4))  # equal TP and paging: the direct path applies
-    msg = {"type": "hello", "version": PROTOCOL_VERSION, "token": "", "engine": "", "spec": spec_to_wire(spec), "rank": 0,
-           "agent": "stranger", "metadata": "", "slot_bytes": 1 << 14, "transport": "nixl"}
+    msg = {"type": "hello", "version": PROTOCOL_VERSION, "token": "", "engine": "", "model": "", "uid": os.getuid(),
+           "spec": spec_to_wire(spec), "rank": 0, "agent": "stranger", "transport": "nixl", "metadata": "",
+           "slot_bytes": 1 << 14, "facts": {}, "kv_facts": {}, "paths": ["read", "pages", "direct", "ipc"], "nonce": "n"}
     return msg | over
 
 
-def test_a_destination_without_a_token_gives_no_one_its_kv_regions():
-    """A stranger's hello with no token was given every KV region of the decode rank on the
-    direct path. A destination without a token offers the direct path to no one."""
+def test_without_a_token_no_kv_pages_are_offered_and_requests_go_by_the_read_path():
+    """A source's KV pages (the ipc, direct and pages paths) are read only by a peer that presented the
+    token. A destination without one allows a source the read path only, and proves nothing; a source
+    without one offers its arena alone, whatever paths a destination claims. A tokenless request then
+    lands byte-exact by the read path (one that could go direct with a token)."""
     dst = _dst(auth_token="")
     try:
-        s = socket.create_connection(dst.address)
-        s.sendall(_frame(_hello()))
-        welcome = _reply(s)
-        assert welcome is not None and welcome["type"] == "welcome", welcome
-        assert welcome["kv"] == [] and "kv_facts" not in welcome
-        s.close()
+        fake = FakeSource(dst.address, token="", paths=("read", "pages", "direct", "ipc"))
+        assert fake.paths == ["read"] and fake.welcome.proof is None
+        fake.close()
     finally:
         dst.close()
-    # a real source of the same spec (equal TP and paging, host memory: direct by the cost rule when
-    # a token is set) goes staged, byte-exact
+    claims = ("read", "pages", "direct", "ipc")  # a destination that claims every path, with or without a token
+    for token, kv in (("", 0), (TOKEN, fr.GEO.buffers)):
+        fake = FakeDestination(token=token, paths=claims, path="auto")
+        try:
+            assert len(fake.offer.kv) == kv and fake.offer.ipc is None, (token, fake.offer)
+        finally:
+            fake.close()
     dst = _dst(auth_token="")
     spec, tokens, seed = SideSpec(fr.GEO, 1, PageLayout(4)), 200, 8
     cache = RankCache.allocate(spec, 0, pages_needed(tokens, 4) + 2)
@@ -337,10 +344,28 @@ def test_a_destination_without_a_token_gives_no_one_its_kv_regions():
         hd = dst.expect("t", dpages, tokens)
         src.send("t", pages, tokens).wait(30)
         hd.wait(30)
-        assert hd.path == "staged" and fr.check(dst.cache, seed, dpages, tokens) == []
+        assert hd.path == "read" and fr.check(dst.cache, seed, dpages, tokens) == []
     finally:
         src.close()
         dst.close()
+
+
+@pytest.mark.parametrize("proof", ["none", "wrong"])
+def test_a_source_offers_its_pages_only_to_a_destination_that_proves_the_token(proof):
+    """Anyone may listen at the address a source was given: with a token, the source offers nothing
+    (not even its arena) to a destination whose welcome does not prove it holds the token (an HMAC of
+    the hello's nonce), and says why."""
+    over = {"proof": None} if proof == "none" else {"proof": "0" * 64}
+    w = OneWelcome(lambda hello: {k: v for k, v in welcome_of(fr.dst_spec(), hello, **over).items() if v is not None},
+                   opened=True)
+    src = Source(RankCache.allocate(fr.src_spec(1), 0, 8), Settings(**fr.SETTINGS, auth_token=TOKEN))
+    try:
+        with pytest.raises(TransferFailed, match="welcome: the destination did not prove it holds KVSTAGE_AUTH_TOKEN"):
+            src.connect([w.address])
+        assert w.closed() and w.after == [] and src.stats().peers == 0
+    finally:
+        src.close()
+        w.close()
 
 
 def test_a_destination_with_a_token_refuses_a_stranger_and_closes():
@@ -349,7 +374,7 @@ def test_a_destination_with_a_token_refuses_a_stranger_and_closes():
         s = socket.create_connection(dst.address)
         s.sendall(_frame(_hello(token="guess")))
         reply = _reply(s)
-        assert reply["type"] == "error" and "auth token" in reply["reason"] and "kv" not in reply
+        assert reply["type"] == "error" and "auth token" in reply["reason"] and set(reply) == {"type", "reason", "about"}
         assert _closed_within(s, 2.0)
     finally:
         dst.close()
@@ -485,20 +510,21 @@ def test_a_spec_whose_tp_does_not_fit_its_heads_or_a_rank_out_of_range_is_refuse
 # -- 7. the frozen side is named ------------------------------------------------------------------------
 
 def test_a_source_resumed_after_a_stop_blames_itself_not_its_destination(capfd):
-    """SIGSTOP the source for 3 s, past its own 1.5 s stall timeout. It used to fail the request
-    with "write not complete after 1.5 s" against its destination. It now says its own process
-    did not run, moves its deadlines on, and the request completes byte-exact."""
+    """SIGSTOP the source for 3 s mid-request on the read path, past its own 1.5 s stall timeout:
+    resumed, it sees no destination progress for 3 s, and used to blame its destination for it. It
+    says its own process did not run instead, moves its deadlines on, and the request completes
+    byte-exact."""
     big = 20_000
     dst = Destination(RankCache.allocate(fr.dst_spec(), 0, pages_needed(big, 4) + 8),
                       Settings(**(fr.SETTINGS | {"stall_timeout_s": 30.0, "peer_timeout_s": 600.0})))
     q = CTX.Queue()
-    p = CTX.Process(target=fr.send_one, args=(dst.address, 0, 1, big, 4, q, {"stall_timeout_s": 1.5}))
+    p = CTX.Process(target=fr.send_one, args=(dst.address, 0, 1, big, 4, q, {"stall_timeout_s": 1.5, "path": "read"}))
     try:
         pages = np.random.default_rng(5).permutation(dst.cache.pages)[: pages_needed(big, 4)]
         h = dst.expect("r4", pages, big)
         p.start()
         assert q.get(timeout=60)[0] == "sending"
-        fr.until(lambda: h.bytes > 0, 30)
+        fr.until(lambda: h.state is State.TRANSFERRING, 30)  # its chunks are being read
         os.kill(p.pid, signal.SIGSTOP)
         time.sleep(3.0)
         os.kill(p.pid, signal.SIGCONT)

@@ -1,12 +1,13 @@
-"""The CUDA gather/scatter kernel against the host copies, byte for byte (on a GPU).
+"""The CUDA gather/scatter kernel against the independent reference (``support.regions``),
+byte for byte (on a GPU).
 
 Covers the paths the endpoints take: page ids uploaded once per request
-(``upload_pages``), the scatter prepared ahead and launched later
-(``prepare_scatter``), each writer's piece scattered on its own as it lands
-(``prepare_piece_scatters``), one launch gathering into several regions
-(``gather_pieces``: a 1->N source's mapped destinations), chunks that start
-mid-page, several writers per slot, a launch from a thread with no CUDA context,
-gathers launched at once from two threads.
+(``upload_pages``), in the launch or on the device, the scatter prepared ahead and
+launched later (``prepare_scatter``), each piece scattered on its own as it lands
+(``prepare_piece_scatters``), one launch for every piece of a region (both orders,
+shares of the buffers of different lengths, row windows), chunks that start mid-page,
+a launch from a thread with no CUDA context, gathers launched at once from two
+threads, and the calls the kernel cannot run.
 """
 
 import itertools
@@ -19,19 +20,48 @@ import torch
 from kvstage.layout import KVGeometry, PageLayout, pages_needed
 from kvstage.staging import cuda_copy
 from kvstage.staging.cache import RankCache
-from kvstage.staging.copy import (TokenIndex, gather, gather_pieces, prepare_piece_scatters, prepare_scatter,
-                                  region_bytes, scatter_chunk, upload_pages)
+from kvstage.staging.copy import (TokenIndex, gather, prepare_piece_scatters, prepare_scatter, scatter_chunk,
+                                  upload_pages)
+from kvstage.staging.region import Order, RegionPiece, end_to_end
 from kvstage.tp import SideSpec
-from test_staging import _random_cache as random_cache  # the same random bytes, made on the host
+from support.regions import expected_cache, expected_region, host_buffers, random_bytes, same_buffers
 
 GEO = KVGeometry(3, 4, 64, "bfloat16")  # 128-byte heads: 8 words of 16 bytes
+HB = GEO.head_bytes()
 SIDES = [(16, "nhd"), (4, "hnd"), (1, "nhd")]
 RANGES = [(0, 37), (16, 32), (5, 300)]
 
 
-def _random_cache(spec, pages, seed, device):
-    host = random_cache(spec, pages, seed)
-    return RankCache(spec, 0, [b.to(device) for b in host.buffers])
+def _random_cache(spec, pages, seed, device="cuda"):
+    c = RankCache.allocate(spec, 0, pages, device, fill=None)
+    random_bytes(c, seed)
+    return c
+
+
+def _slot_pieces(count: int) -> list[RegionPiece]:
+    """Pieces of disjoint (head, buffer) pairs covering the rank: both orders, buffer ranges of
+    3, 6 and 3 buffers (blocks past a piece's buffers return), row windows."""
+    return end_to_end([RegionPiece(0, 2, range(0, 3), 0, Order.HEADS, rows=count + 7, row_first=3),
+                       RegionPiece(2, 2, range(0, 6), 0, Order.TOKENS),
+                       RegionPiece(0, 1, range(3, 6), 0, Order.TOKENS, rows=count + 1, row_first=1),
+                       RegionPiece(1, 1, range(3, 6), 0, Order.HEADS)], HB, count, offset=16)
+
+
+def _size(pieces, count: int, spare: int = 32) -> int:
+    return max(p.offset + p.nbytes(HB, count) for p in pieces) + spare
+
+
+def _counting(monkeypatch, copier) -> list:
+    """Count the copier's kernel launches (each still runs)."""
+    launches = []
+    real = copier.kernel._launch
+
+    def launch(*args):
+        launches.append(args[1])
+        return real(*args)
+
+    monkeypatch.setattr(copier.kernel, "_launch", launch)
+    return launches
 
 
 @pytest.fixture
@@ -41,46 +71,76 @@ def gpu():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("side,rng,uploaded,inline", list(itertools.product(SIDES, RANGES, (False, True), (True, False))))
-def test_kernel_gather_and_scatter_equal_the_host_copies(gpu, side, rng, uploaded, inline, monkeypatch):
+@pytest.mark.parametrize("side,rng,uploaded,inline",
+                         list(itertools.product(SIDES, RANGES, (False, True), (True, False))))
+def test_kernel_gather_and_scatter_equal_the_reference(gpu, side, rng, uploaded, inline, monkeypatch):
     """``uploaded``: the request's ids from ``upload_pages`` (else each chunk's own);
-    ``inline``: page ids up to ``INLINE_PAGES`` travel in the launch (else always on the device)."""
+    ``inline``: page ids up to ``INLINE_PAGES`` travel in the launch (else always on the device).
+    One launch gathers every piece, one prepared launch scatters them."""
     if not inline:
         monkeypatch.setattr(cuda_copy, "INLINE_PAGES", 0)
     start, count = rng
     spec = SideSpec(GEO, 1, PageLayout(*side))
     pages = 400
     ids = np.random.default_rng(1).permutation(pages)[: pages_needed(start + count, side[0])]
-    gpu = _random_cache(spec, pages, 2, "cuda")
-    host = RankCache(spec, 0, [b.cpu() for b in gpu.buffers])
-    dev_ids = upload_pages(gpu, ids) if uploaded else None
+    dev = _random_cache(spec, pages, 2)
+    host = host_buffers(dev)
+    dev_ids = upload_pages(dev, ids) if uploaded else None
     assert (dev_ids is not None) == uploaded
     if uploaded:  # the host keeps them only when they fit in a launch (5..305 at page size 1 does not)
         assert isinstance(dev_ids, torch.Tensor) == (not inline or len(ids) > cuda_copy.INLINE_PAGES)
-    for lo, n in ((0, 4), (1, 2), (3, 1)):
-        want = torch.empty(region_bytes(host, count, n), dtype=torch.uint8)
-        gather(host, TokenIndex(host, ids, start, count), lo, n, want)
-        got = torch.empty(want.numel(), dtype=torch.uint8, device="cuda")
-        gather(gpu, TokenIndex(gpu, ids, start, count, dev_ids), lo, n, got)
-        torch.cuda.synchronize()
-        assert torch.equal(got.cpu(), want), (lo, n)
-    # two writers of two heads each into one slot, scattered by a prepared launch
-    parts = [(0, 2, 0), (2, 2, region_bytes(host, count, 2))]
-    slot = torch.randint(0, 256, (2 * region_bytes(host, count, 2) + 64,), dtype=torch.uint8,
-                         generator=torch.Generator().manual_seed(3))
-    ref = RankCache(spec, 0, [b.clone() for b in host.buffers])
-    scatter_chunk(ref, TokenIndex(ref, ids, start, count), parts, slot)
-    run = prepare_scatter(gpu, TokenIndex(gpu, ids, start, count, dev_ids), parts, slot.cuda())
+    pieces = _slot_pieces(count)
+    size = _size(pieces, count)
+    rng_ = np.random.default_rng(3)
+    before = rng_.integers(0, 256, size, dtype=np.uint8)
+    region = torch.from_numpy(before.copy()).cuda()
+    assert dev.copier.name == "cuda" and dev.copier.supports(region, pieces, count)
+    launches = _counting(monkeypatch, dev.copier)
+    gather(dev, TokenIndex(dev, ids, start, count, dev_ids), pieces, region)
     torch.cuda.synchronize()
-    assert all(torch.equal(a.cpu().view(torch.uint8), b.view(torch.uint8)) for a, b in zip(gpu.buffers, host.buffers))
-    run()  # nothing moved until now
+    assert len(launches) == 1
+    assert np.array_equal(region.cpu().numpy(), expected_region(spec, host, ids, start, count, pieces, before))
+    slot = rng_.integers(0, 256, size, dtype=np.uint8)
+    run = prepare_scatter(dev, TokenIndex(dev, ids, start, count, dev_ids), pieces, torch.from_numpy(slot).cuda())
     torch.cuda.synchronize()
-    assert all(torch.equal(a.cpu().view(torch.uint8), b.view(torch.uint8)) for a, b in zip(gpu.buffers, ref.buffers))
+    assert same_buffers(host_buffers(dev), host)  # nothing moved until now
+    run()
+    torch.cuda.synchronize()
+    assert len(launches) == 2
+    assert same_buffers(host_buffers(dev), expected_cache(spec, host, ids, start, count, pieces, slot))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("page", [(16, "nhd"), (1, "nhd"), (64, "hnd")])
+def test_mla_shares_of_the_layers_in_one_launch(gpu, page):
+    """MLA 4 -> 1: four holders' shares of 1, 2, 1, 2 layers, each its own piece (grid y of two
+    buffers, the one-buffer pieces' second row of blocks returning)."""
+    geo = KVGeometry(6, 1, 256, "float8_e4m3fn", True)  # 256-byte latents of 1-byte elements
+    spec = SideSpec(geo, 1, PageLayout(*page))
+    start, count = 9, 70
+    ids = np.random.default_rng(4).permutation(200)[: pages_needed(start + count, page[0])]
+    dev = _random_cache(spec, 200, 5)
+    host = host_buffers(dev)
+    shares = [range(0, 1), range(1, 3), range(3, 4), range(4, 6)]
+    pieces = end_to_end([RegionPiece(0, 1, b, 0, (Order.HEADS, Order.TOKENS)[k % 2]) for k, b in enumerate(shares)],
+                        geo.head_bytes(), count)
+    size = pieces[-1].offset + pieces[-1].nbytes(geo.head_bytes(), count)
+    region = torch.zeros(size, dtype=torch.uint8, device="cuda")
+    assert dev.copier.supports(region, pieces, count)
+    gather(dev, TokenIndex(dev, ids, start, count), pieces, region)
+    torch.cuda.synchronize()
+    want = expected_region(spec, host, ids, start, count, pieces, np.zeros(size, dtype=np.uint8))
+    assert np.array_equal(region.cpu().numpy(), want)
+    back = RankCache.allocate(spec, 0, 200, "cuda", fill=0)
+    zero = host_buffers(back)
+    scatter_chunk(back, TokenIndex(back, ids, start, count), pieces, region)
+    torch.cuda.synchronize()
+    assert same_buffers(host_buffers(back), expected_cache(spec, zero, ids, start, count, pieces, want))
 
 
 @pytest.mark.gpu
 def test_upload_pages_refuses_page_ids_outside_the_cache(gpu):
-    gpu_cache = _random_cache(SideSpec(GEO, 1, PageLayout(4)), 10, 4, "cuda")
+    gpu_cache = _random_cache(SideSpec(GEO, 1, PageLayout(4)), 10, 4)
     with pytest.raises(IndexError, match=r"page ids must lie in \[0, 10\); got 0\.\.12"):
         upload_pages(gpu_cache, np.array([0, 12]))
     with pytest.raises(IndexError, match=r"page ids must lie in \[0, 10\); got 0\.\.12"):
@@ -108,72 +168,57 @@ def test_uploads_wait_for_their_pinned_buffer_while_the_stream_is_busy(gpu, monk
 
 
 @pytest.mark.gpu
-def test_ten_one_head_pieces_in_one_launch_each_way(gpu):
+@pytest.mark.parametrize("order", list(Order))
+def test_ten_one_head_pieces_in_one_launch_each_way(gpu, order, monkeypatch):
     """A slot of ten one-head writers (a wide model, many source ranks), laid out in
-    reverse head order: one gather launch into ten regions and one scatter launch
-    of the slot copy what the host copies do."""
+    reverse head order: one gather launch and one scatter launch of the slot copy what
+    the reference says."""
     n = 10
     geo = KVGeometry(2, n, 64, "bfloat16")
     spec = SideSpec(geo, 1, PageLayout(16))
     start, count, pages = 3, 70, 40
     ids = np.random.default_rng(14).permutation(pages)[: pages_needed(start + count, 16)]
-    dev = _random_cache(spec, pages, 15, "cuda")
-    host = RankCache(spec, 0, [b.cpu() for b in dev.buffers])
-    size = region_bytes(host, count, 1)
-    regions = [torch.zeros(size, dtype=torch.uint8, device="cuda") for _ in range(n)]
-    gather_pieces(dev, TokenIndex(dev, ids, start, count), [(h, 1, r) for h, r in zip(range(n), regions)])
+    dev = _random_cache(spec, pages, 15)
+    host = host_buffers(dev)
+    pieces = end_to_end([RegionPiece(h, 1, range(geo.buffers), 0, order) for h in reversed(range(n))],
+                        geo.head_bytes(), count)
+    size = pieces[-1].offset + pieces[-1].nbytes(geo.head_bytes(), count)
+    launches = _counting(monkeypatch, dev.copier)
+    region = torch.zeros(size, dtype=torch.uint8, device="cuda")
+    gather(dev, TokenIndex(dev, ids, start, count), pieces, region)
     torch.cuda.synchronize()
-    for h, r in enumerate(regions):
-        want = torch.empty(size, dtype=torch.uint8)
-        gather(host, TokenIndex(host, ids, start, count), h, 1, want)
-        assert torch.equal(r.cpu(), want), h
-    slot = torch.randint(0, 256, (n * size,), dtype=torch.uint8, generator=torch.Generator().manual_seed(16))
-    parts = [(h, 1, (n - 1 - h) * size) for h in range(n)]  # writers laid out in reverse head order
-    scatter_chunk(host, TokenIndex(host, ids, start, count), parts, slot)
-    prepare_scatter(dev, TokenIndex(dev, ids, start, count), parts, slot.cuda())()
+    zero = np.zeros(size, dtype=np.uint8)
+    assert np.array_equal(region.cpu().numpy(), expected_region(spec, host, ids, start, count, pieces, zero))
+    slot = np.random.default_rng(16).integers(0, 256, size, dtype=np.uint8)
+    prepare_scatter(dev, TokenIndex(dev, ids, start, count), pieces, torch.from_numpy(slot).cuda())()
     torch.cuda.synchronize()
-    assert all(torch.equal(a.cpu().view(torch.uint8), b.view(torch.uint8)) for a, b in zip(dev.buffers, host.buffers))
+    assert len(launches) == 2
+    assert same_buffers(host_buffers(dev), expected_cache(spec, host, ids, start, count, pieces, slot))
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("side", SIDES)
-def test_one_launch_gathers_into_several_regions_and_pieces_scatter_one_by_one(gpu, side):
+def test_pieces_scatter_one_by_one_in_landing_order(gpu, side):
     start, count = 5, 300
     spec = SideSpec(GEO, 1, PageLayout(*side))
     pages = 400
     ids = np.random.default_rng(7).permutation(pages)[: pages_needed(start + count, side[0])]
-    dev = _random_cache(spec, pages, 8, "cuda")
-    host = RankCache(spec, 0, [b.cpu() for b in dev.buffers])
+    dev = _random_cache(spec, pages, 8)
+    host = host_buffers(dev)
     dev_ids = upload_pages(dev, ids)
-    # three regions in three separate allocations (three destinations' arenas), one launch
-    heads = [(0, 1), (1, 2), (3, 1)]
-    regions = [torch.full((region_bytes(host, count, n) + 32,), 0xAB, dtype=torch.uint8, device="cuda") for _, n in heads]
-    gather_pieces(dev, TokenIndex(dev, ids, start, count, dev_ids),
-                  [(lo, n, r[16 : 16 + region_bytes(host, count, n)]) for (lo, n), r in zip(heads, regions)])
-    torch.cuda.synchronize()
-    for (lo, n), r in zip(heads, regions):
-        want = torch.empty(region_bytes(host, count, n), dtype=torch.uint8)
-        gather(host, TokenIndex(host, ids, start, count), lo, n, want)
-        got = r.cpu()
-        assert torch.equal(got[16 : 16 + want.numel()], want), (lo, n)
-        assert bool((got[:16] == 0xAB).all()) and bool((got[16 + want.numel() :] == 0xAB).all()), "wrote outside its region"
-    # a slot of three writers' pieces, each scattered by its own launch, in landing order
-    parts, off = [], 0
-    for lo, n in heads:
-        parts.append((lo, n, off))
-        off += region_bytes(host, count, n)
-    slot = torch.randint(0, 256, (off,), dtype=torch.uint8, generator=torch.Generator().manual_seed(9))
-    ref = RankCache(spec, 0, [b.clone() for b in host.buffers])
-    scatter_chunk(ref, TokenIndex(ref, ids, start, count), parts, slot)
-    launches = prepare_piece_scatters(dev, TokenIndex(dev, ids, start, count, dev_ids), parts, slot.cuda())
-    assert len(launches) == 3
-    for k in (2, 0):
+    pieces = _slot_pieces(count)
+    slot = np.random.default_rng(9).integers(0, 256, _size(pieces, count), dtype=np.uint8)
+    launches = prepare_piece_scatters(dev, TokenIndex(dev, ids, start, count, dev_ids), pieces,
+                                      torch.from_numpy(slot).cuda())
+    assert len(launches) == len(pieces)
+    for k in (2, 0, 3):
         launches[k]()
     torch.cuda.synchronize()
-    assert not all(torch.equal(a.cpu().view(torch.uint8), b.view(torch.uint8)) for a, b in zip(dev.buffers, ref.buffers))
+    assert same_buffers(host_buffers(dev), expected_cache(spec, host, ids, start, count,
+                                                          [pieces[k] for k in (2, 0, 3)], slot))
     launches[1]()
     torch.cuda.synchronize()
-    assert all(torch.equal(a.cpu().view(torch.uint8), b.view(torch.uint8)) for a, b in zip(dev.buffers, ref.buffers))
+    assert same_buffers(host_buffers(dev), expected_cache(spec, host, ids, start, count, pieces, slot))
 
 
 @pytest.mark.gpu
@@ -182,13 +227,13 @@ def test_a_prepared_copy_launches_from_a_thread_with_no_cuda_context(gpu):
     the device's context current itself (the driver call has no implicit one)."""
     spec = SideSpec(GEO, 1, PageLayout(16))
     ids = np.arange(4)
-    dev = _random_cache(spec, 8, 10, "cuda")
-    host = RankCache(spec, 0, [b.cpu() for b in dev.buffers])
-    want = torch.empty(region_bytes(host, 50, 4), dtype=torch.uint8)
-    gather(host, TokenIndex(host, ids, 0, 50), 0, 4, want)
-    got = torch.zeros(want.numel(), dtype=torch.uint8, device="cuda")
+    dev = _random_cache(spec, 8, 10)
+    pieces = [RegionPiece(0, 4, range(GEO.buffers), 0, Order.HEADS)]
+    size = pieces[0].nbytes(HB, 50)
+    want = expected_region(spec, host_buffers(dev), ids, 0, 50, pieces, np.zeros(size, dtype=np.uint8))
+    got = torch.zeros(size, dtype=torch.uint8, device="cuda")
     assert dev.copier.name == "cuda"
-    launch = dev.copier.prepare(TokenIndex(dev, ids, 0, 50, upload_pages(dev, ids)), [(0, 4, 0)], got, to_region=True)
+    launch = dev.copier.prepare(TokenIndex(dev, ids, 0, 50, upload_pages(dev, ids)), pieces, got, to_region=True)
     torch.cuda.synchronize()
     errors = []
     t = threading.Thread(target=lambda: errors.append(_run(launch)))
@@ -196,34 +241,35 @@ def test_a_prepared_copy_launches_from_a_thread_with_no_cuda_context(gpu):
     t.join()
     assert errors == [None]
     torch.cuda.synchronize()
-    assert torch.equal(got.cpu(), want)
+    assert np.array_equal(got.cpu().numpy(), want)
 
 
 @pytest.mark.gpu
 def test_gathers_launched_at_once_from_two_threads_keep_their_own_arguments(gpu):
     """A gather is launched at once from the calling thread's own argument block
     (``WordCopier.launch``): two threads launching into the same cache, with
-    different heads, tokens and regions, each get exactly their own copies."""
+    different pieces, tokens and regions, each get exactly their own copies."""
     spec = SideSpec(GEO, 1, PageLayout(16))
     ids = np.random.default_rng(11).permutation(40)[:20]
-    dev = _random_cache(spec, 40, 12, "cuda")
-    host = RankCache(spec, 0, [b.cpu() for b in dev.buffers])
+    dev = _random_cache(spec, 40, 12)
+    host = host_buffers(dev)
     dev_ids = upload_pages(dev, ids)
-    jobs = {"a": (0, 2, 0, 37), "b": (2, 2, 16, 200)}  # head_lo, heads, start, count
+    jobs = {"a": ([RegionPiece(0, 2, range(6), 0, Order.HEADS)], 0, 37),
+            "b": ([RegionPiece(2, 2, range(1, 5), 0, Order.TOKENS, rows=250, row_first=9)], 16, 200)}
     reps = 100
     want, got = {}, {}
-    for name, (lo, n, start, count) in jobs.items():
-        want[name] = torch.empty(region_bytes(host, count, n), dtype=torch.uint8)
-        gather(host, TokenIndex(host, ids, start, count), lo, n, want[name])
-        got[name] = torch.zeros(reps, want[name].numel(), dtype=torch.uint8, device="cuda")
+    for name, (pieces, start, count) in jobs.items():
+        size = pieces[0].nbytes(HB, count)
+        want[name] = expected_region(spec, host, ids, start, count, pieces, np.zeros(size, dtype=np.uint8))
+        got[name] = torch.zeros(reps, size, dtype=torch.uint8, device="cuda")
     torch.cuda.synchronize()
     blocks, errors = {}, []
 
     def work(name):
-        lo, n, start, count = jobs[name]
+        pieces, start, count = jobs[name]
         try:
             for k in range(reps):
-                gather(dev, TokenIndex(dev, ids, start, count, dev_ids), lo, n, got[name][k])
+                gather(dev, TokenIndex(dev, ids, start, count, dev_ids), pieces, got[name][k])
             blocks[name] = dev.copier.kernel._blocks.block
             torch.cuda.synchronize()
         except Exception as e:  # the assertion below names it
@@ -238,7 +284,7 @@ def test_gathers_launched_at_once_from_two_threads_keep_their_own_arguments(gpu)
     assert blocks["a"] is not blocks["b"]
     for name in jobs:
         for k in range(reps):
-            assert torch.equal(got[name][k].cpu(), want[name]), (name, k)
+            assert np.array_equal(got[name][k].cpu().numpy(), want[name]), (name, k)
 
 
 def _run(launch):
@@ -251,6 +297,18 @@ def _run(launch):
 
 
 @pytest.mark.gpu
+def test_the_kernel_refuses_pieces_whose_words_pass_32_bits(gpu):
+    dev = _random_cache(SideSpec(GEO, 1, PageLayout(16)), 4, 13)
+    region = torch.zeros(64, dtype=torch.uint8, device="cuda")
+    words_per_row = 4 * 6 * 8  # 4 heads of 8 words in 6 buffers
+    rows = -(-2**31 // words_per_row)  # the fewest rows whose words reach 2**31
+    fits, past = RegionPiece(0, 4, range(6), 0, rows=rows - 1), RegionPiece(0, 4, range(6), 0, rows=rows)
+    assert (rows - 1) * words_per_row < 2**31 <= rows * words_per_row
+    assert dev.copier.supports(region, [fits], 10) and not dev.copier.supports(region, [fits, past], 10)
+    assert not dev.copier.supports(region, [], 10)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("where", ["misaligned", "pageable"])
 def test_calls_the_kernel_cannot_run_go_the_torch_way_with_the_same_bytes(gpu, where):
     """A region the kernel cannot run (not on 16-byte words, or host memory the GPU cannot
@@ -259,27 +317,27 @@ def test_calls_the_kernel_cannot_run_go_the_torch_way_with_the_same_bytes(gpu, w
     spec = SideSpec(GEO, 1, PageLayout(16))
     start, count = 5, 40
     ids = np.random.default_rng(17).permutation(20)[: pages_needed(start + count, 16)]
-    dev = _random_cache(spec, 20, 18, "cuda")
-    host = RankCache(spec, 0, [b.cpu() for b in dev.buffers])
-    size = region_bytes(host, count, 2)
+    dev = _random_cache(spec, 20, 18)
+    host = host_buffers(dev)
+    pieces = _slot_pieces(count)
+    size = _size(pieces, count)
 
-    def region(n):
+    def region(data: np.ndarray):
         if where == "pageable":
-            return torch.zeros(n, dtype=torch.uint8)
-        return torch.zeros(n + 8, dtype=torch.uint8, device="cuda")[8:]  # 8 bytes past a 16-byte word
+            return torch.from_numpy(data.copy())
+        r = torch.zeros(len(data) + 8, dtype=torch.uint8, device="cuda")[8:]  # 8 bytes past a 16-byte word
+        r.copy_(torch.from_numpy(data))
+        return r
 
-    r = region(size)
-    assert dev.copier.name == "cuda" and not dev.copier.supports(r, [(1, 2, 0)], count)
-    gather(dev, TokenIndex(dev, ids, start, count), 1, 2, r)
-    want = torch.empty(size, dtype=torch.uint8)
-    gather(host, TokenIndex(host, ids, start, count), 1, 2, want)
+    before = np.random.default_rng(19).integers(0, 256, size, dtype=np.uint8)
+    r = region(before)
+    assert dev.copier.name == "cuda" and not dev.copier.supports(r, pieces, count)
+    gather(dev, TokenIndex(dev, ids, start, count), pieces, r)
     torch.cuda.synchronize()
-    assert torch.equal(r.cpu(), want)
-    parts = [(0, 2, 0), (2, 2, size)]
-    slot = region(2 * size)
-    slot.copy_(torch.randint(0, 256, (2 * size,), dtype=torch.uint8, generator=torch.Generator().manual_seed(19)))
-    assert prepare_piece_scatters(dev, TokenIndex(dev, ids, start, count), parts, slot) is None
-    prepare_scatter(dev, TokenIndex(dev, ids, start, count), parts, slot)()
-    scatter_chunk(host, TokenIndex(host, ids, start, count), parts, slot.cpu())
+    assert np.array_equal(r.cpu().numpy(), expected_region(spec, host, ids, start, count, pieces, before))
+    slot_bytes = np.random.default_rng(20).integers(0, 256, size, dtype=np.uint8)
+    slot = region(slot_bytes)
+    assert prepare_piece_scatters(dev, TokenIndex(dev, ids, start, count), pieces, slot) is None
+    prepare_scatter(dev, TokenIndex(dev, ids, start, count), pieces, slot)()
     torch.cuda.synchronize()
-    assert all(torch.equal(a.cpu().view(torch.uint8), b.view(torch.uint8)) for a, b in zip(dev.buffers, host.buffers))
+    assert same_buffers(host_buffers(dev), expected_cache(spec, host, ids, start, count, pieces, slot_bytes))

@@ -26,8 +26,8 @@ from kvstage.staging.cache import RankCache
 def test_sockets_past_descriptor_1023_are_served_by_epoll_byte_exact(caplog):
     """An engine process with many files open gets sockets select(2) cannot see:
     the loop waits with epoll instead (and says so once), and a 2->1 transfer of
-    several chunks (grants, notices, done: every message over those sockets)
-    completes exactly."""
+    several chunks on the read path (the handshake, readies, chunks, reads, done:
+    every message over those sockets) completes exactly."""
     caplog.set_level(logging.INFO, logger="kvstage")
     held = [os.open(os.devnull, os.O_RDONLY) for _ in range(_SELECT_LIMIT + 16)]
     tokens, seed = 150, 41  # 32-token slots at the destination: 5 chunks
@@ -35,11 +35,12 @@ def test_sockets_past_descriptor_1023_are_served_by_epoll_byte_exact(caplog):
         dcache = RankCache.allocate(fr.dst_spec(), 0, pages_needed(tokens, 4) + 6)
         dst = Destination(dcache, Settings(**fr.SETTINGS))
         srcs = []
+        read = Settings(**fr.SETTINGS, path="read")
         for rank in range(2):
             cache = RankCache.allocate(fr.src_spec(2), rank, pages_needed(tokens, 16) + 3)
             pages = np.random.default_rng([seed, rank]).permutation(cache.pages)[: pages_needed(tokens, 16)]
             fill_shard(cache, seed, pages, tokens)
-            src = Source(cache, Settings(**fr.SETTINGS))
+            src = Source(cache, read)
             src.connect([dst.address])
             srcs.append((src, pages))
         for ep in [dst] + [s for s, _ in srcs]:
@@ -49,7 +50,7 @@ def test_sockets_past_descriptor_1023_are_served_by_epoll_byte_exact(caplog):
         hs = [s.send("r", p, tokens) for s, p in srcs]
         for h in hs + [hd]:
             h.wait(30)
-        assert check_shard(dcache, seed, dpages, tokens) == []
+        assert hd.path == "read" and check_shard(dcache, seed, dpages, tokens) == []
         said = [r.getMessage() for r in caplog.records if "the loop waits with epoll" in r.getMessage()]
         assert len(said) == 3 and said[0].startswith("dst 0: control sockets past descriptor 1023"), said
         for s, _ in srcs:
@@ -71,30 +72,56 @@ def test_below_descriptor_1024_the_loop_waits_with_select():
         dst.close()
 
 
-def test_send_runs_on_the_callers_thread_holding_the_state_lock(monkeypatch):
-    """``send`` does a request's first steps on the caller's thread (awake already),
-    not by a hand-off to the loop, and only while the loop is not handling anything:
-    while a loop call holds the state lock, ``send`` waits for it."""
+class _Gate(logging.Handler):
+    """A log handler that holds the thread logging a line containing ``hold`` until ``release`` is set,
+    and notes which thread logged each line."""
+
+    def __init__(self, hold: str):
+        super().__init__(logging.DEBUG)
+        self.hold, self.inside, self.release, self.lines = hold, threading.Event(), threading.Event(), []
+
+    def handle(self, record) -> bool:  # no handler lock: the other threads' lines go on meanwhile
+        msg = record.getMessage()
+        self.lines.append((record.threadName, msg))
+        if self.hold in msg and not self.inside.is_set():
+            self.inside.set()
+            self.release.wait(10)
+        return True
+
+
+def test_send_runs_on_the_callers_thread_holding_the_state_lock():
+    """``send`` does a request's first steps (route, gather, ready) on the caller's thread, awake
+    already, not by a hand-off to the loop, and only while the loop is not handling anything: while
+    the loop is inside a handler (held here in its log line for a peer that left), ``send`` waits."""
     dst = Destination(RankCache.allocate(fr.dst_spec(), 0, 8), Settings(**fr.SETTINGS))
+    other = Destination(RankCache.allocate(fr.dst_spec(), 0, 8), Settings(**fr.SETTINGS), engine="other")
     src = Source(RankCache.allocate(fr.src_spec(1), 0, 8), Settings(**fr.SETTINGS))
+    gate = _Gate("of engine other disconnected")
+    logger = logging.getLogger("kvstage")
+    level = logger.level
+    logger.addHandler(gate)
+    logger.setLevel(logging.INFO)
     try:
-        src.connect([dst.address])
-        ran_on, add = [], Source._add
-        monkeypatch.setattr(Source, "_add", lambda self, *a: (ran_on.append(threading.get_ident()), add(self, *a))[1])
-        inside, release = threading.Event(), threading.Event()
-        src._post("call", lambda: (inside.set(), release.wait(10)))  # the loop holds the lock until released
-        assert inside.wait(10)
+        src.connect([dst.address, other.address])
+        other.close()  # the source's loop handles the lost connection and logs it, holding the state lock
+        assert gate.inside.wait(10)
         sent = []
-        caller = threading.Thread(target=lambda: sent.append(src.send("r", [0], 4)))
+        caller = threading.Thread(target=lambda: sent.append(src.send("r", [0], 4)), name="the-caller")
         caller.start()
         caller.join(0.3)
         assert caller.is_alive() and not sent, "send ran while the loop held the state lock"
-        release.set()
+        gate.release.set()
         caller.join(10)
-        assert sent and ran_on == [caller.ident]
+        assert sent
+        routed = [who for who, msg in gate.lines if "src 0: requests to destination rank 0 go" in msg]
+        assert routed == ["the-caller"], gate.lines
         sent[0].abort("test over")
     finally:
+        gate.release.set()
+        logger.removeHandler(gate)
+        logger.setLevel(level)
         src.close()
+        other.close()
         dst.close()
 
 
@@ -134,7 +161,7 @@ def test_a_destination_tracks_a_request_until_nothing_of_it_can_land():
 
 def test_sends_from_many_threads_at_once_are_byte_exact():
     """Eight callers per source send their own requests at the same moment while
-    the loops handle grants and notices: every request lands exactly."""
+    the loops handle readies, chunks and reads: every request lands exactly."""
     n, tokens = 8, 40
     dst, srcs, dpages, spages = fr.two_to_one(Settings(**fr.SETTINGS), n, tokens, seed=7, content=100)
     dcache = dst.cache
@@ -166,22 +193,31 @@ def test_sends_from_many_threads_at_once_are_byte_exact():
 
 
 @pytest.mark.gpu
-def test_a_send_from_a_side_stream_copies_on_the_default_stream():
-    """An engine may call ``send`` with its own stream current. The request's page ids
-    are uploaded there on the caller's thread and read by copies the loop launches
-    later, on its thread's default stream: both must be on the same stream."""
+def test_a_send_from_a_side_stream_is_gathered_after_the_work_queued_there():
+    """An engine calls ``send`` with its own stream current, right after the forward that wrote the
+    pages was queued there: the gathers (on the copies' stream) follow that work, and the pages'
+    ids uploaded for them are on the stream that reads them. A request written on a side stream
+    lands byte-exact on the read path."""
     import torch
 
-    from kvstage.staging.cuda_copy import raw_stream
-
     dev = torch.device("cuda", 0)
-    src = Source(RankCache.allocate(fr.src_spec(1), 0, 8, dev), Settings(**fr.SETTINGS))
+    tokens, seed = 150, 43
+    dcache = RankCache.allocate(fr.dst_spec(), 0, pages_needed(tokens, 4) + 4, dev)
+    dst = Destination(dcache, Settings(**fr.SETTINGS))
+    src = Source(RankCache.allocate(fr.src_spec(1), 0, pages_needed(tokens, 16) + 4, dev),
+                 Settings(**fr.SETTINGS, path="read"))
     try:
-        default, side = torch.cuda.default_stream(dev).cuda_stream, torch.cuda.Stream(dev)
-        assert src._here(lambda: raw_stream(dev)) == default
+        src.connect([dst.address])
+        pages = np.arange(pages_needed(tokens, 16))
+        dpages = np.arange(pages_needed(tokens, 4))[::-1].copy()
+        hd = dst.expect("r", dpages, tokens)
+        side = torch.cuda.Stream(dev)
         with torch.cuda.stream(side):
-            assert raw_stream(dev) == side.cuda_stream != default
-            assert src._here(lambda: raw_stream(dev)) == default
-            assert raw_stream(dev) == side.cuda_stream  # the caller's stream is its own again
+            torch.cuda._sleep(50_000_000)  # the "forward" is still running on the side stream when send is called
+            fill_shard(src.cache, seed, pages, tokens)
+            hs = src.send("r", pages, tokens)
+        hs.wait(30), hd.wait(30)
+        assert hd.path == "read" and check_shard(dcache, seed, dpages, tokens) == []
     finally:
         src.close()
+        dst.close()

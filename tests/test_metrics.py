@@ -72,32 +72,38 @@ def test_a_request_is_counted_with_its_result_bytes_and_seconds():
 
 def test_a_failure_is_counted_with_its_stage_and_cause_class():
     m = metrics.endpoint_metrics("src", 1, "eng-failures")
-    m.failure("dec/0", "waiting for grant", "no grant within 120 s")
-    m.failure("dec/0", "write", "connection lost (Connection reset by peer)")
-    m.failure("dec/0", "write", "NIXL_ERR_REMOTE_DISCONNECT")  # a transport's own text at write
-    m.failure("dec/0", "write", "connection lost (EOF)")
-    m.failure("dec/0", "chunk", "refused: grant names chunk 7 of 4")  # a peer's message type: not a stage label
+    m.failure("dec/0", "waiting for a reader", "no destination started reading it within 120 s")
+    m.failure("dec/0", "read", "connection lost (Connection reset by peer)")
+    m.failure("dec/0", "read", "NIXL_ERR_REMOTE_DISCONNECT")  # a transport's own text at read
+    m.failure("dec/0", "read", "connection lost (EOF)")
+    m.failure("dec/0", "chunk", "refused: read of chunk 7 of 'r', which has 4 chunks")  # a peer's message type: not a stage
+    m.failure("dec/0", "write", "x")  # a stage of the old protocol is no label any more
     got = samples(metrics.exposition())
     ep = dict(role="src", rank="1", engine="eng-failures", peer="dec/0")
-    assert value(got, "kvstage_failures_total", **ep, stage="waiting_for_grant", cause="timeout") == 1
-    assert value(got, "kvstage_failures_total", **ep, stage="write", cause="connection_lost") == 2
-    assert value(got, "kvstage_failures_total", **ep, stage="write", cause="write_error") == 1
+    assert value(got, "kvstage_failures_total", **ep, stage="waiting_for_a_reader", cause="timeout") == 1
+    assert value(got, "kvstage_failures_total", **ep, stage="read", cause="connection_lost") == 2
+    assert value(got, "kvstage_failures_total", **ep, stage="read", cause="read_error") == 1
     assert value(got, "kvstage_failures_total", **ep, stage="other", cause="refused") == 1
+    assert value(got, "kvstage_failures_total", **ep, stage="other", cause="other") == 1
+    assert value(got, "kvstage_failures_total", **ep, stage="write") is None
 
 
 def test_stage_seconds_slow_requests_and_a_stage_that_is_not_one():
     m = metrics.endpoint_metrics("dst", 0, "eng-stages")
-    for stage, s in (("gather", 0.001), ("write", 0.002), ("scatter", 0.0003), ("slot_wait", 0.05), ("write", 0.004)):
+    for stage, s in (("gather", 0.001), ("read", 0.002), ("scatter", 0.0003), ("slot_wait", 0.05), ("read", 0.004)):
         m.stage(stage, s)
-    m.slow("pre/0", "write")
-    with pytest.raises(ValueError, match="stage='copy': must be one of gather, write, scatter, slot_wait"):
-        m.stage("copy", 0.1)
+    m.slow("pre/0", "read")
+    for gone in ("copy", "write"):  # "write": the source moved the bytes before protocol 9; now the destination reads
+        with pytest.raises(ValueError, match=f"stage='{gone}': must be one of gather, read, scatter, slot_wait"):
+            m.stage(gone, 0.1)
     got = samples(metrics.exposition())
     ep = dict(role="dst", rank="0", engine="eng-stages")
-    assert value(got, "kvstage_stage_seconds_count", **ep, stage="write") == 2
-    assert value(got, "kvstage_stage_seconds_sum", **ep, stage="write") == pytest.approx(0.006)
+    assert value(got, "kvstage_stage_seconds_count", **ep, stage="read") == 2
+    assert value(got, "kvstage_stage_seconds_sum", **ep, stage="read") == pytest.approx(0.006)
     assert value(got, "kvstage_stage_seconds_count", **ep, stage="slot_wait") == 1
-    assert value(got, "kvstage_slow_requests_total", **ep, peer="pre/0", stage="write") == 1
+    assert value(got, "kvstage_stage_seconds_count", **ep, stage="gather") == 1
+    assert value(got, "kvstage_stage_seconds_count", **ep, stage="write") is None
+    assert value(got, "kvstage_slow_requests_total", **ep, peer="pre/0", stage="read") == 1
 
 
 def test_gauges_sum_over_a_ranks_endpoints_and_leave_when_they_close():
@@ -166,70 +172,115 @@ def test_the_families_are_in_prometheus_clients_default_registry():
 # -- cause classes --------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("cause,stage,want", [
-    ("connection lost (Connection reset by peer)", "write", "connection_lost"),
-    ("not connected", "write", "connection_lost"),
-    ("no control message for 5.2 s: the destination is frozen or hung, or the link is down", "gather", "peer_silent"),
-    ("no grant within 120 s", "waiting for grant", "timeout"),
-    ("write not complete after 5 s", "write", "timeout"),
-    ("not announced within 30 s", "waiting for writers", "timeout"),
-    ("chunk 3 not landed 5 s after its grant", "write", "timeout"),
+    ("connection lost (Connection reset by peer)", "read", "connection_lost"),
+    ("not connected", "read", "connection_lost"),
+    ("no control message for 5.2 s: the destination is stopped or hung, or the link is down", "read", "peer_silent"),
+    ("no control message for 30.1 s: the source is stopped or hung, or the link is down", "read", "peer_silent"),
+    ("no destination started reading it within 120 s", "waiting for a reader", "timeout"),
+    ("not ready within 120 s", "waiting for writers", "timeout"),
+    ("no progress for 30 s, while the source runs", "read", "timeout"),
+    ("no progress for 30 s: a read did not complete", "scatter", "timeout"),
+    ("no progress for 30 s while the destination runs", "read", "timeout"),
     ("destination aborted: connection lost (EOF)", "abort", "aborted"),  # the peer counts its own cause
-    ("source aborted: the decode request finished while its KV was loading", "abort", "aborted"),
+    ("source aborted: taken by engine 'd1'", "abort", "aborted"),
+    ("destination aborted: released: the decode will not read it", "abort", "aborted"),
     ("aborted by caller", "abort", "aborted"),
     ("the decode request finished while its KV was loading", "abort", "aborted"),
-    ("refused: grant for a request this source never announced", "grant", "refused"),
-    ("destination expects 100 tokens, this source sends 99", "grant", "mismatch"),
-    ("source announced 99 tokens, destination expects 100", "ready", "mismatch"),
-    ("wrong slot: chunk 0 was written as 10 bytes at arena offset 5; its grant was 10 bytes at 0", "write", "mismatch"),
+    ("taken by engine 'd1'", "abort", "refused"),  # a request sent to any engine, read by another
+    ("refused: read of chunk 7 of 'r', which has 4 chunks", "read", "refused"),
+    ("refused: request 'r' is not in flight here", "done", "refused"),
+    # the route: no path can carry it, or none is allowed
+    ("no allowed path can carry it (direct: the pieces are not whole shards with equal paging)", "route", "refused"),
+    ("path=pages is not allowed to this destination rank: a page path needs KVSTAGE_AUTH_TOKEN on both sides",
+     "route", "refused"),
+    # a writer's ready refused (``incoming.check_ready``, ``Destination._on_request_message``)
+    ("ready for 'r': path ipc is not allowed here (the handshake with this source agreed pages, read)", "ready", "refused"),
+    ("ready for 'r': page id 90 is past the 64 pages the source offered", "ready", "refused"),
+    ("chunk 2 of 'r': 4096 bytes at offset 65536 lie outside the source's arena of 65536 bytes", "ready", "refused"),
+    ("the source sends 99 tokens of 'r'; this rank expects tokens 0..100", "ready", "mismatch"),
+    ("the source ranks of 'r' cut it into chunks of [16, 32] tokens; they must agree", "read", "mismatch"),
+    # a prefill engine whose every rank left: requests that name it fail when expected (``Destination._gone``)
+    ("every rank of prefill engine 'a' left: connection lost with the last, source rank 1 of engine a (peer closed "
+     "the connection)",
+     "waiting for writers", "connection_lost"),
+    ("every rank of prefill engine 'a' left: connection lost with the last, source rank 0 of engine a (replaced by a "
+     "new connection of source rank 0 of engine a)", "waiting for writers", "connection_lost"),
     ("source closed", "shutdown", "shutdown"),
     ("destination closed", "shutdown", "shutdown"),
-    ("posting receives: UCX_ERR_NO_MEMORY", "grant", "write_error"),
-    ("NIXL_ERR_BACKEND", "write", "write_error"),
+    ("NIXL_ERR_BACKEND", "read", "read_error"),  # a transport's own text at read
+    ("UCX_ERR_MESSAGE_TRUNCATED", "read", "read_error"),
+    ("a chunk of 64 tokens needs 131072 bytes of a slot here, which holds 65536; raise KVSTAGE_ARENA_MB on this rank",
+     "read", "read_error"),
     ("RuntimeError: CUDA error: an illegal memory access was encountered", "gather", "copy_error"),
-    # the vLLM plugin's pulls, which abort a load
+    ("ValueError: piece lies outside the slot", "scatter", "copy_error"),
+    # the vLLM plugin's connect requests, which abort a load
     ("prefill rank at 10.0.0.1:5000: cannot connect ([Errno 111] Connection refused)", "abort", "connection_lost"),
-    ("prefill rank at 10.0.0.1:5000: no answer to pull within 15 s (timed out)", "abort", "timeout"),
-    ("prefill rank at h:1: request 'r' is not prefilled on prefill rank 0 (unknown, still running, aborted, or "
-     "already freed)", "abort", "refused"),
+    ("prefill rank at 10.0.0.1:5000: no answer to connect within 15 s (timed out)", "abort", "timeout"),
     ("peer layout None is not a mapping", "start", "mismatch"),  # an engine plugin's load that could not start
-    ("something new", "waiting for grant", "other"),
+    ("something new", "waiting for writers", "other"),
 ])
 def test_classify(cause, stage, want):
     assert metrics.classify(cause, stage) == want
     assert want in metrics.CAUSES
 
 
-def _render(node):
-    """A sample of the text an expression makes: constants kept, each formatted value "1"; None when unknown."""
+def _render(node) -> list[str] | None:
+    """The texts an expression can make: constants kept, each formatted value "1", both branches of a
+    conditional; None when unknown."""
     if isinstance(node, ast.Constant) and isinstance(node.value, str):
-        return node.value
+        return [node.value]
     if isinstance(node, ast.JoinedStr):
-        return "".join(v.value if isinstance(v, ast.Constant) else "1" for v in node.values)
+        out = [""]
+        for v in node.values:
+            alts = [v.value] if isinstance(v, ast.Constant) else (_render(v.value) if isinstance(v.value, ast.IfExp)
+                                                                  else None) or ["1"]
+            out = [o + a for o in out for a in alts]
+        return out
+    if isinstance(node, ast.IfExp):
+        alts = (_render(node.body) or []) + (_render(node.orelse) or [])
+        return alts or None
     if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Add):
         left, right = _render(node.left), _render(node.right)
-        return None if left is None and right is None else (left or "x") + (right or "x")
+        return None if left is None and right is None else [a + b for a in left or ["x"] for b in right or ["x"]]
     return None
 
 
-def test_every_cause_text_the_protocol_fails_a_request_with_has_a_class():
-    """Each ``_fail(...)`` in kvstage/protocol whose cause is a text written there (not an error's
-    own message) falls in a class other than "other": a new cause text needs a rule in ``classify``."""
-    seen, unclassified = 0, []
+def _cause_texts():
+    """(file:line, stage, cause) of every text kvstage/protocol writes to fail a request with: each
+    ``_fail(...)`` whose cause is written there (not an error's own message), each route's refusal
+    (``Route(None, ...)``, failed at stage "route") and the text a gone prefill engine's requests fail with
+    (``remember(self._gone, ...)``, at "waiting for writers")."""
     for path in sorted((ROOT / "kvstage" / "protocol").glob("*.py")):
         for node in ast.walk(ast.parse(path.read_text())):
-            if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "_fail"):
+            if not (isinstance(node, ast.Call) and isinstance(node.func, (ast.Attribute, ast.Name))):
                 continue
-            # an endpoint's _fail(req, peer, stage, cause, tell=...), or a handle's _fail(peer, stage, cause)
-            args = node.args[2:4] if len(node.args) >= 4 else node.args[1:3]
-            if len(args) < 2:
+            name = node.func.attr if isinstance(node.func, ast.Attribute) else node.func.id
+            if name == "_fail":
+                # an endpoint's _fail(req, peer, stage, cause, tell=...), or a handle's _fail(peer, stage, cause)
+                args = node.args[2:4] if len(node.args) >= 4 else node.args[1:3]
+                if len(args) < 2:
+                    continue
+                stages, causes = _render(args[0]) or [""], _render(args[1])
+            elif name == "Route" and len(node.args) == 2 and isinstance(node.args[0], ast.Constant) \
+                    and node.args[0].value is None:
+                stages, causes = ["route"], _render(node.args[1])
+            elif name == "remember" and len(node.args) >= 3 and "_gone" in ast.unparse(node.args[0]):
+                stages, causes = ["waiting for writers"], _render(node.args[2])
+            else:
                 continue
-            stage, cause = _render(args[0]) or "", _render(args[1])
-            if cause is None:
-                continue
-            seen += 1
-            if metrics.classify(cause, stage) == "other":
-                unclassified.append(f"{path.name}:{node.lineno}: {cause!r} at {stage!r}")
-    assert seen >= 10, seen  # the scan found the call sites
+            for stage in stages:
+                for cause in causes or ():
+                    yield f"{path.name}:{node.lineno}", stage, cause
+
+
+def test_every_cause_text_the_protocol_fails_a_request_with_has_a_class():
+    """Each text kvstage/protocol fails a request with falls in a class other than "other": a new cause
+    text needs a rule in ``classify``."""
+    seen = list(_cause_texts())
+    unclassified = [f"{where}: {cause!r} at {stage!r}" for where, stage, cause in seen
+                    if metrics.classify(cause, stage) == "other"]
+    assert len(seen) >= 15, seen  # the scan found the call sites
+    assert {"route", "waiting for writers"} <= {stage for _, stage, _ in seen}
     assert not unclassified, "\n".join(unclassified)
 
 
@@ -259,8 +310,8 @@ def test_switched_off_every_call_does_nothing_and_says_so_once():
         from kvstage.errors import ConfigError
         a, b = metrics.endpoint_metrics("dst", 0), metrics.endpoint_metrics("src", 1)
         for m in (a, b):
-            m.request_finished("p", True, 1.0, 10); m.failure("p", "write", "x"); m.stage("gather", 1.0)
-            m.slots(1, 2); m.in_flight(3); m.link("p", "x", "INFO"); m.slow("p", "write"); m.close()
+            m.request_finished("p", True, 1.0, 10); m.failure("p", "read", "x"); m.stage("gather", 1.0)
+            m.slots(1, 2); m.in_flight(3); m.link("p", "x", "INFO"); m.slow("p", "read"); m.close()
         metrics.recomputed("e")
         assert metrics.exposition() == b"" and not metrics.available()
         assert metrics.why_unavailable() == "KVSTAGE_METRICS=off"
@@ -379,7 +430,7 @@ def test_multiprocess_directory_sums_processes_and_forgets_closed_endpoints(tmp_
         rank = int(sys.argv[1])
         m = metrics.endpoint_metrics("dst", rank, "eng")
         m.request_finished("pre/0", True, 0.02, 1000)
-        m.failure("pre/0", "write", "write not complete after 5 s")
+        m.failure("pre/0", "read", "no progress for 5 s: a read did not complete")
         m.slots(3, 8)
         m.in_flight(1)
         m.link("pre/0", "UCX shm", "INFO")
@@ -406,7 +457,7 @@ def test_multiprocess_directory_sums_processes_and_forgets_closed_endpoints(tmp_
         for r in ("0", "1"):
             ep = dict(role="dst", rank=r, engine="eng")
             assert value(got, "kvstage_requests_total", **ep, peer="pre/0", result="done") == 1
-            assert value(got, "kvstage_failures_total", **ep, peer="pre/0", stage="write", cause="timeout") == 1
+            assert value(got, "kvstage_failures_total", **ep, peer="pre/0", stage="read", cause="timeout") == 1
             assert value(got, "kvstage_request_seconds_count", **ep, peer="pre/0") == 1
             assert value(got, "kvstage_slots_free", **ep) == 3 and value(got, "kvstage_requests_in_flight", **ep) == 1
             assert value(got, "kvstage_link_info", **ep, path="UCX tcp", severity="WARNING") == 1

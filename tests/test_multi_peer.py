@@ -124,7 +124,7 @@ def test_two_prefill_engines_of_different_tp_into_one_decode_rank(transport):
 
 @pytest.mark.parametrize("transport", ["nixl", "ucx"])
 def test_one_prefill_engine_into_decode_engines_of_different_tp(transport):
-    """A prefill rank (TP 1) pushes interleaved requests to a decode engine at TP 1 and one at
+    """A prefill rank (TP 1) sends interleaved requests to a decode engine at TP 1 and one at
     TP 2 through one ``Source``: the same rank, two plans."""
     d1, d2 = DecodeEngine("d1", 1, 300, transport=transport), DecodeEngine("d2", 2, 300, transport=transport)
     procs = []
@@ -142,14 +142,22 @@ def test_one_prefill_engine_into_decode_engines_of_different_tp(transport):
         d2.close()
 
 
+def _reading(dec: DecodeEngine, h) -> bool:
+    """The destination rank reads ``h``: every writer ready, and a chunk of it holds a slot."""
+    st = dec.ranks[0].stats()
+    return h.state is State.TRANSFERRING and st.slots_free < st.slots_total
+
+
 def test_a_killed_prefill_engine_fails_only_its_own_requests_and_comes_back():
-    """Prefill engine a (TP 2) is killed mid-transfer while engine b (TP 4) keeps sending: a's
-    request fails, naming its rank and engine, b's all complete byte-exact, every slot comes
-    back; then a restarts under the same engine id and transfers again."""
+    """Prefill engine a (TP 2) is killed while its long request is read and engine b (TP 4) keeps sending:
+    a's request fails within 1 s, naming its rank and engine, and so does a request of a expected only
+    after it is gone, at once; b's all complete byte-exact, every slot comes back; then a restarts under
+    the same engine id and transfers again."""
     dec = DecodeEngine("dec", 1, pages_needed(BIG, 4) + 800)
     procs = []
     try:
         (_, big, _, _, _), = dec.expect("a", "q0", BIG, mr.content(31, 0))
+        (_, unsent, _, _, _), = dec.expect("a", "q9", 64, mr.content(31, 9))  # a never sends it
         expected_b = _expect_schedule("b", 32, 40, 64, [dec])
         a = _start("a", 2, [dec], 1, -BIG, 31, conc=1)  # one request of exactly BIG tokens
         b = _start("b", 4, [dec], 40, 64, 32)
@@ -157,7 +165,7 @@ def test_a_killed_prefill_engine_fails_only_its_own_requests_and_comes_back():
         _ready(a[1], "a")
         _ready(b[1], "b")
         a[2].put("go")
-        fr.until(lambda: big.bytes > 0, 60)
+        fr.until(lambda: _reading(dec, big), 60)
         b[2].put("go")
         time.sleep(0.2)
         assert big.state is State.TRANSFERRING
@@ -165,18 +173,27 @@ def test_a_killed_prefill_engine_fails_only_its_own_requests_and_comes_back():
         os.kill(a[0].pid, signal.SIGKILL)
         with pytest.raises(TransferFailed) as err:
             big.wait(10)
-        print(f"\nengine a killed: its request failed in {(time.monotonic() - t_kill) * 1e3:.0f} ms: {err.value}")
-        assert "of engine a" in err.value.peer and "connection lost" in err.value.cause, err.value
+        detect = time.monotonic() - t_kill
+        print(f"\nengine a killed: its request failed in {detect * 1e3:.0f} ms: {err.value}")
+        assert "of engine a" in str(err.value) and detect < 1.0, err.value
+        with pytest.raises(TransferFailed, match="of engine a"):  # expected, not sent yet: it fails with a's ranks
+            unsent.wait(1.0)
         a[0].join(10)
+        fr.until(lambda: dec.ranks[0].stats().engines == 1, 5)  # every rank of a is gone
+        (_, late, _, _, _), = dec.expect("a", "q1", 64, mr.content(31, 1))  # a request of a, expected after
+        assert late.done() and late.state is State.FAILED  # at once, in ``expect``
+        assert late.error.peer == "prefill engine 'a'" and "every rank of prefill engine 'a' left" in late.error.cause
         _done(b[1], "b", 40)
         _check_all(expected_b)
-        fr.until(lambda: dec.ranks[0].slots_free() == 4, 10)  # nothing leaked to the lost engine
+        fr.until(lambda: fr.free(dec.ranks[0].stats()), 10)  # nothing leaked to the lost engine
 
-        # engine a comes back: a new process, new agents, the same engine id and ranks
-        expected_a = _expect_schedule("a", 33, 6, 48, [dec])
+        # engine a comes back: a new process, new agents, the same engine id and ranks; its requests are
+        # expected once it is connected (until then a request naming a fails at once, as ``late`` did)
         again = _start("a", 2, [dec], 6, 48, 33)
         procs.append(again)
         _ready(again[1], "a")
+        assert dec.ranks[0].connected("a")
+        expected_a = _expect_schedule("a", 33, 6, 48, [dec])
         again[2].put("go")
         _done(again[1], "a", 6)
         _check_all(expected_a)
@@ -188,25 +205,25 @@ def test_a_killed_prefill_engine_fails_only_its_own_requests_and_comes_back():
 
 
 def test_a_stalled_prefill_engine_does_not_stall_the_others():
-    """Engine a (TP 1) is stopped (SIGSTOP) in the middle of a long request, holding granted
-    slots; engine b's requests, sent after, still complete while a is stopped, in the slot a
-    leaves to each other connected engine. Resumed, a completes too: slow is not failed."""
+    """Engine a (TP 1) is stopped (SIGSTOP) in the middle of a long request on the read path, larger than its
+    arena: its later chunks need a's own loop. Engine b's requests, sent after, complete byte-exact while a
+    is stopped, and a's request waits, neither done nor failed. Resumed, a completes too: slow is not failed."""
     patient = {"peer_timeout_s": 120.0, "stall_timeout_s": 120.0}
     dec = DecodeEngine("dec", 1, pages_needed(BIG, 4) + 400, **patient)
     procs = []
     try:
         (_, big, big_ids, _, _), = dec.expect("a", "q0", BIG, mr.content(41, 0))
         expected_b = _expect_schedule("b", 42, 8, 48, [dec])
-        a = _start("a", 1, [dec], 1, -BIG, 41, conc=1, over=patient)
+        a = _start("a", 1, [dec], 1, -BIG, 41, conc=1, over=patient | {"path": "read"})
         b = _start("b", 1, [dec], 8, 48, 42, over=patient)
         procs = [a, b]
         _ready(a[1], "a")
         _ready(b[1], "b")
         a[2].put("go")
-        fr.until(lambda: big.bytes > 0, 60)
+        fr.until(lambda: _reading(dec, big), 60)
         os.kill(a[0].pid, signal.SIGSTOP)
         try:
-            time.sleep(0.5)  # what a had in flight lands; the rest of its granted slots stay held
+            time.sleep(0.5)  # what a had gathered is read; the rest of its request waits for a's loop
             t0 = time.monotonic()
             b[2].put("go")
             _done(b[1], "b", 8)
@@ -219,6 +236,7 @@ def test_a_stalled_prefill_engine_does_not_stall_the_others():
         _done(a[1], "a", 1)
         big.wait(120)
         assert fr.check(dec.ranks[0].cache, mr.content(41, 0), big_ids, BIG) == []
+        fr.until(lambda: fr.free(dec.ranks[0].stats()), 10)
     finally:
         _stop(*procs)
         dec.close()

@@ -1,61 +1,85 @@
-"""The path a request takes (``protocol.route``): direct page runs only where their spans
-are expected to cost no more than staging the same bytes."""
+"""The one route decision (``protocol.route.choose``): pure, every reason tested."""
 
-import numpy as np
 import pytest
 
-from kvstage.protocol.route import BULK_BPS, STAGED_SHARE, choose, page_runs
+from kvstage.protocol.route import COPIES, COPY_BPS, Link, Path, Request, allowed_paths, choose, cost_s, page_runs
 
-LLAMA_PAGE = 16 * 8 * 128 * 2  # one page of one buffer of Llama-3-8B at TP 1: 32 KiB
-BUFFERS = 64
-
-
-def test_page_runs_count_breaks_in_consecutive_ids():
-    assert page_runs(np.array([], dtype=np.int64)) == 0
-    assert page_runs(np.arange(10)) == 1
-    assert page_runs(np.array([3, 4, 5, 9, 10, 2])) == 3
-    assert page_runs(np.random.default_rng(0).permutation(1000)) > 990
+ALL = frozenset(Path)
 
 
-@pytest.mark.parametrize("memory,cost,direct", [
-    ("cuda", 12e-6, False),  # one H200: 32 KiB spans at 12 us each crawl next to staging
-    ("cpu", 3.6e-6, True),  # the CPU machine: the same spans beat staging through two cores
-    ("cpu", 0.5e-6, True),  # cma
-])
-def test_random_pages_of_the_model(memory, cost, direct):
-    ids = np.random.default_rng(1).permutation(4096)[:512]  # 8k tokens of page 16
-    r = choose(ids, BUFFERS, LLAMA_PAGE, cost, memory)
-    assert r.direct is direct and r.spans == page_runs(ids) * BUFFERS
-    assert ("direct is expected to be as fast" if direct else "staging is expected to be faster") in r.reason
-    assert f"{r.spans} spans" in r.reason
+def link(memory="cpu", ipc=False, pages=True, direct=False, span=3.6e-6, allowed=ALL):
+    return Link(memory, ipc, pages, direct, span, allowed)
 
 
-def test_contiguous_pages_go_direct_even_on_a_gpu():
-    r = choose(np.arange(512), BUFFERS, LLAMA_PAGE, 12e-6, "cuda")
-    assert r.direct and r.spans == BUFFERS
+def req(nbytes=64 << 20, runs=8192, page_spans=8192, fits=True):
+    return Request(nbytes, runs, page_spans, fits)
 
 
-def _runs(n: int, pages: int = 512) -> np.ndarray:
-    """``pages`` page ids in ``n`` runs of consecutive ids."""
-    cuts = np.linspace(0, pages, n + 1).astype(int)
-    return np.concatenate([np.arange(k * 10_000 + lo, k * 10_000 + hi) for k, (lo, hi) in enumerate(zip(cuts, cuts[1:]))])
+def test_page_runs():
+    assert page_runs([]) == 0
+    assert page_runs([3, 4, 5, 9, 10, 2]) == 3
 
 
-def test_the_break_even_is_where_the_spans_cost_what_staging_saves():
-    nbytes = 512 * BUFFERS * LLAMA_PAGE
-    saved = nbytes / (BULK_BPS["cuda"] * STAGED_SHARE["cuda"]) - nbytes / BULK_BPS["cuda"]
-    even = saved / 12e-6 / BUFFERS  # runs at which both cost the same
-    below, above = max(1, int(even)), int(even) + 1
-    assert choose(_runs(below), BUFFERS, LLAMA_PAGE, 12e-6, "cuda").direct
-    r = choose(_runs(above), BUFFERS, LLAMA_PAGE, 12e-6, "cuda")
-    assert not r.direct and r.direct_s > r.staged_s and r.spans == above * BUFFERS
+def test_ipc_wins_wherever_the_destination_opened_the_pages():
+    r = choose(link("cuda", ipc=True, direct=True), req())
+    assert r.path is Path.IPC and "one pass" in r.reason
 
 
-def test_forced_direct_says_so_with_the_estimate():
-    r = choose(np.arange(0, 1024, 2), BUFFERS, LLAMA_PAGE, 12e-6, "cuda", forced=True)
-    assert r.direct and r.reason.startswith("direct=True (")
+def test_on_a_gpu_without_ipc_the_read_path_beats_descriptor_bound_page_runs():
+    # random pages: 8192 spans at 12 us each against three 1.4 TB/s copies of 64 MiB
+    r = choose(link("cuda", direct=True, span=12e-6), req())
+    assert r.path is Path.READ and "expected fastest" in r.reason
+    assert "pages" not in r.reason.split(";")[0] or "direct" in r.reason  # pages is no candidate on a GPU
 
 
-def test_an_unknown_memory_is_refused():
-    with pytest.raises(ValueError, match="memory='tpu'"):
-        choose(np.arange(4), 2, 4096, 1e-6, "tpu")
+def test_on_a_host_few_page_runs_go_direct_and_many_go_staged():
+    assert choose(link(direct=True), req(runs=64, page_spans=64)).path is Path.DIRECT
+    # the same bytes cut into a million spans: direct and pages cost seconds, the read path one more copy
+    r = choose(link(direct=True), req(runs=10**6, page_spans=10**6))
+    assert r.path is Path.READ
+
+
+def test_pages_is_cheaper_than_read_on_a_host_where_its_spans_are_few():
+    r = choose(link(), req(page_spans=64))
+    assert r.path is Path.PAGES
+    assert cost_s(Path.PAGES, link(), req(page_spans=64)) < cost_s(Path.READ, link(), req(page_spans=64))
+
+
+def test_a_gather_that_does_not_fit_the_free_slots_reads_the_pages_where_it_can():
+    r = choose(link(), req(page_spans=10**6, fits=False))
+    assert r.path is Path.PAGES and "does not fit" in r.reason
+    assert choose(link("cuda"), req(fits=False)).path is Path.READ  # no pages path on a GPU: it waits for slots
+
+
+def test_without_offered_kv_only_the_arena_paths_remain():
+    r = choose(link(pages=False, direct=True), req(page_spans=1))
+    assert r.path is Path.READ
+
+
+def test_a_forced_path_that_cannot_run_names_why():
+    r = choose(link("cpu", allowed=frozenset({Path.IPC})), req())
+    assert r.path is None and "ipc: the destination did not open" in r.reason
+    r = choose(link("cuda", allowed=frozenset({Path.PAGES})), req())
+    assert r.path is None and "pages is for host memory" in r.reason
+    r = choose(link(allowed=frozenset({Path.DIRECT})), req())
+    assert r.path is None and "not whole shards" in r.reason
+
+
+def test_a_forced_path_that_can_run_is_taken_whatever_it_costs():
+    r = choose(link(direct=True, allowed=frozenset({Path.DIRECT})), req(runs=10**6))
+    assert r.path is Path.DIRECT and "only path allowed" in r.reason
+
+
+def test_the_cost_model_counts_copies_and_spans():
+    l, q = link(), req(nbytes=5 * 10**9, runs=1000, page_spans=2000)
+    assert cost_s(Path.READ, l, q) == pytest.approx(COPIES[Path.READ] * 1.0 + 3.6e-6)
+    assert cost_s(Path.DIRECT, l, q) == pytest.approx(1.0 + 1000 * 3.6e-6)
+    assert cost_s(Path.PAGES, l, q) == pytest.approx(2.0 + 2000 * 3.6e-6)
+    assert set(COPY_BPS) == {"cuda", "cpu"}
+
+
+def test_allowed_paths():
+    assert allowed_paths("auto") == ALL
+    assert allowed_paths("read") == {Path.READ}
+    with pytest.raises(ValueError):
+        allowed_paths("staged")

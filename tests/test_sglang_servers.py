@@ -22,9 +22,10 @@ before kvstage sends):
 - one byte of a request's KV corrupted on the prefill, the control that the KV came through
   kvstage: the decode's tokens must differ from the reference (its first token, computed by the
   prefill before the corruption, must not);
-- the prefill server killed mid-request: the client gets the decode's failure, with kvstage's
-  cause, from whichever decode rank reports it; the decode server stays up. This runs last: it
-  takes each route's prefill down.
+- the prefill server killed with eight requests in flight: within 1 s every decode rank has failed
+  each one and counted it as ``connection_lost`` in kvstage's metrics, every client gets the
+  decode's failure with kvstage's cause, and the decode server stays up. This runs last: it takes
+  each route's prefill down.
 
 Needs sglang 0.5.23 and sglang-router (.ci/sglang-venv); the main venv skips this file.
 """
@@ -66,7 +67,11 @@ PROMPTS = {  # name: input ids (page 16 tokens, chunk 128: S.PAGE_SIZE, S.CHUNK)
     "radix hit": _LONG[:200] + _prompt(6, 41),  # after "300 tokens": the prefill reuses 192 cached tokens
 }
 CORRUPT_PROMPT = _prompt(7, 45)  # its own prefix: the prefill's radix cache keeps the corrupted page
-KILL_PROMPT = _prompt(8, 40)
+IN_FLIGHT = 8  # requests in flight when the prefill is killed
+KILL_PROMPTS = [_prompt(100 + i, 40) for i in range(IN_FLIGHT)]  # distinct: no radix hit between them
+KILL_AFTER_S = 2.0  # the first one's hold on prefill rank 0 before the kill: the others reach both servers
+FAIL_WITHIN_S = 1.0  # every decode rank has failed and counted each one this soon after the prefill's death shows
+TEARDOWN_S = 2.0  # the most the kernel may take to close a killed prefill's sockets on two loaded cores
 GIVE_UP_PROMPT = _prompt(9, 50)
 STALL_S = 8  # the prefill's "slow forward" in test_client_gives_up_mid_request
 
@@ -90,8 +95,11 @@ class Cluster:
             bootstrap = S.free_port()
             prefill = self._add(S.server(f"{name}-prefill", self.model, S.free_port(), ptp, "prefill", self.logs,
                                          bootstrap, env={"KVSTAGE_TEST_FAULTS": faults}))
-            decode = self._add(S.server(f"{name}-decode", self.model, S.free_port(), dtp, "decode", self.logs))
-            self.routes[name] = {"prefill": prefill, "decode": decode, "bootstrap": bootstrap, "faults": faults}
+            metrics = S.free_port(dtp)  # kvstage's metrics, one port per decode rank
+            decode = self._add(S.server(f"{name}-decode", self.model, S.free_port(), dtp, "decode", self.logs,
+                                        env={"KVSTAGE_METRICS_PORT": str(metrics)}))
+            self.routes[name] = {"prefill": prefill, "decode": decode, "bootstrap": bootstrap, "faults": faults,
+                                 "decode_metrics": [f"http://127.0.0.1:{metrics + i}" for i in range(dtp)]}
         for p in self.procs:  # all at once: start-up is mostly imports, on both cores
             p.start()
         deadline = t0 + START_S
@@ -217,17 +225,75 @@ def test_corrupted_prefill_byte_shows_in_the_decode(cluster, reference, route):
     assert got[1:] != want[1:], f"decode output unchanged by a corrupted KV byte: {got}"
 
 
+def _timed_generate(url: str, ids: list) -> tuple:
+    status, body = S.generate(url, ids, MAX_NEW)
+    return status, body, time.time()
+
+
+def _first_disconnect(proc: S.Proc, start: int) -> float:
+    """The wall-clock time of the first kvstage ``disconnected`` line in ``proc``'s log after byte ``start``."""
+    import datetime
+    import re
+
+    with open(proc.log_path, errors="replace") as f:
+        f.seek(start)
+        text = f.read()
+    m = re.search(r"\[(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d),(\d{3}) \d+\] kvstage dst \d+: .* disconnected", text)
+    assert m, f"{proc.name}'s log has no kvstage disconnect line after the kill:\n{text[-3000:]}"
+    seen = datetime.datetime.strptime(m.group(1), "%Y-%m-%d %H:%M:%S")
+    return time.mktime(seen.timetuple()) + int(m.group(2)) / 1000
+
+
+def _counted(urls: list, before: list, cause: str, n: int, timeout_s: float) -> float:
+    """The time at which every decode rank's kvstage metrics count ``n`` more failures of ``cause``."""
+    deadline = time.time() + timeout_s
+    while True:
+        now = time.time()
+        if all(S.kvstage_failures(u).get(cause, 0) - b.get(cause, 0) >= n for u, b in zip(urls, before)):
+            return now
+        if now > deadline:
+            raise AssertionError(f"not {n} {cause} failures counted within {timeout_s} s: "
+                                 f"{[S.kvstage_failures(u) for u in urls]} (before: {before})")
+        time.sleep(0.02)
+
+
 @pytest.mark.parametrize("route", ROUTES)
-def test_prefill_killed_mid_request_fails_the_decode(cluster, reference, route):
-    """Prefill rank 0 dies after its forward, before kvstage sends: the client gets the decode's
-    KVTransferError with kvstage's cause; the decode server stays up. (Takes the route's prefill down.)"""
+def test_prefill_killed_with_requests_in_flight_fails_each_within_1s(cluster, reference, route):
+    """Eight requests in flight; prefill rank 0 holds the first after its forward, then dies (its server with it):
+    within 1 s of its connection closing (the kernel closes a killed process's sockets after tearing down its
+    memory) every decode rank has failed and counted each request as ``connection_lost`` (none waits for
+    SGLang's heartbeat and is counted ``aborted``), every client gets the decode's KVTransferError with
+    kvstage's cause, and the decode server stays up. The clients' answers come when SGLang's router has the
+    prefill server's answer too (the prefill's HTTP server outlives its scheduler by seconds): printed, not
+    kvstage's to bound. (Takes the route's prefill down.)"""
     r = cluster.routes[route]
-    _arm(r["faults"], "die-next")
-    status, body = S.generate(r["router"].url, KILL_PROMPT, MAX_NEW)
-    assert os.path.exists(os.path.join(r["faults"], "die-next.fired")), "the kill hook never ran"
-    assert status != 200, (status, body)
-    assert "KVTransferError" in body and "connection lost" in body, (status, body)
-    assert "unknown reason from another rank" not in body, (status, body)
+    before = [S.kvstage_failures(url) for url in r["decode_metrics"]]
+    start = os.path.getsize(r["decode"].log_path)
+    _arm(r["faults"], "die-next", str(KILL_AFTER_S))
+    with concurrent.futures.ThreadPoolExecutor(IN_FLIGHT) as pool:
+        futures = [pool.submit(_timed_generate, r["router"].url, ids) for ids in KILL_PROMPTS]
+        t_counted = _counted(r["decode_metrics"], before, "connection_lost", IN_FLIGHT, 60 + KILL_AFTER_S)
+        results = [f.result() for f in futures]
+    fired = os.path.join(r["faults"], "die-next.fired")
+    assert os.path.exists(fired), "the kill hook never ran"
+    t_kill = float(open(fired).read().split()[1])
+    for status, body, _ in results:
+        assert status != 200, (status, body)
+        assert "KVTransferError" in body and "connection lost" in body, (status, body)
+        assert "unknown reason from another rank" not in body, (status, body)
+    answered = sorted(t - t_kill for _, _, t in results)
+    t_seen = _first_disconnect(r["decode"], start)
+    print(f"\n{route}: the decode saw the prefill's connection close {t_seen - t_kill:.3f} s after the kill; "
+          f"{IN_FLIGHT} requests failed and counted on every decode rank {t_counted - t_kill:.3f} s after it; "
+          f"clients answered {answered[0]:.2f}-{answered[-1]:.2f} s after it")
+    # kvstage's part: from the first sign of the death to every request failed and counted
+    assert t_counted - t_seen <= FAIL_WITHIN_S, f"{route}: counted {t_counted - t_seen:.3f} s after the disconnect"
+    # the kernel's: a SIGKILLed process's sockets close once its memory is torn down (0.4-1.0 s measured here)
+    assert t_counted - t_kill <= TEARDOWN_S + FAIL_WITHIN_S, f"{route}: counted {t_counted - t_kill:.3f} s after the kill"
+    for url, was in zip(r["decode_metrics"], before):
+        now = S.kvstage_failures(url)
+        grew = {cause: n - was.get(cause, 0) for cause, n in now.items() if n != was.get(cause, 0)}
+        assert grew == {"connection_lost": IN_FLIGHT}, (url, grew)
     r["decode"].wait_ready(time.monotonic() + 30)  # still serving
 
 

@@ -1,34 +1,34 @@
-"""Sharing a destination's KV buffers with a source on its host.
+"""Sharing a source's KV buffers and its ready event with the destination on its host.
 
 On the CPU: a peer's description is checked field by field (hostile input never raises
 anything but ``MappingError``), host memory is refused with the reason, the bytes a
-source can reach beyond the buffers are counted. On a GPU, across two processes: a
-destination allocates its cache the way engines do (views of one big tensor from
-torch's caching allocator), shares it; the test opens it and writes every chunk with
-the direct page-write kernel; the destination finds its shard byte for byte and every
-page outside the request untouched. With expandable segments the share is refused,
-naming the cause and the fix.
+peer can reach beyond the buffers are counted, a peer's event handle is checked before
+any CUDA call. On a GPU, across two processes: a source allocates its cache the way
+engines do (views of one big tensor from torch's caching allocator) and shares it; this
+process opens it and finds every buffer's bytes where the description says. With
+expandable segments the share is refused, naming the cause and the fix. A stream here
+waits on the source's ready event, with no host synchronization, until the source's
+queued writes have run.
 """
 
 from __future__ import annotations
 
 import base64
+import ctypes
 import json
 import os
-import select
-import subprocess
-import sys
-from pathlib import Path
+import time
 
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from support.placed import case_plan, chunks, grant_pages, make_caches
-from kvstage.staging.mapped import MappingError
-from kvstage.staging.shared_buffers import (KIND, MAX_BUFFERS, NotShareable, _owner, exposed_bytes, open_buffers,
-                                            parse, share_buffers)
+from support.ipc_reads import case_plan, source_cache, source_requests
+from support.ipc_source import SourcePeer
+from kvstage.errors import KVStageError, MappingError
+from kvstage.staging.shared_buffers import (KIND, MAX_BUFFERS, NotShareable, OpenedEvent, ReadyEvent, _owner,
+                                            exposed_bytes, open_buffers, parse, share_buffers)
 
 HANDLE = base64.b64encode(bytes(range(64))).decode()
 OTHER = base64.b64encode(bytes(range(1, 65))).decode()
@@ -128,39 +128,25 @@ def test_open_refuses_before_any_cuda_call():
         open_buffers(_desc(buffers=[[0, 512, 1024], [1, 0, 1024], [0, 3500, 1024]]), torch.device("cuda", 0))
 
 
+def test_a_peers_event_handle_is_checked_before_any_cuda_call():
+    for handle, match in ((b"\0" * 63, "got 63 bytes"), (b"\0" * 65, "got 65 bytes"), ("0" * 64, "got str"),
+                          (None, "got NoneType"), (list(range(64)), "got list")):
+        with pytest.raises(MappingError, match=f"event handle: must be the 64 bytes of a CUDA IPC event handle; "
+                                               f"{match}"):
+            OpenedEvent(handle, torch.device("cuda", 0))
+    with pytest.raises(MappingError, match="a CUDA event; this rank runs on cpu"):
+        OpenedEvent(bytes(64), torch.device("cpu"))
+    with pytest.raises(NotShareable, match="a ready event is a CUDA event; this rank runs on cpu"):
+        ReadyEvent(torch.device("cpu"))
+
+
+def test_sharing_errors_are_kvstage_errors():
+    """A caller that handles kvstage's own errors handles these too."""
+    assert issubclass(MappingError, KVStageError) and issubclass(NotShareable, KVStageError)
+
+
 # -- two processes on a GPU -------------------------------------------------------------------
-PEER = Path(__file__).parent / "support" / "placed_peer.py"
-
-
-class _Peer:
-    """The destination process (``support/placed_peer.py``), driven one JSON line at a time."""
-
-    def __init__(self, env: dict | None = None):
-        self.proc = subprocess.Popen([sys.executable, str(PEER)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     text=True, env={**os.environ, **(env or {})})
-
-    def ask(self, timeout: float = 120.0, **msg) -> dict:
-        self.proc.stdin.write(json.dumps(msg) + "\n")
-        self.proc.stdin.flush()
-        while True:
-            ready, _, _ = select.select([self.proc.stdout], [], [], timeout)
-            assert ready, f"the destination process did not answer {msg['cmd']} in {timeout} s"
-            line = self.proc.stdout.readline()
-            assert line, f"the destination process exited ({self.proc.poll()}) on {msg['cmd']}"
-            if line.startswith("{"):
-                return json.loads(line)
-
-    def close(self) -> None:
-        if self.proc.poll() is None:
-            try:
-                self.ask(cmd="quit", timeout=5)
-            except (AssertionError, BrokenPipeError, ValueError):
-                pass
-            try:
-                self.proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+_DEVICE_TO_DEVICE = 3  # cudaMemcpyDeviceToDevice
 
 
 @pytest.fixture
@@ -171,68 +157,79 @@ def gpu():
         pytest.skip("needs CUDA and CuPy")
 
 
+@pytest.fixture
+def peer(gpu):
+    p = SourcePeer()
+    yield p
+    p.close()
+
+
 def _devices() -> list[str]:
-    """The destination's GPU: this one, and another one (peer access) where there is one."""
+    """The source's GPU: this one, and another one (peer access) where there is one."""
     return ["cuda:0"] + (["cuda:1"] if torch.cuda.is_available() and torch.cuda.device_count() > 1 else [])
+
+
+def _read(spans, device) -> list[torch.Tensor]:
+    """A copy here of each buffer's bytes at ``spans`` (mapped here), queued on the current
+    stream: the runtime's device-to-device copy, as bytes, whichever GPU holds them."""
+    from kvstage.cudart import runtime
+
+    out = []
+    stream = torch.cuda.current_stream(device).cuda_stream
+    with torch.cuda.device(device):
+        for address, nbytes in spans:
+            t = torch.empty(nbytes, dtype=torch.uint8, device=device)
+            err = runtime().cudaMemcpyAsync(ctypes.c_void_p(t.data_ptr()), ctypes.c_void_p(address),
+                                            ctypes.c_size_t(nbytes), _DEVICE_TO_DEVICE, ctypes.c_void_p(stream))
+            assert err == 0, f"cudaMemcpyAsync failed with CUDA error {err}"
+            out.append(t)
+    return out
+
+
+def _expected(name: str, rank: int, filled: bool = True) -> list[torch.Tensor]:
+    """The bytes of the peer's cache, built alike here."""
+    p = case_plan(name)
+    req = source_requests(p)[rank]
+    return [b.view(-1).view(torch.uint8) for b in source_cache(p, rank, req, 7, 100, "cuda:0", filled).buffers]
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("where", _devices())
-def test_a_source_writes_into_another_process_s_pages_byte_for_byte(gpu, where):
-    from kvstage.staging.copy import TokenIndex
-    from kvstage.staging.cuda_place import PlacedCopier, PlacedWrite
-
-    peer = _Peer()
+def test_a_source_process_s_buffers_are_opened_here_byte_for_byte(peer, where):
     device = torch.device("cuda", 0)
-    try:
-        for name in ("4->1", "1->4", "1->1 nhd16->hnd1", "2->8 replicated", "mla 2->3"):
-            c = make_caches(case_plan(name), device)  # the sources here; the destinations are the peer's
-            descs = []
-            for r, local in enumerate(c.dst):
-                reply = peer.ask(cmd="allocate", case=name, rank=r, pages=local.pages, device=where)
-                assert "desc" in reply, reply
-                descs.append(reply["desc"])
-                assert len(reply["desc"]["allocations"]) <= c.plan.geometry.planes
-                assert reply["desc"]["buffers"][0][1] > 0  # the first view sits past the allocation's start
-            opened = [open_buffers(d, device) for d in descs]
-            try:
-                assert all(o.on(device) == (where == "cuda:0") for o in opened)
-                copiers = [PlacedCopier(s, c.plan.dst) for s in c.src]
-                dests = [[k.destination(o.spans) for o in opened] for k in copiers]
-                for start, count in chunks():
-                    for r, (src, k) in enumerate(zip(c.src, copiers)):
-                        writes = [PlacedWrite(dests[r][p.dst_rank], p, grant_pages(c, p.dst_rank, start, count))
-                                  for p in c.plan.targets_of(r)]
-                        if writes:
-                            k.launch(TokenIndex(src, c.src_ids[r], start, count), writes)
-                torch.cuda.synchronize()
-            finally:
-                for o in opened:
-                    o.close()
-            for r in range(c.plan.dst.tp):
-                reply = peer.ask(cmd="check", rank=r, seed=c.seed, ids=c.dst_ids[r].tolist(), tokens=c.tokens)
-                assert reply["errors"] == [], (name, r)
-        # a description whose sizes do not match the mapping is refused, and the mapping released
-        desc = peer.ask(cmd="allocate", case="4->1", rank=0, pages=40, device=where)["desc"]
-        inflated = json.loads(json.dumps(desc))
-        for a in inflated["allocations"]:
-            a["nbytes"] *= 64
-        with pytest.raises(MappingError, match="the sizes do not match"):
-            open_buffers(inflated, device)
-        open_buffers(desc, device).close()
-        forged = json.loads(json.dumps(desc))
-        forged["allocations"][0]["handle"] = base64.b64encode(os.urandom(64)).decode()
-        with pytest.raises(MappingError, match="cudaIpcOpenMemHandle of allocation 0 failed"):
-            open_buffers(forged, device)
-    finally:
-        peer.close()
+    for name, rank in (("4->1", 2), ("mla 4->1", 3), ("2->8 replicated", 1)):
+        p = case_plan(name)
+        reply = peer.allocate(name, rank, source_requests(p)[rank], 7, 100, where)
+        assert "desc" in reply, reply
+        desc = reply["desc"]
+        assert len(desc["allocations"]) <= p.geometry.planes  # one big tensor per plane, viewed per layer
+        assert desc["buffers"][0][1] > 0  # the first view sits past the allocation's start
+        with open_buffers(desc, device) as opened:
+            assert opened.on(device) == (where == "cuda:0")
+            got = _read(opened.spans, device)
+            torch.cuda.synchronize()
+        want = _expected(name, rank)
+        assert [len(g) for g in got] == [len(w) for w in want]
+        assert all(torch.equal(g, w.to(device)) for g, w in zip(got, want)), name
+    # a description whose sizes do not match the mapping is refused, and the mapping released
+    desc = peer.allocate("4->1", 0, source_requests(case_plan("4->1"))[0], 7, 100, where)["desc"]
+    inflated = json.loads(json.dumps(desc))
+    for a in inflated["allocations"]:
+        a["nbytes"] *= 64
+    with pytest.raises(MappingError, match="the sizes do not match"):
+        open_buffers(inflated, device)
+    open_buffers(desc, device).close()
+    forged = json.loads(json.dumps(desc))
+    forged["allocations"][0]["handle"] = base64.b64encode(os.urandom(64)).decode()
+    with pytest.raises(MappingError, match="cudaIpcOpenMemHandle of allocation 0 failed"):
+        open_buffers(forged, device)
 
 
 @pytest.mark.gpu
 def test_expandable_segments_are_refused_naming_the_cause_and_the_fix(gpu):
-    peer = _Peer({"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"})
+    peer = SourcePeer({"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"})
     try:
-        reply = peer.ask(cmd="allocate", case="4->1", rank=0, pages=40, device="cuda:0")
+        reply = peer.allocate("4->1", 0, source_requests(case_plan("4->1"))[0], 7, 100, "cuda:0")
     finally:
         peer.close()
     assert "refused" in reply, reply
@@ -241,34 +238,34 @@ def test_expandable_segments_are_refused_naming_the_cause_and_the_fix(gpu):
 
 
 @pytest.mark.gpu
-def test_a_source_killed_mid_write_leaves_other_requests_and_the_destination_intact(gpu):
-    """A source process writing a request's pages is killed while its kernels run: the pages
-    of another request hold their bytes, pages of no request stay zero, and this (the
-    destination's) process goes on using its GPU."""
-    import numpy as np
-
-    from kvstage.bench.reference import check_shard, fill_shard
-    from kvstage.staging.cache import RankCache
-    from support.placed_peer import engine_buffers
-
-    p = case_plan("4->1")
-    tokens, pages = 100, 40
-    ids = np.random.default_rng(3).permutation(pages)
-    mine, other = ids[:7], ids[7:14]  # the killed source's request, and another one already written
-    dst = RankCache(p.dst, 0, engine_buffers(p.dst, pages, "cuda:0"))
-    fill_shard(dst, 11, other, tokens)
-    torch.cuda.synchronize()
-    peer = _Peer()
-    try:
-        reply = peer.ask(cmd="write_until_killed", case="4->1", rank=1, desc=share_buffers(dst.buffers), dst_rank=0,
-                         grant=mine.tolist(), tokens=tokens)
-        assert reply == {"writing": True}
-        peer.proc.kill()
-        peer.proc.wait(timeout=20)
-    finally:
-        peer.close()
-    written = dst.buffers[0].view(torch.uint8)[torch.from_numpy(mine).cuda()]
-    assert bool((written == 0x5A).any()), "the source never wrote its pages"
-    assert check_shard(dst, 11, other, tokens, written=np.concatenate([mine, other])) == []
-    probe = torch.arange(1 << 20, device="cuda")
-    assert int(probe.sum()) == (1 << 20) * ((1 << 20) - 1) // 2
+def test_a_stream_waits_on_the_sources_ready_event_until_its_writes_have_run(peer):
+    """The source queues its writes behind a kernel that waits for a flag in this process's
+    memory, records its ready event and answers at once. A copy of its buffers queued here
+    behind a wait on the event stays pending (the host goes on) until the flag is set, then
+    holds the source's writes."""
+    device = torch.device("cuda", 0)
+    name, rank = "4->1", 2
+    req = source_requests(case_plan(name))[rank]
+    desc = peer.allocate(name, rank, req, 7, 100, "cuda:0", filled=False)["desc"]
+    handle = base64.b64decode(peer.ask(cmd="event")["handle"])
+    assert len(handle) == 64
+    event = OpenedEvent(handle, device)
+    flag = torch.zeros(1, dtype=torch.int32, device=device)
+    with open_buffers(desc, device) as opened:
+        torch.cuda.synchronize()
+        reply = peer.ask(cmd="write_after", flag=share_buffers([flag]), seed=7, tokens=100, ids=req.ids.tolist(),
+                         shift=req.shift)
+        assert reply == {"recorded": True}
+        stream, setter = torch.cuda.Stream(device), torch.cuda.Stream(device)
+        with torch.cuda.stream(stream):
+            event.wait()
+            got = _read(opened.spans, device)
+        time.sleep(0.5)  # long enough for a copy that did not wait to have ended
+        blocked = not stream.query()
+        with torch.cuda.stream(setter):
+            flag.fill_(1)
+        stream.synchronize()
+    assert blocked, "the copy did not wait for the source's ready event"
+    want = _expected(name, rank)
+    assert all(torch.equal(g, w.to(device)) for g, w in zip(got, want))
+    assert not all(torch.equal(w, s) for w, s in zip(want, _expected(name, rank, filled=False)))

@@ -1,17 +1,22 @@
-"""Staging: gather/scatter (native span copies and torch/numpy), the CUDA kernel's word addressing, the slot allocator."""
+"""Staging: gather/scatter between ranks of different paging (native span copies and torch/numpy), the CUDA
+kernel's word addressing, the slot allocator."""
 
 import itertools
 
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kvstage.layout import KVGeometry, PageLayout, pages_needed
 from kvstage.staging.arena import SlotAllocator, StagingArena
 from kvstage.staging.cache import RankCache
-from kvstage.staging.copy import TokenIndex, gather, gather_pieces, prepare_piece_scatters, region_bytes, scatter, scatter_chunk
-from kvstage.staging.words import WordGeometry, chunk_pages, word_index
+from kvstage.staging.copy import TokenIndex, gather, prepare_piece_scatters, scatter_chunk
+from kvstage.staging.region import Order, RegionPiece, end_to_end
+from kvstage.staging.words import META, WordGeometry, chunk_pages, piece_table, word_index
 from kvstage.tp import SideSpec
+from support.regions import expected_cache, expected_region, host_buffers, random_bytes, same_buffers
 
 pytestmark = pytest.mark.usefixtures("host_copy")  # every host copy both ways: the native and the torch copier
 
@@ -32,14 +37,15 @@ def _token(buf, side, page_ids, t, lo, n):
 
 def _random_cache(side, pages, seed):
     c = RankCache.allocate(side, 0, pages, fill=None)
-    g = torch.Generator().manual_seed(seed)
-    for b in c.buffers:
-        b.view(torch.uint8).copy_(torch.randint(0, 256, b.view(torch.uint8).shape, dtype=torch.uint8, generator=g))
+    random_bytes(c, seed)
     return c
 
 
 @pytest.mark.parametrize("src,dst,rng", list(itertools.product(SIDES, SIDES, RANGES)))
-def test_gather_then_scatter_moves_exactly_the_slice(src, dst, rng):
+@pytest.mark.parametrize("order", list(Order))
+def test_gather_then_scatter_moves_exactly_the_slice(src, dst, rng, order):
+    """A source of 4 heads gathers its heads 2..4 with its paging; a destination of 2 heads
+    scatters them as its heads 0..2 with its own: page size and NHD/HND change on the way."""
     start, count = rng
     s = SideSpec(GEO, 1, PageLayout(*src))
     d = SideSpec(GEO, 2, PageLayout(*dst))
@@ -48,9 +54,10 @@ def test_gather_then_scatter_moves_exactly_the_slice(src, dst, rng):
     rs = np.random.default_rng(2)
     sp = rs.permutation(80)[: pages_needed(start + count, src[0])]
     dp = rs.permutation(90)[: pages_needed(start + count, dst[0])]
-    region = torch.empty(region_bytes(sc, count, 2), dtype=torch.uint8)
-    gather(sc, TokenIndex(sc, sp, start, count), 2, 2, region)
-    scatter(dc, TokenIndex(dc, dp, start, count), 0, 2, region)
+    piece = RegionPiece(2, 2, range(GEO.buffers), 0, order)
+    region = torch.empty(piece.nbytes(GEO.head_bytes(), count), dtype=torch.uint8)
+    gather(sc, TokenIndex(sc, sp, start, count), [piece], region)
+    scatter_chunk(dc, TokenIndex(dc, dp, start, count), [RegionPiece(0, 2, piece.buffers, 0, order)], region)
     for i in range(GEO.buffers):
         for t in range(start, start + count):
             assert torch.equal(_token(sc.buffers[i], s, sp, t, 2, 2), _token(dc.buffers[i], d, dp, t, 0, 2)), (i, t)
@@ -59,39 +66,120 @@ def test_gather_then_scatter_moves_exactly_the_slice(src, dst, rng):
         assert not dc.buffers[0][p].view(torch.uint8).any()
 
 
+def test_a_region_for_a_whole_request_takes_its_chunks_one_row_window_at_a_time():
+    """Rows of the whole request (``rows``), each chunk at its own ``row_first``: the chunks'
+    gathers fill the region a gather of the whole request fills, and the region's
+    chunk-by-chunk scatter rebuilds the request's pages."""
+    s = SideSpec(GEO, 1, PageLayout(4, "hnd"))
+    d = SideSpec(GEO, 1, PageLayout(16, "nhd"))
+    sc = _random_cache(s, 40, 3)
+    tokens = 90
+    sp = np.random.default_rng(4).permutation(40)[: pages_needed(tokens, 4)]
+    dp = np.random.default_rng(5).permutation(10)[: pages_needed(tokens, 16)]
+    for order in Order:
+        whole = RegionPiece(1, 3, range(1, 5), 0, order)
+        want = torch.zeros(whole.nbytes(GEO.head_bytes(), tokens), dtype=torch.uint8)
+        gather(sc, TokenIndex(sc, sp, 0, tokens), [whole], want)
+        got = torch.zeros_like(want)
+        dc, ref = RankCache.allocate(d, 0, 10, fill=0), RankCache.allocate(d, 0, 10, fill=0)
+        for start in range(0, tokens, 37):
+            count = min(37, tokens - start)
+            window = RegionPiece(1, 3, range(1, 5), 0, order, rows=tokens, row_first=start)
+            gather(sc, TokenIndex(sc, sp, start, count), [window], got)
+            scatter_chunk(dc, TokenIndex(dc, dp, start, count), [window], want)
+        assert torch.equal(got, want), order
+        scatter_chunk(ref, TokenIndex(ref, dp, 0, tokens), [whole], want)
+        assert same_buffers(host_buffers(dc), host_buffers(ref)), order
+
+
 def _words_of(buf, word):
     return buf.view(-1).view(torch.uint8).numpy().view(np.dtype((np.void, word)))
 
 
+def _kernel_on_host(cache, wg, pages, first, count, pieces, region: np.ndarray, to_region: bool) -> None:
+    """Every word the kernel moves for ``pieces``, moved on the host through ``word_index``."""
+    words = region.view(np.dtype((np.void, wg.word)))
+    for piece in pieces:
+        buffer, at_region, at_buffer = word_index(wg, pages, first, count, piece)
+        for b in np.unique(buffer):
+            mine = buffer == b
+            kv = _words_of(cache.buffers[b], wg.word)
+            if to_region:
+                words[at_region[mine]] = kv[at_buffer[mine]]
+            else:
+                kv[at_buffer[mine]] = words[at_region[mine]]
+
+
+def _kernel_pieces(mla: bool, count: int) -> list[RegionPiece]:
+    """Pieces of disjoint heads and buffers in both orders, with shares of the buffers and row windows."""
+    if mla:
+        pieces = [RegionPiece(0, 1, range(0, 1), 0, Order.HEADS, rows=count + 2, row_first=2),
+                  RegionPiece(0, 1, range(1, 2), 0, Order.TOKENS)]
+    else:
+        pieces = [RegionPiece(0, 4, range(0, 2), 0, Order.HEADS),
+                  RegionPiece(1, 2, range(2, 6), 0, Order.TOKENS, rows=count + 5, row_first=4),
+                  RegionPiece(3, 1, range(2, 6), 0, Order.HEADS, rows=count, row_first=0),
+                  RegionPiece(0, 1, range(2, 6), 0, Order.TOKENS)]
+    return end_to_end(pieces, 32, count, offset=16)
+
+
 @pytest.mark.parametrize("side,rng,mla,word", [(s, r, m, w) for s in SIDES for r in RANGES for m in (False, True)
                                                for w in (16, 4) if not (m and s[1] == "hnd")])
-def test_kernel_word_addressing_matches_the_reference_copy(side, rng, mla, word):
-    """The kernel's word map (word_index, the same arithmetic as the CUDA source),
-    executed on the host, equals the torch gather; and scattering through it equals the torch scatter."""
+def test_kernel_word_addressing_matches_the_reference(side, rng, mla, word):
+    """The kernel's word map (``word_index``, the same arithmetic as the CUDA source, reading
+    the same piece table), executed on the host, gathers the reference region and scatters
+    the reference cache, every byte."""
     start, count = rng
-    geo = KVGeometry(2, 1, 16, "bfloat16", True) if mla else GEO
+    geo = KVGeometry(2, 1, 16, "bfloat16", True) if mla else KVGeometry(3, 4, 16, "bfloat16")  # 32-byte heads
     spec = SideSpec(geo, 1, PageLayout(*side))
     wg = WordGeometry.of(spec, word)
     assert wg is not None and wg.hnd == (side[1] == "hnd" and not mla)
     c = _random_cache(spec, 80, 3)
     ids = np.random.default_rng(4).permutation(80)[: pages_needed(start + count, side[0])]
     pages, first = chunk_pages(ids, side[0], start, count)
-    for lo, n in ([(0, 1)] if mla else [(0, 4), (1, 2), (3, 1)]):
-        ref = torch.empty(region_bytes(c, count, n), dtype=torch.uint8)
-        gather(c, TokenIndex(c, ids, start, count), lo, n, ref)
-        at = word_index(wg, pages, first, count, lo, n)
-        per_buffer = ref.numel() // geo.buffers
-        assert len(at) * word == per_buffer
-        host = np.concatenate([_words_of(b, word)[at] for b in c.buffers])
-        assert host.tobytes() == ref.numpy().tobytes(), (lo, n)
-        # and back: scatter through the map into a zeroed copy equals the torch scatter
-        a = RankCache.allocate(spec, 0, 80, fill=0)
-        b = RankCache.allocate(spec, 0, 80, fill=0)
-        region = ref.numpy().view(np.dtype((np.void, word))).reshape(geo.buffers, -1)
-        for k, buf in enumerate(a.buffers):
-            _words_of(buf, word)[at] = region[k]
-        scatter(b, TokenIndex(b, ids, start, count), lo, n, ref)
-        assert all(torch.equal(x.view(torch.uint8), y.view(torch.uint8)) for x, y in zip(a.buffers, b.buffers))
+    pieces = _kernel_pieces(mla, count)
+    size = pieces[-1].offset + pieces[-1].nbytes(geo.head_bytes(), count) + 16
+    before = np.random.default_rng(5).integers(0, 256, size, dtype=np.uint8)
+    region = before.copy()
+    _kernel_on_host(c, wg, pages, first, count, pieces, region, to_region=True)
+    assert np.array_equal(region, expected_region(spec, host_buffers(c), ids, start, count, pieces, before))
+    a = RankCache.allocate(spec, 0, 80, fill=0)
+    zero = host_buffers(a)
+    _kernel_on_host(a, wg, pages, first, count, pieces, before.copy(), to_region=False)
+    assert same_buffers(host_buffers(a), expected_cache(spec, zero, ids, start, count, pieces, before))
+
+
+@settings(max_examples=80, deadline=None)
+@given(heads=st.sampled_from([1, 2, 3]), page=st.sampled_from([(1, "nhd"), (3, "hnd"), (16, "nhd"), (2, "hnd")]),
+       start=st.integers(0, 30), count=st.integers(1, 30), order=st.sampled_from(list(Order)),
+       lo=st.integers(0, 2), extra=st.sampled_from([None, 0, 3]), b0=st.integers(0, 3), seed=st.integers(0, 99))
+def test_the_word_map_moves_each_word_once_to_the_place_the_rule_says(heads, page, start, count, order, lo, extra,
+                                                                      b0, seed):
+    """For any piece: no region word is written twice, and every word lands where the
+    reference puts it."""
+    geo = KVGeometry(2, heads, 8, "float32")  # 32-byte heads: two 16-byte words
+    spec = SideSpec(geo, 1, PageLayout(*page))
+    lo = min(lo, heads - 1)
+    rows = None if extra is None else count + extra
+    piece = RegionPiece(lo, heads - lo, range(b0, 4), 16, order, rows, 0 if extra is None else extra)
+    ids = np.random.default_rng(seed).permutation(80)[: pages_needed(start + count, page[0])]
+    pages, first = chunk_pages(ids, page[0], start, count)
+    wg = WordGeometry.of(spec, 16)
+    buffer, at_region, _ = word_index(wg, pages, first, count, piece)
+    assert len(np.unique(at_region)) == len(at_region)
+    c = _random_cache(spec, 80, seed)
+    size = piece.offset + piece.nbytes(geo.head_bytes(), count)
+    before = np.zeros(size, dtype=np.uint8)
+    region = before.copy()
+    _kernel_on_host(c, wg, pages, first, count, [piece], region, to_region=True)
+    assert np.array_equal(region, expected_region(spec, host_buffers(c), ids, start, count, [piece], before))
+
+
+def test_the_piece_table_holds_every_field_the_kernel_reads_in_order():
+    pieces = [RegionPiece(1, 2, range(3, 7), 48, Order.TOKENS, rows=90, row_first=37), RegionPiece(0, 1, range(2), 0)]
+    table = piece_table(pieces)
+    assert table.dtype == np.int64 and len(table) == META * len(pieces)
+    assert list(table) == [1, 2, 3, 4, 1, 90, 37, 48, 0, 1, 0, 2, 0, 0, 0, 0]
 
 
 def test_token_index_refuses_page_ids_outside_the_cache():
@@ -107,61 +195,35 @@ def test_word_geometry_refuses_heads_that_are_not_whole_words():
     assert WordGeometry.of(spec, 8) == WordGeometry(4, 4, 1, False, 8)
 
 
-def test_scatter_chunk_places_every_writer():
-    d = SideSpec(GEO, 1, PageLayout(4, "hnd"))
-    dc = RankCache.allocate(d, 0, 30, fill=0)
-    ids = np.random.default_rng(5).permutation(30)[:10]
-    parts = [torch.randint(0, 256, (region_bytes(dc, 40, 2),), dtype=torch.uint8) for _ in range(2)]
-    slot = torch.cat(parts + [torch.zeros(64, dtype=torch.uint8)])
-    scatter_chunk(dc, TokenIndex(dc, ids, 0, 40), [(0, 2, 0), (2, 2, parts[0].numel())], slot)
-    back = torch.empty(region_bytes(dc, 40, 4), dtype=torch.uint8)
-    for k, lo in enumerate((0, 2)):
-        gather(dc, TokenIndex(dc, ids, 0, 40), lo, 2, back[: parts[k].numel()])
-        assert torch.equal(back[: parts[k].numel()], parts[k])
-
-
-def test_gather_pieces_fills_each_region_as_its_own_gather_would():
-    """On the host (no kernel) ``gather_pieces`` is one gather per piece; on a GPU it
-    is one launch (tests/test_cuda_copy.py): both must give each region its slice."""
-    s = SideSpec(GEO, 1, PageLayout(4, "hnd"))
-    sc = _random_cache(s, 40, 11)
-    ids = np.random.default_rng(12).permutation(40)[:12]
-    heads = [(3, 1), (0, 2), (2, 1)]
-    regions = [torch.zeros(region_bytes(sc, 45, n), dtype=torch.uint8) for _, n in heads]
-    gather_pieces(sc, TokenIndex(sc, ids, 3, 45), [(lo, n, r) for (lo, n), r in zip(heads, regions)])
-    for (lo, n), r in zip(heads, regions):
-        want = torch.empty_like(r)
-        gather(sc, TokenIndex(sc, ids, 3, 45), lo, n, want)
-        assert torch.equal(r, want), (lo, n)
-    # on the host a chunk's pieces are scattered in one pass, not one by one
-    assert prepare_piece_scatters(sc, TokenIndex(sc, ids, 3, 45), [(0, 2, 0), (2, 2, 64)], regions[1]) is None
+def test_on_the_host_a_chunks_pieces_scatter_in_one_pass():
+    sc = _random_cache(SideSpec(GEO, 1, PageLayout(4, "hnd")), 40, 11)
+    pieces = end_to_end([RegionPiece(0, 2, range(6), 0), RegionPiece(2, 2, range(6), 0)], GEO.head_bytes(), 45)
+    region = torch.zeros(pieces[-1].offset + pieces[-1].nbytes(GEO.head_bytes(), 45), dtype=torch.uint8)
+    assert prepare_piece_scatters(sc, TokenIndex(sc, np.arange(12), 3, 45), pieces, region) is None
 
 
 @pytest.mark.parametrize("side,rng", list(itertools.product(SIDES, RANGES)))
-@pytest.mark.parametrize("pieces", [
+@pytest.mark.parametrize("heads", [
     [(0, 1), (1, 1), (2, 1), (3, 1)],  # four writers of one head each: the whole token
     [(0, 2), (2, 2)],
     [(1, 1), (2, 1), (3, 1)],  # adjacent but not the whole token
     [(2, 2), (0, 2)],  # out of head order: not a tiling
 ])
-def test_scatter_chunk_of_adjacent_writers_equals_one_scatter_per_writer(side, rng, pieces):
-    """On the host, writers laid end to end over adjacent heads are placed by one
-    assignment per buffer; that must equal scattering each writer on its own."""
+@pytest.mark.parametrize("order", list(Order))
+def test_a_slot_of_writers_scatters_as_the_reference_says(side, rng, heads, order):
+    """On the host, token-order writers laid end to end over adjacent heads are placed by one
+    assignment per buffer (the torch copier's tiling); every slot, tiled or not, must leave
+    the cache the reference leaves."""
     start, count = rng
     d = SideSpec(GEO, 1, PageLayout(*side))
     ids = np.random.default_rng(6).permutation(80)[: pages_needed(start + count, side[0])]
-    gen = torch.Generator().manual_seed(7)
-    parts, at = [], 0
-    for lo, n in pieces:
-        parts.append((lo, n, at))
-        at += region_bytes(RankCache.allocate(d, 0, 1), count, n)
-    slot = torch.randint(0, 256, (at + 32,), dtype=torch.uint8, generator=gen)
-    one, each = RankCache.allocate(d, 0, 80, fill=0), RankCache.allocate(d, 0, 80, fill=0)
-    scatter_chunk(one, TokenIndex(one, ids, start, count), parts, slot)
-    for lo, n, base in parts:
-        scatter(each, TokenIndex(each, ids, start, count), lo, n, slot[base : base + region_bytes(each, count, n)])
-    assert all(torch.equal(x.view(torch.uint8), y.view(torch.uint8)) for x, y in zip(one.buffers, each.buffers))
-    assert any(x.view(torch.uint8).any() for x in one.buffers)
+    pieces = end_to_end([RegionPiece(lo, n, range(GEO.buffers), 0, order) for lo, n in heads], GEO.head_bytes(), count)
+    size = pieces[-1].offset + pieces[-1].nbytes(GEO.head_bytes(), count) + 32
+    slot = np.random.default_rng(7).integers(0, 256, size, dtype=np.uint8)
+    one = RankCache.allocate(d, 0, 80, fill=0)
+    zero = host_buffers(one)
+    scatter_chunk(one, TokenIndex(one, ids, start, count), pieces, torch.from_numpy(slot.copy()))
+    assert same_buffers(host_buffers(one), expected_cache(d, zero, ids, start, count, pieces, slot))
 
 
 def test_slot_allocator_is_bounded_and_refuses_double_release():

@@ -92,82 +92,86 @@ def check_plan(src: SideSpec, dst: SideSpec, p: TransferPlan) -> None:
     assert dst.local_heads() == len(dst_shards[0])
 
     assert p.src == src and p.dst == dst
+    B, P = geo.buffers, geo.planes
     covered: dict[int, Counter] = {d: Counter() for d in range(dst.tp)}
     pairs: Counter = Counter()
     for pc in p.pieces:
         assert isinstance(pc, Piece)
         assert 0 <= pc.src_rank < src.tp and 0 <= pc.dst_rank < dst.tp, pc
         assert pc.heads.start < pc.heads.stop, pc
+        assert pc.buffers.step == 1 and 0 <= pc.buffers.start < pc.buffers.stop <= B, pc
+        assert pc.buffers.start % P == 0 and pc.buffers.stop % P == 0, pc  # whole layers
         heads = list(range(pc.heads.start, pc.heads.stop))
         s_shard, d_shard = src_shards[pc.src_rank], dst_shards[pc.dst_rank]
         assert set(heads) <= set(s_shard), (pc, s_shard)
         assert set(heads) <= set(d_shard), (pc, d_shard)
         assert pc.src_offset == pc.heads.start - s_shard[0], pc
         assert pc.dst_offset == pc.heads.start - d_shard[0], pc
-        covered[pc.dst_rank].update(heads)
+        if len(pc.buffers) < B:  # a share of the layers only where the heads are replicated at the source
+            assert len(src_holders[pc.heads.start]) > 1 and pc.heads.count == 1, pc
+        covered[pc.dst_rank].update((h, b) for h in heads for b in pc.buffers)
         pairs[(pc.src_rank, pc.dst_rank)] += 1
 
-    # Exactly-once coverage of every destination head.
+    # Exactly-once coverage of every (destination head, buffer).
     for d in range(dst.tp):
-        assert covered[d] == Counter(dst_shards[d]), (d, covered[d], dst_shards[d])
+        assert covered[d] == Counter((h, b) for h in dst_shards[d] for b in range(B)), d
     # At most one piece per (src, dst) pair.
     assert max(pairs.values()) == 1, pairs
-    # No piece splitting beyond what the source shards force: the number of
-    # pieces into d equals the number of distinct source shard groups its
-    # heads fall into (one group per head when the source replicates).
+    # No piece splitting beyond what the source shards force: each destination head group takes its
+    # heads from min(holders, what the spread gives it) holders, every holder serving an even share.
     for d in range(dst.tp):
-        if mla:
-            groups = 1
-        elif src.tp <= H:
-            groups = len({h // (H // src.tp) for h in dst_shards[d]})
-        else:
-            groups = len(dst_shards[d])
-        assert sum(1 for pc in p.pieces if pc.dst_rank == d) == groups, d
+        into = [pc for pc in p.pieces if pc.dst_rank == d]
+        by_shard: dict[tuple, list] = {}
+        for pc in into:
+            by_shard.setdefault(tuple(src_shards[pc.src_rank]), []).append(pc)
+        for shard, pcs in by_shard.items():
+            holders = src_holders[shard[0]]
+            wanting = sorted({dd for dd in range(dst.tp) if set(shard) & set(dst_shards[dd])})
+            if len(wanting) >= len(holders):
+                assert len(pcs) == 1 and len(pcs[0].buffers) == B, (d, pcs)
+            else:
+                mine = holders[wanting.index(d)::len(wanting)]
+                shares = sorted(len(pc.buffers) // P for pc in pcs)
+                assert sum(shares) == geo.layers and shares[-1] - shares[0] <= 1, (d, pcs)
+                assert {pc.src_rank for pc in pcs} <= set(mine), (d, pcs, mine)
+                assert len(pcs) == min(len(mine), geo.layers), (d, pcs, mine)
 
-    # writers_of: sorted by dst_offset and contiguously covering the dst shard.
+    # writers_of: sorted by (dst_offset, buffers) and covering the dst shard; offsets are cumulative bytes.
     tokens = 3
-    per_head_token = geo.layers * (1 if mla else 2) * geo.head_dim * DTYPE_SIZES[geo.dtype]
+    hb = geo.head_dim * DTYPE_SIZES[geo.dtype]
+    per_head_token = B * hb
     assert p.dst_token_bytes() == per_head_token * len(dst_shards[0])
     for d in range(dst.tp):
         ws = p.writers_of(d)
-        assert ws == tuple(sorted((pc for pc in p.pieces if pc.dst_rank == d), key=lambda x: x.dst_offset))
-        at = dst_shards[d][0]
-        for w in ws:
-            assert w.dst_rank == d
-            assert w.heads.start == at, (d, ws)
-            at = w.heads.stop
-        assert at == dst_shards[d][-1] + 1
-        # writer_offsets are cumulative byte sizes, in writers_of order.
+        assert ws == tuple(sorted((pc for pc in p.pieces if pc.dst_rank == d),
+                                  key=lambda x: (x.dst_offset, x.buffers.start)))
         offs = p.writer_offsets(d, tokens)
         assert len(offs) == len(ws)
         run = 0
         for w in ws:
             assert offs[w.src_rank] == run, (d, offs, ws)
-            assert p.piece_token_bytes(w) == per_head_token * w.heads.count
-            run += per_head_token * w.heads.count * tokens
+            assert p.piece_token_bytes(w) == hb * w.heads.count * len(w.buffers)
+            run += hb * w.heads.count * len(w.buffers) * tokens
         assert run == p.dst_token_bytes() * tokens
 
     # targets_of returns exactly the pieces a source sends.
     for s in range(src.tp):
         assert Counter(p.targets_of(s)) == Counter(pc for pc in p.pieces if pc.src_rank == s)
 
-    # Replica balance: among the holders of one head, piece counts differ by <= 1.
-    sent = Counter(pc.src_rank for pc in p.pieces)
+    # Replica balance: among the holders of one head, the bytes they send differ by at most one layer's
+    # worth per destination served, and none sends more than one piece more than another.
+    sent = Counter()
+    for pc in p.pieces:
+        sent[pc.src_rank] += len(pc.buffers)
     for h, ranks in src_holders.items():
         if len(ranks) > 1:
             loads = [sent[r] for r in ranks]
-            assert max(loads) - min(loads) <= 1, (h, ranks, loads)
+            wanting = sum(1 for dd in range(dst.tp) if h in dst_shards[dd])
+            assert max(loads) - min(loads) <= max(P * wanting, B), (h, ranks, loads)
 
     if mla:
         for pc in p.pieces:
             assert pc.heads == HeadRange(0, 1) and pc.src_offset == 0 and pc.dst_offset == 0
-        assert Counter(pc.dst_rank for pc in p.pieces) == Counter(range(dst.tp))
-        loads = [sent[s] for s in range(src.tp)]
-        if dst.tp >= src.tp:
-            assert max(loads) - min(loads) <= 1, loads
-        else:
-            # Fewer receivers than senders: no source sends twice.
-            assert max(loads) == 1, loads
 
 
 # --------------------------------------------------------------------------
@@ -311,9 +315,23 @@ def test_6_to_4_twelve_heads():
 
 
 def test_8_to_2_two_kv_heads():
-    # src replicates: ranks 0-3 hold head 0, ranks 4-7 hold head 1.
+    # src replicates: ranks 0-3 hold head 0, ranks 4-7 hold head 1; each destination rank wants one
+    # head from four holders, so it takes a share of the layers from each (layers=4: one layer each)
+    p = plan(side(2, 8, layers=4), side(2, 2, layers=4))
+    assert [(pc.src_rank, pc.dst_rank, pc.heads, pc.buffers) for pc in p.pieces] == [
+        (s, s // 4, HeadRange(s // 4, s // 4 + 1), range(2 * (s % 4), 2 * (s % 4) + 2)) for s in range(8)]
+    # two layers over four holders: two of them serve a layer each, the others nothing
     p = plan(side(2, 8), side(2, 2))
-    assert_pieces(p, [({0, 1, 2, 3}, 0, 0, 1, 0, 0), ({4, 5, 6, 7}, 1, 1, 2, 0, 0)])
+    assert [(pc.src_rank, pc.buffers) for pc in p.writers_of(0)] == [(1, range(0, 2)), (3, range(2, 4))]
+
+
+def test_mla_4_to_1_reads_a_quarter_of_the_layers_from_each_rank():
+    p = plan(side(1, 4, True, layers=32), side(1, 1, True, layers=32))
+    assert [(pc.src_rank, pc.buffers) for pc in p.writers_of(0)] == [(r, range(8 * r, 8 * r + 8)) for r in range(4)]
+    hb = 8 * 2
+    assert p.piece_token_bytes(p.pieces[0]) == 8 * hb
+    assert p.writer_offsets(0, 3) == {r: r * 8 * hb * 3 for r in range(4)}
+    assert p.direct  # same paging, whole shards: each holder's page runs of its layers
 
 
 def test_4_to_8_two_kv_heads_spreads_replicas():
@@ -325,9 +343,10 @@ def test_4_to_8_two_kv_heads_spreads_replicas():
 
 
 def test_mla_4_to_2():
+    # two destination ranks, four holders: each destination rank takes half the layers from two of them
     p = plan(side(1, 4, True), side(1, 2, True))
-    assert_pieces(p, [({0, 1, 2, 3}, 0, 0, 1, 0, 0), ({0, 1, 2, 3}, 1, 0, 1, 0, 0)])
-    assert p.pieces[0].src_rank != p.pieces[1].src_rank  # spread, not both from one rank
+    assert [(pc.src_rank, pc.dst_rank, pc.buffers) for pc in p.pieces] == [
+        (0, 0, range(0, 1)), (2, 0, range(1, 2)), (1, 1, range(0, 1)), (3, 1, range(1, 2))]
     assert p.dst_token_bytes() == 2 * 1 * 8 * 2  # layers * one latent plane * dim * bf16
 
 

@@ -1,18 +1,17 @@
-"""Byte-exact transfers over both real transports between real rank processes.
+"""Byte-exact transfers over every path and transport between real rank processes.
 
 Each case builds the full KV cache from a seed, shards it by source TP into
 random non-contiguous pages, transfers, and compares every destination shard
 (random pages too) with the full cache sharded by destination TP; pages
-outside the request must stay untouched. Every case runs over NIXL (one-sided
-writes), over UCX through UCXX (two-sided tag messages) and over cma
-(``process_vm_writev``: each source writes straight from its pages, no gather);
-the direct path is for the one-sided two (with UCX, equal TP goes staged,
-tested below). The mapped path
-(each source gathers straight into the destination's arena: shared memory on
-CPU, CUDA IPC on GPU) runs the same cases, and on a GPU so does direct-ipc (each
-source stores its head slices straight into the destination's pages through
-CUDA IPC: the GPU default); the cases of the other paths turn it off
-(``share_kv="off"``).
+outside the request must stay untouched. The destination moves the bytes on
+every path (``protocol.route``):
+
+- ``read``: each source gathers its slices into its arena at ``send``, the destination
+  reads one span per chunk and source and scatters; over nixl, ucx and cma;
+- ``pages``: the destination reads the head slices straight from the sources' pages into
+  its arena (host memory; nixl and cma);
+- ``direct``: whole shards with equal paging: page runs straight into the destination's pages;
+- ``ipc`` (GPU): the destination's one kernel reads every source's pages over CUDA IPC.
 """
 
 import dataclasses
@@ -22,15 +21,14 @@ import pytest
 from kvstage.bench.runner import run
 from kvstage.bench.scenario import Scenario
 from kvstage.layout import KVGeometry, PageLayout, token_bytes
-from kvstage.staging.arena import MIN_SLOTS
 
 
 def scenario(src_tp, dst_tp, heads=8, tokens=203, src_page=(16, "nhd"), dst_page=None, mla=False, device="cpu",
-             modes=("staged",), arena_mb=1.0, head_dim=32, layers=3, transport="nixl"):
+             modes=("staged",), arena_mb=1.0, head_dim=32, layers=3, transport="nixl", path="auto"):
     geo = KVGeometry(layers, 1 if mla else heads, head_dim, "bfloat16", mla)
     return Scenario(geo, src_tp, dst_tp, tokens, PageLayout(*src_page), PageLayout(*(dst_page or src_page)),
                     modes=modes, device=device, iters=1, warmup=0, arena_mb=arena_mb,
-                    transport=transport)
+                    transport=transport, settings_extra={"path": path})
 
 
 CASES = {
@@ -39,22 +37,27 @@ CASES = {
     "2to4_2heads": dict(src_tp=2, dst_tp=4, heads=2, dst_page=(8, "nhd")),
     "4to6_12heads": dict(src_tp=4, dst_tp=6, heads=12),
     "8to2_2heads": dict(src_tp=8, dst_tp=2, heads=2, dst_page=(4, "hnd")),
+    "8to2_2heads_4layers_spread": dict(src_tp=8, dst_tp=2, heads=2, layers=4),
     "mla_4to2": dict(src_tp=4, dst_tp=2, mla=True, dst_page=(1, "nhd")),
+    "mla_4to1_spread": dict(src_tp=4, dst_tp=1, mla=True, layers=4),
     "page16nhd_to_page1hnd": dict(src_tp=2, dst_tp=1, dst_page=(1, "hnd")),
     "hnd_to_nhd": dict(src_tp=1, dst_tp=2, src_page=(4, "hnd"), dst_page=(16, "nhd")),
     "one_token": dict(src_tp=4, dst_tp=1, tokens=1),
+}
+#: the cases whose pieces are whole shards with equal paging: the direct path can carry them
+DIRECT_CASES = {
+    "2to2": dict(src_tp=2, dst_tp=2),
+    "mla_3to3": dict(src_tp=3, dst_tp=3, mla=True),
+    "2to4_2heads_replicas": dict(src_tp=2, dst_tp=4, heads=2),
+    "mla_4to1_spread": dict(src_tp=4, dst_tp=1, mla=True, layers=4),
 }
 
 
 def _check(result, path):
     (row,) = [r for r in result["results"] if r["mode"] == "staged"]
     assert row["verified"] is True, row.get("errors")
-    assert row["path"] == [path]
+    assert row["path"] == [path], row["path"]
     return row
-
-
-#: the settings a case of another path than direct-ipc adds: on a GPU, direct-ipc is the default
-NO_IPC = {"share_kv": "off"}
 
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
@@ -62,97 +65,89 @@ TRANSPORTS = ["nixl", "ucx", "cma"]
 #: every transport on the CPU; on a GPU the two that reach device memory (cma moves host memory only)
 DEVICE_TRANSPORTS = [("cpu", t) for t in TRANSPORTS] + [pytest.param("cuda", t, marks=pytest.mark.gpu)
                                                          for t in TRANSPORTS if t != "cma"]
+#: on the CPU, the cases the pages path and the transports other than nixl (the default: every case of
+#: the read path) run: one of each plan feature (a ratio, replicas with a page size change, an MLA spread
+#: over layers, a layout change, one token). The planning and copies of every case are the same code
+#: whatever the transport (tp, staging and copier tests, in process); a real process per rank costs
+#: seconds a case
+CORE = ("4to1", "2to4_2heads", "mla_4to1_spread", "page16nhd_to_page1hnd", "one_token")
 
 
-@pytest.mark.parametrize("device,transport", DEVICE_TRANSPORTS)
-@pytest.mark.parametrize("name", sorted(CASES))
-def test_staged_byte_exact(name, device, transport):
-    """Through the transport: gather into the source's arena, one write, scatter."""
-    sc = dataclasses.replace(scenario(**CASES[name], device=device, transport=transport),
-                             settings_extra={"mapped": "off"} | NO_IPC)
-    _check(run(sc), "staged")
+def _matrix(transports, every: str = "nixl") -> list:
+    """(name, device, transport): every case over ``every`` and on a GPU, the ``CORE`` cases otherwise."""
+    out = []
+    for name in sorted(CASES):
+        for dt in transports:
+            device, transport = dt.values if hasattr(dt, "values") else dt
+            if device == "cpu" and transport != every and name not in CORE:
+                continue
+            out.append(pytest.param(name, device, transport, marks=getattr(dt, "marks", ())))
+    return out
 
 
-@pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("name", sorted(CASES))
-def test_mapped_byte_exact(name, device):
-    """mapped=on: no transport write at all, the gathers' stores land in the destination's slots."""
-    sc = dataclasses.replace(scenario(**CASES[name], device=device), settings_extra={"mapped": "on"} | NO_IPC)
-    row = _check(run(sc), "mapped")
-    assert row["descriptors"] == 0
+@pytest.mark.parametrize("name,device,transport", _matrix(DEVICE_TRANSPORTS))
+def test_read_byte_exact(name, device, transport):
+    """Each source gathers into its arena at send; the destination reads one span per chunk and source."""
+    row = _check(run(scenario(**CASES[name], device=device, transport=transport, path="read")), "read")
+    assert row["descriptors"] == row["writes"]  # one span per read
+
+
+@pytest.mark.parametrize("name,device,transport", _matrix([("cpu", "nixl"), ("cpu", "cma")], every=""))
+def test_pages_byte_exact(name, device, transport):
+    """The destination reads the head slices straight from the sources' pages into its arena: no gather."""
+    row = _check(run(scenario(**CASES[name], transport=transport, path="pages")), "pages")
+    assert row["stages"]["gather"] == 0
+
+
+@pytest.mark.parametrize("device,transport", [("cpu", "nixl"), ("cpu", "cma"), pytest.param("cuda", "nixl", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("name", sorted(DIRECT_CASES))
+def test_direct_byte_exact(name, device, transport):
+    """Whole shards with equal paging: page runs straight into the destination's pages, no arena."""
+    sc = scenario(**DIRECT_CASES[name], device=device, transport=transport, path="direct")
+    assert sc.plan.direct
+    row = _check(run(sc), "direct")
+    pages = -(-sc.tokens // 16)
+    # one span per run of pages and buffer of each piece, summed over the destination ranks
+    assert row["descriptors"] <= sum(len(p.buffers) for p in sc.plan.pieces) * pages
+    assert row["stages"]["gather"] == 0 and row["stages"]["scatter"] == 0
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("transport", ["nixl", "ucx"])
 @pytest.mark.parametrize("name", sorted(CASES))
-def test_direct_ipc_byte_exact(name, transport):
-    """The GPU default on one host: every source stores its head slices straight into the
-    destination's pages (their page size, their layout) with one kernel; no transport write,
-    and the destination runs no copy at all."""
+def test_ipc_byte_exact(name, transport):
+    """The GPU default on one host: the destination's one kernel launch reads every source's head slices
+    out of the sources' pages (CUDA IPC) into its own, its page size and layout; no transport read, no
+    gather, no arena."""
     if transport == "ucx":
         pytest.importorskip("ucxx", reason="the ucx transport needs UCXX")
-    row = _check(run(scenario(**CASES[name], device="cuda", transport=transport)), "direct-ipc")
+    row = _check(run(scenario(**CASES[name], device="cuda", transport=transport)), "ipc")
     assert row["descriptors"] == 0 and row["writes"] == 0
-    assert row["stages"]["scatter"] == 0 and not row["stages"].get("scatter_gpu")
+    assert row["stages"]["gather"] == 0
 
 
-@pytest.mark.parametrize("device,transport", [("cpu", "nixl"), pytest.param("cuda", "nixl", marks=pytest.mark.gpu),
-                                              ("cpu", "cma")])
-def test_equal_tp_direct_page_runs_byte_exact(device, transport):
-    """direct=True: page runs in place, whatever the route's estimate."""
-    sc = dataclasses.replace(scenario(2, 2, modes=("staged", "per-slice"), device=device, transport=transport),
-                             settings_extra={"direct": True} | NO_IPC)
-    result = run(sc)
-    row = _check(result, "direct")
-    sc = scenario(2, 2)
-    pages = -(-sc.tokens // 16)
-    # one descriptor per run of consecutive pages per buffer, at most one run per page
-    assert row["descriptors"] <= 2 * sc.geometry.buffers * pages
-    assert [r["verified"] for r in result["results"]] == [True, True]
-    assert 0 < row["stages"]["start"] < 2 * row["seconds"]  # each source's send to its first direct write, summed
+def test_a_path_the_pair_cannot_take_fails_the_request_by_name():
+    # page runs need whole shards with equal paging: 4 -> 1 cannot go direct
+    with pytest.raises(Exception, match="direct: the pieces are not whole shards"):
+        run(scenario(4, 1, path="direct"))
 
 
-@pytest.mark.parametrize("device", DEVICES)
-def test_mla_equal_paging_is_direct_one_sender_per_destination(device):
-    sc = dataclasses.replace(scenario(4, 2, mla=True, device=device), settings_extra={"direct": True} | NO_IPC)
-    _check(run(sc), "direct")
+@pytest.mark.parametrize("transport", ["nixl", "cma"])
+def test_a_host_default_takes_the_path_the_cost_model_picks(transport):
+    """By default each source picks its path per request (``protocol.route``): never the page paths where
+    their spans would cost more than a gather."""
+    result = run(scenario(2, 2, transport=transport))
+    row = _check(result, result["results"][0]["path"][0])
+    assert row["path"][0] in ("read", "pages", "direct")
 
 
-@pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("case,path", [
-    # small pages of random ids: many spans of a few KiB, staged is expected faster everywhere
-    (dict(src_tp=2, dst_tp=2), "staged"),
-    # the model's pages (32 KiB per buffer): direct on a host, staged (mapped) on one GPU
-    (dict(src_tp=1, dst_tp=1, heads=8, head_dim=128, layers=4, tokens=512), "direct|staged"),
-], ids=["small_pages", "llama_pages"])
-def test_equal_paging_takes_the_route_the_cost_model_expects(device, case, path):
-    """By default the destination picks direct or staged per request (``protocol.route``); on
-    one GPU host with direct-ipc off (with it on, direct-ipc goes first)."""
-    sc = dataclasses.replace(scenario(**case, device=device), settings_extra=NO_IPC)
-    row = _check_any(run(sc))
-    want = path.split("|")[0 if device == "cpu" else -1]
-    assert row["path"] == [want if device == "cpu" or want == "direct" else "mapped"], row["path"]
-
-
-def _check_any(result):
-    (row,) = [r for r in result["results"] if r["mode"] == "staged"]
-    assert row["verified"] is True, row.get("errors")
-    return row
-
-
-@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("case", [dict(src_tp=2, dst_tp=2), dict(src_tp=4, dst_tp=2, mla=True)], ids=["equal_tp", "mla"])
-def test_ucx_has_no_direct_path_whole_shards_go_staged(device, case):
-    # the plan allows the direct path; UCX is two-sided, so the destination grants slots instead
-    sc = dataclasses.replace(scenario(**case, modes=("staged", "per-slice"), device=device, transport="ucx"),
-                             settings_extra=NO_IPC)
-    assert sc.plan.direct and not sc.settings().may_go_direct
-    result = run(sc)
-    row = _check(result, "staged")
-    slot = row["arena_bytes"] // MIN_SLOTS  # arena_mb=1 is cut into four slots
-    chunk = slot // sc.plan.dst_token_bytes() // 16 * 16  # whole pages of 16 tokens
-    assert row["descriptors"] == len(sc.plan.pieces) * -(-sc.tokens // chunk)  # one write per piece and chunk
-    assert [r["verified"] for r in result["results"]] == [True, True]
+def test_ucx_reads_only_arenas(case):
+    """UCX is two-sided: no page path; whole shards go through the arenas, one offer and read per piece and chunk."""
+    sc = scenario(**case, transport="ucx")
+    assert sc.plan.direct
+    row = _check(run(sc), "read")
+    assert row["descriptors"] == row["writes"]
 
 
 @pytest.mark.parametrize("device,transport", DEVICE_TRANSPORTS)
@@ -160,17 +155,12 @@ def test_request_four_times_the_arena_streams_through_it(device, transport):
     geo_bytes = token_bytes(KVGeometry(3, 8, 32, "bfloat16"), 8)  # destination token bytes, TP 1
     arena_mb = 0.5
     tokens = int(4 * arena_mb * (1 << 20) // geo_bytes)
-    sc = scenario(4, 1, tokens=tokens, arena_mb=arena_mb, device=device, transport=transport)
+    sc = scenario(4, 1, tokens=tokens, arena_mb=arena_mb, device=device, transport=transport, path="read")
     assert sc.payload_bytes() >= 4 * arena_mb * (1 << 20) * 0.99
-    sc = dataclasses.replace(sc, settings_extra={"mapped": "off"} | NO_IPC)
-    row = _check(run(sc), "staged")
-    fit = (1 << 17) // geo_bytes  # tokens that fit one 128 KiB slot
+    row = _check(run(sc), "read")
+    fit = (1 << 17) // geo_bytes  # tokens that fit one 128 KiB slot of the destination
     chunk = fit // 16 * 16  # rounded down to whole pages (page size 16 on both sides)
-    assert row["writes"] == 4 * -(-tokens // chunk)  # four writers, one write per chunk each
-    if transport != "cma":  # one span each; cma takes each chunk's page rows as they lie
-        assert row["descriptors"] == row["writes"]
-    else:
-        assert row["descriptors"] > row["writes"]
+    assert row["writes"] == 4 * -(-tokens // chunk)  # four writers, one read per chunk each
 
 
 @pytest.mark.parametrize("device,transport", DEVICE_TRANSPORTS)
@@ -190,24 +180,18 @@ def test_baselines_write_the_same_bytes_and_verify(device, transport):
 def test_pinned_host_arena_byte_exact(name, device):
     """arena=host: GPU -> pinned host arena -> NIXL (host memory) -> pinned host arena -> GPU.
     (On a CPU-only machine a host arena is every arena; the GPU run is the real test.)"""
-    sc = dataclasses.replace(scenario(**CASES[name], device=device), settings_extra={"arena": "host"} | NO_IPC)
-    row = _check(run(sc), "staged")
+    sc = dataclasses.replace(scenario(**CASES[name], device=device, path="read"),
+                             settings_extra={"arena": "host", "path": "read"})
+    row = _check(run(sc), "read")
     assert row["arena"] == ["host"]
 
 
 @pytest.mark.gpu
-def test_gpu_arena_defaults_to_device_memory_mapped_by_sources():
-    sc = dataclasses.replace(scenario(4, 1, device="cuda"), settings_extra=NO_IPC)
-    row = _check(run(sc), "mapped")
-    assert row["arena"] == ["device"]
-
-
-@pytest.mark.gpu
 def test_vmm_kv_pages_are_not_shared_and_go_through_the_arena(monkeypatch):
-    """KV pages from expandable segments (CUDA VMM) cannot be shared by legacy CUDA IPC: the
-    destination says so once and offers nothing; the request goes through its cudaMalloc arena."""
+    """KV pages from expandable segments (CUDA VMM) cannot be shared by legacy CUDA IPC: the source
+    says so once, with the cause and the fix, and its requests go through its cudaMalloc arena."""
     monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
-    row = _check(run(scenario(4, 1, device="cuda")), "mapped")
+    row = _check(run(scenario(4, 1, device="cuda")), "read")
     assert row["arena"] == ["device"]
 
 
@@ -220,14 +204,11 @@ def _two_gpus() -> bool:
 @pytest.mark.gpu
 @pytest.mark.parametrize("name", ["2to1", "1to2", "4to1", "1to4", "hnd_to_nhd", "direct_2to2"])
 def test_across_two_gpus_byte_exact(name):
-    """Sources on GPU 0, destinations on GPU 1: every byte crosses the GPU link (NVLink on the H200 pair)."""
+    """Sources on GPU 0, destinations on GPU 1: every byte crosses the GPU link (NVLink on a GPU pair)."""
     if not _two_gpus():
         pytest.skip("needs two CUDA devices")
     kw = {"2to1": dict(src_tp=2, dst_tp=1), "1to2": dict(src_tp=1, dst_tp=2), "direct_2to2": dict(src_tp=2, dst_tp=2),
           **CASES}[name]
-    # auto: a NIXL write over the link (another GPU's arena is not mapped unless asked);
-    # on: the gather kernel's own stores over the link (CUDA IPC with peer access)
-    for mapped in ("auto", "on"):
-        extra = {"mapped": mapped} | ({"direct": True} if name == "direct_2to2" else {})
-        sc = dataclasses.replace(scenario(**kw, device="cuda"), src_gpu=0, dst_gpu=1, settings_extra=extra)
-        _check(run(sc), "direct" if name == "direct_2to2" else "mapped" if mapped == "on" else "staged")
+    for path in ("ipc", "read") + (("direct",) if name == "direct_2to2" else ()):
+        sc = dataclasses.replace(scenario(**kw, device="cuda", path=path), src_gpu=0, dst_gpu=1)
+        _check(run(sc), path)

@@ -1,6 +1,7 @@
 """What only the UCX transport (UCXX, two-sided) does: real UCX workers, no mocks.
 
-Receives are posted by ``expect`` and a write needs the ticket it returned. The
+Receives are posted by ``expect`` and a write needs the ticket it returned; a
+read needs the ticket of the source's ``offer``, and only that source's. The
 contract every transport keeps is in tests/test_transports.py.
 """
 
@@ -11,13 +12,15 @@ import time
 import pytest
 import torch
 
+import numpy as np
+
 from kvstage.config import Settings
-from kvstage.errors import ConfigError, TransferFailed, TransportError
+from kvstage.errors import ConfigError, TransportError
 from kvstage.layout import KVGeometry, PageLayout
 from kvstage.protocol.destination import Destination
-from kvstage.protocol.source import Source
 from kvstage.staging.cache import RankCache
 from kvstage.tp import SideSpec
+from support.read_sources import ReadSources, finish
 from support.transport_pair import finish_write, transport_pair
 from kvstage.transports.base import Spans, WriteState
 from kvstage.transports.ucx import UcxTransport
@@ -89,40 +92,108 @@ def test_facts_come_from_ucxx_not_from_nixls_bundled_ucx(pair):
     assert "cma" in facts["ucx_modules"]["value"]  # a loadable module of the libucx wheel
 
 
-def test_settings_pick_the_transport_and_ucx_has_no_direct_path(monkeypatch):
-    assert Settings().transport == "nixl" and Settings().may_go_direct
-    s = Settings(transport="ucx")
-    assert not s.may_go_direct
-    with pytest.raises(ConfigError, match=r"direct=True with transport='ucx'.*two-sided"):
-        Settings(transport="ucx", direct=True)
+def test_settings_pick_the_transport_and_ucx_reads_no_pages(monkeypatch):
+    assert Settings().transport == "nixl" and Settings(transport="ucx").path == "auto"
+    for path in ("pages", "direct"):
+        with pytest.raises(ConfigError, match=rf"path='{path}' with transport='ucx'.*two-sided"):
+            Settings(transport="ucx", path=path)
+    assert Settings(transport="ucx", path="read").path == "read"
     with pytest.raises(ConfigError, match=r"transport='tcp': must be one of nixl, ucx"):
         Settings(transport="tcp")
     monkeypatch.setenv("KVSTAGE_TRANSPORT", "ucx")
-    assert Settings().transport == "ucx" and not Settings().may_go_direct
-    monkeypatch.setenv("KVSTAGE_DIRECT", "1")
-    with pytest.raises(ConfigError, match="unset KVSTAGE_DIRECT"):
+    assert Settings().transport == "ucx"
+    monkeypatch.setenv("KVSTAGE_PATH", "pages")
+    with pytest.raises(ConfigError, match="set KVSTAGE_PATH=auto or read"):
         Settings()
 
 
 GEO = KVGeometry(2, 4, 16, "bfloat16")
 
 
-def test_endpoints_on_different_transports_refuse_each_other_by_name():
-    spec = SideSpec(GEO, 1, PageLayout(4))
-    dst = Destination(RankCache.allocate(spec, 0, 8), Settings(arena_mb=0.25))
-    src = Source(RankCache.allocate(spec, 0, 8), Settings(arena_mb=0.25, transport="ucx"))
+def _finish_read(reader, read, source, offer, timeout: float = 10.0) -> None:
+    """Progress both ends from one thread until the read and its offer are done (each needs the other)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        states = reader.poll(read), source.poll(offer)  # both, every time: neither side moves alone
+        if states == (WriteState.DONE, WriteState.DONE):
+            return
+        assert time.monotonic() < deadline, f"read, offer: {states}"
+
+
+def test_a_read_needs_the_sources_own_offer_ticket():
+    a, b, c = UcxTransport("a"), UcxTransport("b"), UcxTransport("c")
     try:
-        with pytest.raises(TransferFailed, match="transport: the source uses 'ucx', this side 'nixl'"):
-            src.connect([dst.address])
+        src, dst = torch.arange(4096, dtype=torch.uint8), torch.zeros(4096, dtype=torch.uint8)
+        ra, rb = a.register(src), b.register(dst)
+        b_from_a, b_from_c = b.connect(a.metadata()), b.connect(c.metadata())
+        a_to_b, c_to_b = a.connect(b.metadata()), c.connect(b.metadata())
+        local, remote = Spans.single(rb, [0], [64]), Spans.single(ra, [0], [64])
+        with pytest.raises(TransportError, match="not a ticket from the peer's offer"):
+            b.read(b_from_a, local, remote)
+        with pytest.raises(TransportError, match="not one of .*offers"):
+            b.read(b_from_a, local, remote, b.expect(b_from_a, local))  # a receive ticket is not an offer
+        ticket, offer = a.offer(a_to_b, remote)
+        with pytest.raises(TransportError, match="not one of .*offers"):
+            b.read(b_from_c, local, remote, ticket)  # a's offer, named as c's
+        with pytest.raises(TransportError, match="2 spans, but the peer offered 1"):
+            b.read(b_from_a, Spans.single(rb, [0, 100], [64, 64]), Spans.single(ra, [0, 100], [64, 64]), ticket)
+        with pytest.raises(TransportError, match="offered spans.*outside"):
+            a.offer(a_to_b, Spans.single(ra, [4090], [64]))
+        h = b.read(b_from_a, local, remote, ticket)
+        _finish_read(b, h, a, offer)
+        assert torch.equal(dst[:64], src[:64]) and not dst[64:].any()
     finally:
-        src.close()
-        dst.close()
+        for t in (a, b, c):
+            t.close()
 
 
-def test_a_ucx_endpoint_refuses_direct_true():
-    spec = SideSpec(GEO, 1, PageLayout(4))
-    with pytest.raises(ConfigError, match="two-sided and has no direct path"):
-        Destination(RankCache.allocate(spec, 0, 8), Settings(arena_mb=0.25, direct=True), transport=UcxTransport("x"))
+def test_abandoning_a_read_whose_offer_never_came_cancels_its_receives(pair):
+    a, b, peer, ra, rb, src, dst = pair
+    b_from_a = b.connect(a.metadata())
+    ticket, first = a.offer(peer, Spans.single(ra, [0], [4096]))
+    base, count = struct.unpack("!QI", ticket)
+    never = struct.pack("!QI", base + 1000, 1)  # a's tags, of an offer it has not made
+    h = b.read(b_from_a, Spans.single(rb, [0], [4096]), Spans.single(ra, [0], [4096]), never)
+    assert b.poll(h) is WriteState.PENDING
+    assert b.abandon(h) is True  # nothing matched it: cancelled, nothing can land
+    with pytest.raises(TransportError, match="anceled"):
+        b.poll(h)
+    b.release(h)
+    got = b.read(b_from_a, Spans.single(rb, [8192], [4096]), Spans.single(ra, [0], [4096]), ticket)
+    _finish_read(b, got, a, first)
+    assert torch.equal(dst[8192:12288], src[:4096]) and not dst[:8192].any()
+
+
+def test_an_offer_is_not_taken_back_and_says_so():
+    """UCX cancels receives only: an offer not yet read cannot be withdrawn."""
+    a, b = UcxTransport("a"), UcxTransport("b")
+    try:
+        ra = a.register(torch.arange(4096, dtype=torch.uint8))
+        rb = b.register(torch.zeros(4096, dtype=torch.uint8))
+        peer, b_from_a = a.connect(b.metadata()), b.connect(a.metadata())
+        ticket, offer = a.offer(peer, Spans.single(ra, [0], [4096]))
+        assert a.abandon(offer) is False
+        h = b.read(b_from_a, Spans.single(rb, [0], [4096]), Spans.single(ra, [0], [4096]), ticket)
+        _finish_read(b, h, a, offer)
+        assert a.abandon(offer) is True  # taken: over
+    finally:
+        a.close()
+        b.close()
+
+
+def test_an_offer_made_right_after_connect_is_read_while_its_source_is_stopped():
+    """No read before: connect's hello resolved the endpoints while both ran. 2,000 spans: more
+    rendezvous requests than UCX's default shared-memory FIFO (256) would hold."""
+    with ReadSources("ucx", 1, 1 << 20, 1 << 20) as s:
+        s.ask(0, "run", 1.0)  # both processes run their endpoints a while (the reader while it waits)
+        offsets = np.arange(2000, dtype=np.int64) * 512
+        ticket = s.offer(0, offsets, np.full(2000, 256), then_stop=True)
+        s.wait_stopped(0)
+        h = s.tr.read(s.peers[0], Spans.single(s.region, offsets, np.full(2000, 256)),
+                      Spans.single(s.remotes[0], offsets, np.full(2000, 256)), ticket)
+        finish(s.tr, [h], timeout=5)
+        assert s.state(0) == "T"
+        assert np.array_equal(s.dst.numpy(), s.expected([(0, offsets, offsets, np.full(2000, 256))]))
 
 
 @pytest.mark.gpu

@@ -100,7 +100,8 @@ def test_prefill_tp2_to_decode_tp1_is_token_exact(engines, plain):
     assert tokens(out) == ref["B"]
     assert [o["finish"] for o in out["outputs"]] == ["length"] * len(ps)
     got = engines["B"].cmd(cmd="transfers")["outputs"][before:]
-    assert [(t["ok"], t["path"]) for t in got] == [(True, "staged")] * len(ps)
+    # the decode reads: straight from the prefill's pages into its arena, or from the prefill's arena
+    assert [t["ok"] for t in got] == [True] * len(ps) and {t["path"] for t in got} <= {"pages", "read"}, got
     assert sorted(t["bytes"] for t in got) == sorted(received_bytes(len(p)) for p in ps)
 
 
@@ -158,7 +159,8 @@ def test_dead_or_hung_prefill_fails_or_recomputes_by_policy(engines, plain):
     C = engines["C"]
     params = [o["params"] for o in C.cmd(cmd="prefill", prompts=ps[:2])["outputs"]]
 
-    # hung prefill: its pull port accepts but nothing answers; the decode gives up after pull_timeout_s
+    # hung prefill, not connected to A yet: its connect port accepts but nothing answers; the decode gives
+    # up after pull_timeout_s
     C.signal(signal.SIGSTOP)
     t = time.perf_counter()
     out = engines["A"].cmd(cmd="generate", prompts=ps[:1], params=params[:1], max_tokens=MAX_TOKENS)
@@ -174,8 +176,9 @@ def test_dead_or_hung_prefill_fails_or_recomputes_by_policy(engines, plain):
     out = engines["A"].cmd(cmd="generate", prompts=ps[1:2], params=params[1:2], max_tokens=MAX_TOKENS)
     assert tokens(out) == ref["A"][1:2]
     assert time.perf_counter() - t < 30
+    # B was connected to C (the xPyD test): C's loss fails the request at once, naming the engine that left
     failed = [t for t in engines["B"].cmd(cmd="transfers")["outputs"] if not t["ok"]]
-    assert failed and "cannot connect" in failed[-1]["error"]
+    assert failed and "left" in failed[-1]["error"] and "connection lost" in failed[-1]["error"], failed[-1]
 
 
 def _vllm_stats(engine) -> tuple[dict, str]:
@@ -206,11 +209,12 @@ def test_kvstage_figures_reach_vllm_stats_metrics_and_log_line(engines, plain):
     with open(A.log_path) as f:
         offset = len(f.read())
     params = B.cmd(cmd="prefill", prompts=ps[:1])["outputs"][0]["params"]
-    # a prefill rank that is gone (its port closed): both of A's ranks fail their load, and A recomputes
+    # a prefill engine A never met, whose rank is gone (its port closed): both of A's ranks fail their
+    # load when asking it to connect, and A recomputes
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         gone = s.getsockname()[1]
-    dead = dict(params, remote_request_id="gone", remote_ranks=[["127.0.0.1", gone]])
+    dead = dict(params, remote_engine_id="gone-engine", remote_request_id="gone", remote_ranks=[["127.0.0.1", gone]])
     out = A.cmd(cmd="generate", prompts=ps[:1], params=[dead], max_tokens=MAX_TOKENS)
     assert tokens(out) == ref["A"][:1]
     out = A.cmd(cmd="generate", prompts=ps[:1], params=[params], max_tokens=MAX_TOKENS)
@@ -242,7 +246,7 @@ def test_kvstage_figures_reach_vllm_stats_metrics_and_log_line(engines, plain):
             cls, n = part.split(":")
             causes[cls] = causes.get(cls, 0) + int(n)
     assert causes == {"connection_lost": 2}, lines
-    warned = re.findall(r"WARNING.*kvstage: rank (\d): KV load of request \S+ \(\S+:gone\) failed after [0-9.]+ s "
+    warned = re.findall(r"WARNING.*kvstage: rank (\d): KV load of request \S+ \(gone-engine:gone\) failed after [0-9.]+ s "
                         rf"at stage abort with local: prefill rank at 127.0.0.1:{gone}: cannot connect .*; "
                         r"vLLM recomputes its prompt \(kv_load_failure_policy=recompute\)", log)
     assert sorted(warned) == ["0", "1"], log[-3000:]
@@ -250,18 +254,18 @@ def test_kvstage_figures_reach_vllm_stats_metrics_and_log_line(engines, plain):
 
 # -- the scheduler side's translation, without engines -------------------------------------------
 
-def _scheduler(tp=1, block=BLOCK, pull_ranks=(("127.0.0.1", 1),), policy="fail"):
+def _scheduler(tp=1, block=BLOCK, connect_ranks=(("127.0.0.1", 1),), policy="fail"):
     from types import SimpleNamespace
 
-    from kvstage.plugin.vllm.connector import _Scheduler
+    from kvstage.plugin.vllm.scheduler import Scheduler
 
     cfg = SimpleNamespace(kv_transfer_config=SimpleNamespace(engine_id="eng", kv_load_failure_policy=policy),
                           parallel_config=SimpleNamespace(tensor_parallel_size=tp),
                           cache_config=SimpleNamespace(block_size=block))
     blocks = {}
     conn = SimpleNamespace(_kv_cache_manager=SimpleNamespace(get_block_ids=lambda rid: (blocks[rid],)))
-    s = _Scheduler(conn, cfg, {})
-    s.pull_ranks = [list(r) for r in pull_ranks] if pull_ranks else None
+    s = Scheduler(conn, cfg, {})
+    s.connect_ranks = [list(r) for r in connect_ranks] if connect_ranks else None
     s.layout = {"layers": 2}
     return s, blocks
 
@@ -280,7 +284,7 @@ def _blocks(ids):
 
 
 def _remote(n):
-    return {"do_remote_prefill": True, "kvstage": 1, "remote_num_tokens": n, "remote_engine_id": "p",
+    return {"do_remote_prefill": True, "kvstage": 2, "remote_num_tokens": n, "remote_engine_id": "p",
             "remote_request_id": "r", "remote_ranks": [["127.0.0.1", 2]]}
 
 
@@ -311,12 +315,12 @@ def test_scheduler_hands_off_finished_prefills_only():
 
     from vllm.v1.request import RequestStatus
 
-    s, blocks = _scheduler(tp=2, pull_ranks=(("h", 1), ("h", 2)))
+    s, blocks = _scheduler(tp=2, connect_ranks=(("h", 1), ("h", 2)))
     req = _request("p1", 70, {"do_remote_decode": True})
     s.update_state_after_alloc(req, _blocks([]), 0)
     blocks["p1"] = [4, 9, 2]
     meta = s.build_connector_meta(SimpleNamespace(num_scheduled_tokens={"p1": 70}, preempted_req_ids=None))
-    assert meta.produce == {"p1": ([4, 9, 2], True)}  # the whole prompt is computed in this step
+    assert meta.produce == {"p1": ([4, 9, 2], True, 70)}  # the whole prompt is computed in this step
 
     req.num_computed_tokens, req.status = 70, RequestStatus.FINISHED_LENGTH_CAPPED
     delay, params = s.request_finished(req, [4, 9, 2])
@@ -330,45 +334,62 @@ def test_scheduler_hands_off_finished_prefills_only():
 
 
 def _producer(lease_s=0.3):
+    """A producer Worker with a real Source, and a real Destination it is connected to (both here)."""
     from types import SimpleNamespace
 
     import torch
 
-    from kvstage.plugin.vllm.connector import _Worker
     from kvstage.plugin.vllm.layout import describe
+    from kvstage.plugin.vllm.meta import prefill_settings
+    from kvstage.plugin.vllm.worker import Worker
+    from kvstage.protocol.destination import Destination
+    from kvstage.protocol.source import Source
+    from kvstage.staging.cache import RankCache
 
     cfg = SimpleNamespace(kv_transfer_config=SimpleNamespace(kv_role="kv_producer", engine_id="eng"))
-    w = _Worker(cfg, {"host": "127.0.0.1", "lease_s": lease_s, "pull_timeout_s": 2, "pull_wait_s": 0.2})
-    w.layout = describe({"l0": torch.zeros(8, 4, BLOCK, 64), "l1": torch.zeros(8, 4, BLOCK, 64)}, 4, BLOCK)
-    return w
+    extra = {"host": "127.0.0.1", "lease_s": lease_s, "pull_timeout_s": 2}
+    w = Worker(cfg, extra)
+    kv = {"l0": torch.zeros(8, 4, BLOCK, 64), "l1": torch.zeros(8, 4, BLOCK, 64)}
+    w.layout = describe(kv, 4, BLOCK)
+    w.cache = RankCache(w.layout.spec(1), 0, w.layout.buffers(kv))
+    w.src = Source(w.cache, prefill_settings(extra), engine="eng")
+    dst = Destination(RankCache(w.layout.spec(1), 0, w.layout.buffers({k: v.clone() for k, v in kv.items()})),
+                      engine="d")
+    w.src.connect([dst.address])
+    return w, dst
 
 
 def _step(w, finished=(), **meta):
-    from kvstage.plugin.vllm.connector import KVStageMeta
+    from kvstage.plugin.vllm.meta import KVStageMeta
 
     w.after_forward(KVStageMeta(**meta))
     return w.results(set(finished)).finished_sending
 
 
-def test_prefill_frees_blocks_after_lease_or_release():
-    from kvstage.plugin.vllm.pull import PullError
+def _until(fn, timeout=10.0):
+    deadline = time.monotonic() + timeout
+    while True:
+        got = fn()
+        if got or time.monotonic() > deadline:
+            return got
+        time.sleep(0.05)
 
-    w = _producer()
+
+def test_prefill_frees_blocks_once_read_released_or_after_its_lease():
+    w, dst = _producer()
     try:
-        assert _step(w, produce={"r1": ([3, 4], True), "r2": ([5], True)}) == set()
-        assert _step(w, finished={"r1", "r2", "plain"}, delay_freed=["r1", "r2"]) == set()  # waiting for pulls
-        assert w._on_pull({"type": "release", "req": "r2"}) == {"type": "ok"}
-        assert _step(w) == {"r2"}  # the decode will not pull it
-        time.sleep(0.4)
-        assert _step(w) == {"r1"}  # nobody pulled it within lease_s
-        pull = {"type": "pull", "req": "r1", "kvreq": "eng:r1", "skip": 0, "blocks": 2, "engine": "d",
-                "rank": 0, "tp": 1, "address": ["127.0.0.1", 1]}
-        with pytest.raises(PullError, match="not prefilled"):  # freed: never sent from reused blocks
-            w._on_pull(pull)
-        with pytest.raises(PullError, match="malformed"):
-            w._on_pull(dict(pull, rank=3))
+        # computed in this step: sent at once, to whichever decode reads it
+        assert _step(w, produce={"r1": ([3, 4], True, 40), "r2": ([5], True, 20), "r3": ([6], True, 20)}) == set()
+        assert _step(w, finished={"r1", "r2", "r3", "plain"}, delay_freed=["r1", "r2", "r3"]) == set()
+        h = dst.expect("eng:r3", [1], 32, engine="eng")  # read by the decode: freed once it is done
+        h.wait(10)
+        assert _until(lambda: _step(w) & {"r3"}) == {"r3"}
+        dst.release("eng:r2", engine="eng")  # the decode will not read it (cached there): freed now
+        assert _until(lambda: _step(w) & {"r2"}) == {"r2"}
+        assert _until(lambda: _step(w) & {"r1"}, timeout=10) == {"r1"}  # nobody read it within lease_s
     finally:
         w.close()
+        dst.close()
 
 
 def test_extra_config_carries_kvstage_settings_and_refuses_unknown_keys():
@@ -376,15 +397,18 @@ def test_extra_config_carries_kvstage_settings_and_refuses_unknown_keys():
     from types import SimpleNamespace
 
     from kvstage.errors import ConfigError
-    from kvstage.plugin.vllm.connector import _extra, _settings
+    from kvstage.plugin.vllm.meta import decode_settings, extra_config, prefill_settings
 
     def cfg(extra):
         return SimpleNamespace(kv_transfer_config=SimpleNamespace(kv_connector_extra_config=extra))
 
-    s = _settings(_extra(cfg({"late_write_hold_s": 7, "stall_timeout_s": 9, "peer_timeout_s": 30})))
-    assert (s.late_write_hold_s, s.stall_timeout_s, s.peer_timeout_s) == (7, 9, 30)
-    with pytest.raises(ConfigError, match=r"unknown keys \['late_write_hold'\]"):
-        _extra(cfg({"late_write_hold": 7}))
+    s = decode_settings(extra_config(cfg({"path": "read", "stall_timeout_s": 9, "peer_timeout_s": 30})))
+    assert (s.path, s.stall_timeout_s, s.peer_timeout_s, s.ready_timeout_s) == ("read", 9, 30, 30.0)
+    assert prefill_settings(extra_config(cfg({"lease_s": 50}))).ready_timeout_s == 50  # a prefill's lease
+    with pytest.raises(ConfigError, match=r"unknown keys \['stall_timeout'\]"):
+        extra_config(cfg({"stall_timeout": 7}))
+    with pytest.raises(ConfigError, match=r"kv_cache_layout='NDH': must be one of NHD, HND"):
+        extra_config(cfg({"kv_cache_layout": "NDH"}))
 
 
 def test_stats_add_up_over_ranks_and_reduce_to_the_log_line():

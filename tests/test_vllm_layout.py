@@ -96,7 +96,7 @@ def test_whole_blocks_move_between_tp_sizes(src_tp, dst_tp, order, layers):
     full = full_cache(layers)
     dst, sb, db, paths = transfer(full, src_tp, dst_tp, order, blocks_of_request=5)
     check(full, dst, dst_tp, sb, db)
-    assert paths == {"staged"}
+    assert paths <= {"read", "pages"} and paths, paths  # the decode reads the prefill arena or its pages
 
 
 def test_equal_tp_takes_the_direct_path():

@@ -16,8 +16,8 @@ from kvstage.bench.scenario import MODES
 CSV_COLUMNS = (
     "mode", "src_tp", "dst_tp", "tokens", "concurrency", "bytes", "total_bytes", "seconds", "gbps",
     "latency_p50_ms", "latency_p99_ms", "latency_samples", "descriptors_per_request", "arena_bytes",
-    "ratio_to_bulk", "verified", "path", "start_s", "gather_s", "write_s", "queued_s", "slot_wait_s", "scatter_s",
-    "gather_gpu_s", "scatter_gpu_s", "stage_overlap", "arena", "copier", "bulk_degraded",
+    "ratio_to_bulk", "verified", "path", "gather_s", "read_s", "slot_wait_s", "scatter_s",
+    "gather_gpu_s", "read_gpu_s", "scatter_gpu_s", "stage_overlap", "arena", "copier", "bulk_degraded",
     "layers", "kv_heads", "head_dim", "dtype", "mla", "device", "src_page_size", "src_layout",
     "dst_page_size", "dst_layout", "iters", "warmup",
 )
@@ -28,7 +28,7 @@ ENGINE_CSV_COLUMNS = (
     "mode", "engines", "src_engine", "dst_engine", "src_tp", "dst_tp", "tokens", "concurrency", "bytes", "total_bytes",
     "seconds", "gbps", "latency_p50_ms", "latency_p99_ms", "latency_samples", "slot_wait_s", "src_slot_wait_s",
     "step_bytes", "step_seconds", "step_gbps", "descriptors_per_request", "arena_bytes", "verified", "path",
-    "start_s", "gather_s", "write_s", "queued_s", "scatter_s", "gather_gpu_s", "scatter_gpu_s", "arena", "copier",
+    "gather_s", "read_s", "scatter_s", "gather_gpu_s", "read_gpu_s", "scatter_gpu_s", "arena", "copier",
     "src_peer_engines", "dst_peer_engines",
     "layers", "kv_heads", "head_dim", "dtype", "mla", "device", "src_page_size", "src_layout",
     "dst_page_size", "dst_layout", "iters", "warmup",
@@ -51,12 +51,11 @@ def _num(x) -> str:
 
 
 def _mode_label(mode: str, rows: list[dict]) -> str:
-    """The mode, and how its bytes went when that is not a transport write of a staged chunk:
-    "direct" (page runs straight into the destination's pages), "mapped" (gathered straight
-    into the destination's arena by the source's own stores, same host)."""
-    for path in ("direct", "mapped"):
-        if all(r.get("path") == [path] for r in rows):
-            return f"{mode} ({path})"
+    """The mode, and for the kvstage path the path its requests took (``protocol.route.Path``:
+    ipc, direct, pages, read), where every row took the same."""
+    paths = {"+".join(r.get("path") or []) for r in rows}
+    if len(paths) == 1 and paths != {""}:
+        return f"{mode} ({paths.pop()})"
     return mode
 
 
@@ -132,8 +131,8 @@ def _engine_rows(result: dict, show_n: bool, arrow: str, failed: str) -> list[li
     for (engines, tok, n), rows in _points(result["results"]).items():
         for r in rows:
             v = {True: "yes", False: failed, None: "-"}[r["verified"]]
-            way = r.get("path") or []  # how the bytes went, where not by staged chunks: "(direct)", "(mapped)"
-            way = "" if way in ([], ["staged"]) else f" ({'+'.join(way)})"
+            way = r.get("path") or []  # the path its requests took: ipc, direct, pages, read
+            way = f" ({'+'.join(way)})" if way else ""
             out.append([f"{r['src_engine']} (TP {r['src_tp']}) {arrow} {r['dst_engine']} (TP {r['dst_tp']}){way}", str(tok)]
                        + ([str(n)] if show_n else []) + [
                 f"{r['bytes'] / 1e6:.2f}", f"{r['gbps']:.3f}", _ms(r["latency_p50_s"]), _ms(r["latency_p99_s"]),
@@ -211,7 +210,7 @@ def notes(result: dict) -> list[str]:
         if "staged" in modes and "per-slice" in modes:
             parts.append(f"staged / per-slice: {modes['staged']['gbps'] / modes['per-slice']['gbps']:.1f}x")
         st = modes.get("staged", {}).get("stages")
-        if st and modes["staged"].get("path") != ["direct"]:
+        if st:
             ms = {k: v for k, v in st.items() if k != "overlap"}
             parts.append("staged ms, summed over ranks: " + ", ".join(f"{k} {v * 1e3:.1f}" for k, v in ms.items()))
             if st.get("overlap"):
@@ -283,10 +282,9 @@ def csv_rows(result: dict) -> list[dict]:
             "descriptors_per_request": r["descriptors"], "path": "+".join(r.get("path") or []),
             "arena": "+".join(r.get("arena") or []), "copier": "+".join(r.get("copier") or []),
             "bulk_degraded": r.get("bulk_degraded"),
-            "start_s": st.get("start"), "gather_s": st.get("gather"), "write_s": st.get("write"),
-            "queued_s": st.get("queued"), "slot_wait_s": st.get("slot_wait"),
+            "gather_s": st.get("gather"), "read_s": st.get("read"), "slot_wait_s": st.get("slot_wait"),
             "scatter_s": st.get("scatter"), "gather_gpu_s": st.get("gather_gpu"),
-            "scatter_gpu_s": st.get("scatter_gpu"), "stage_overlap": st.get("overlap"),
+            "read_gpu_s": st.get("read_gpu"), "scatter_gpu_s": st.get("scatter_gpu"), "stage_overlap": st.get("overlap"),
             "layers": g["layers"], "kv_heads": g["kv_heads"], "head_dim": g["head_dim"], "dtype": g["dtype"],
             "mla": g["mla"], "device": cfg["device"], "src_page_size": cfg["src_page"]["page_size"],
             "src_layout": cfg["src_page"]["order"], "dst_page_size": cfg["dst_page"]["page_size"],
@@ -309,8 +307,8 @@ def _engine_csv_rows(result: dict) -> list[dict]:
             "latency_p50_ms": r["latency_p50_s"] * 1e3, "latency_p99_ms": r["latency_p99_s"] * 1e3,
             "descriptors_per_request": r["descriptors"], "path": "+".join(r.get("path") or []),
             "arena": "+".join(r.get("arena") or []), "copier": "+".join(r.get("copier") or []),
-            "start_s": st.get("start"), "gather_s": st.get("gather"), "write_s": st.get("write"),
-            "queued_s": st.get("queued"), "scatter_s": st.get("scatter"), "gather_gpu_s": st.get("gather_gpu"),
+            "gather_s": st.get("gather"), "read_s": st.get("read"), "scatter_s": st.get("scatter"),
+            "gather_gpu_s": st.get("gather_gpu"), "read_gpu_s": st.get("read_gpu"),
             "scatter_gpu_s": st.get("scatter_gpu"),
             "layers": g["layers"], "kv_heads": g["kv_heads"], "head_dim": g["head_dim"], "dtype": g["dtype"],
             "mla": g["mla"], "device": cfg["device"], "src_page_size": cfg["src_page"]["page_size"],

@@ -478,19 +478,20 @@ def summarize(group: Group, reports: list) -> list[dict]:
                 srcs = [d for role, _, d in got if role == "src"]
                 dsts = [d for role, _, d in got if role == "dst"]
                 walls.append(max(d["t1"] for d in dsts) - min(d["t0"] for d in srcs))
-                descs.append(sum(d["descriptors"] for d in srcs))
-                writes.append(sum(d["writes"] for d in srcs))
+                # the kvstage path's descriptors and transfers are the destination's reads; a baseline's, the sources' writes
+                moved = dsts if mode == "staged" else srcs
+                descs.append(sum(d["descriptors"] for d in moved))
+                writes.append(sum(d["writes"] for d in moved))
                 for k in range(n):
                     lat.append(max(d["done"][k] for d in dsts) - min(d["sent"][k] for d in srcs))
-                st = {k: sum(d["stages"].get(k, 0.0) for d in srcs) for k in ("gather", "write", "queued", "slot_wait")}
-                st["scatter"] = sum(d["stages"].get("scatter", 0.0) for d in dsts)
-                for k, side in (("start", srcs), ("gather_gpu", srcs), ("scatter_gpu", dsts)):
+                st = {"gather": sum(d["stages"].get("gather", 0.0) for d in srcs)}
+                st |= {k: sum(d["stages"].get(k, 0.0) for d in dsts) for k in ("read", "slot_wait", "scatter")}
+                for k, side in (("gather_gpu", srcs), ("read_gpu", dsts), ("scatter_gpu", dsts)):
                     if any(k in d["stages"] for d in side):
                         st[k] = sum(d["stages"].get(k, 0.0) for d in side)
-                # stages one after another: a source rank's gather + write, then a destination rank's
-                # scatter (each the mean over its side's ranks); over the wall time, >1 means they overlapped
-                serial = (sum(d["stages"].get("gather", 0.0) + d["stages"].get("write", 0.0) for d in srcs) / len(srcs)
-                          + st["scatter"] / len(dsts))
+                # stages one after another: a source rank's gather, then a destination rank's reads and scatter
+                # (each the mean over its side's ranks); over the wall time, >1 means they overlapped
+                serial = (st["gather"] / len(srcs) + (st["read"] + st["scatter"]) / len(dsts))
                 st["overlap"] = serial / walls[-1] if walls[-1] > 0 else None
                 arenas |= {d.get("arena") for d in srcs + dsts if d.get("arena")}
                 copies |= {d.get("copier") for d in srcs + dsts if d.get("copier")}
@@ -570,14 +571,14 @@ def summarize_engines(group: Group, reports: list) -> list[dict]:
                     for k in range(n):
                         lat.append(max(d["done"][i][k] for d in D) - min(d["sent"][j][k] for d in S))
                     dst_wait.append(sum(d["stages"][i].get("slot_wait", 0.0) for d in D))
-                    st = {k: sum(d["stages"][j].get(k, 0.0) for d in S) for k in ("gather", "write", "queued", "slot_wait")}
-                    st["scatter"] = sum(d["stages"][i].get("scatter", 0.0) for d in D)
-                    for k, side, e in (("start", S, j), ("gather_gpu", S, j), ("scatter_gpu", D, i)):
+                    st = {k: sum(d["stages"][j].get(k, 0.0) for d in S) for k in ("gather", "slot_wait")}
+                    st |= {k: sum(d["stages"][i].get(k, 0.0) for d in D) for k in ("read", "scatter")}
+                    for k, side, e in (("gather_gpu", S, j), ("read_gpu", D, i), ("scatter_gpu", D, i)):
                         if any(k in d["stages"][e] for d in side):
                             st[k] = sum(d["stages"][e].get(k, 0.0) for d in side)
                     stage_rows.append(st)
-                    descs.append(sum(d["descriptors"][j] for d in S))
-                    writes.append(sum(d["writes"][j] for d in S))
+                    descs.append(sum(d["descriptors"][i] for d in D))
+                    writes.append(sum(d["writes"][i] for d in D))
                     paths |= {d["path"][i] for d in D if d["path"][i]}
                     arenas |= {d.get("arena") for d in S + D if d.get("arena")}
                     copies |= {d.get("copier") for d in S + D if d.get("copier")}

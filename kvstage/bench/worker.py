@@ -270,6 +270,7 @@ def dst_main(link: Link, g: Group, rank: int, listen_host: str, want_metrics: bo
             dirty = np.concatenate(reqs)
         link.send({"type": "result", "step": step, "data": {
             "t1": t1, "done": done, "verified": verified, "errors": errors[:5], "stages": stages, "path": path,
+            "descriptors": sum(h.descriptors for h in handles), "writes": sum(h.writes for h in handles),
             "arena": ep.arena_location, "arena_bytes": ep.arena.buffer.nbytes, "copier": ep.copier.name,
         } | _links(ep, step, g)})
     link.recv("end")
@@ -316,19 +317,32 @@ def src_main(link: Link, g: Group, rank: int, want_metrics: bool = False) -> str
             for k in range(n):
                 fill_shard(cache, content_seed(g, pi, mode, it, k), reqs[k], tokens)
         prepared = [[] for _ in range(n)]
-        if mode == "per-slice":
+        if mode == "per-slice" and base.one_sided:  # a two-sided transport's receives are posted after "armed"
             for p in targets:
                 dreqs = request_pages(g, pi, "dst", p.dst_rank, it)
                 for k in range(n):
                     local, remote = slice_spans(p, sc.src, sc.dst, reqs[k], dreqs[k], tokens, kv, dkv[p.dst_rank])
-                    idx = np.arange(len(local), dtype=np.int32)
-                    prepared[k].append((p, base.prepare(None, local), base.prepare(peers[p.dst_rank], remote), idx))
+                    note = f"{tag(pi, mode, it, k)}-{rank}".encode()
+                    # descriptors and the transfer request made now, outside the timed step; posted in it
+                    prepared[k].append((base.prepare_write(peers[p.dst_rank], local, remote, note), len(local)))
         _sync(dev)
         link.send({"type": "armed", "step": step})
         tickets = link.recv("go").get("tickets") or {}
 
         def ticket(d: int, k: int) -> bytes:  # from the destination's expect() (two-sided transports)
             return base64.b64decode(tickets[str(d)][k]) if str(d) in tickets else b""
+
+        if mode == "per-slice" and not base.one_sided:  # the receives are posted only now: prepare against them
+            for k in range(n):
+                for w, _ in prepared[k]:
+                    w.drop()
+                prepared[k] = []
+                for p in targets:
+                    dreqs = request_pages(g, pi, "dst", p.dst_rank, it)
+                    local, remote = slice_spans(p, sc.src, sc.dst, reqs[k], dreqs[k], tokens, kv, dkv[p.dst_rank])
+                    prepared[k].append((base.prepare_write(peers[p.dst_rank], local, remote,
+                                                           f"{tag(pi, mode, it, k)}-{rank}".encode(), ticket(p.dst_rank, k)),
+                                        len(local)))
 
         t0 = link.now()
         sent, stages, descriptors, writes = [], {}, 0, 0
@@ -361,10 +375,9 @@ def src_main(link: Link, g: Group, rank: int, want_metrics: bool = False) -> str
             handles = []
             for k in range(n):
                 sent.append(link.now())
-                for p, lp, rp, idx in prepared[k]:
-                    handles.append(base.write_prepared(peers[p.dst_rank], lp, idx, rp, idx,
-                                                       f"{tag(pi, mode, it, k)}-{rank}".encode(), ticket(p.dst_rank, k)))
-                    descriptors += len(idx)
+                for w, spans in prepared[k]:
+                    handles.append(w.post())
+                    descriptors += spans
             writes = len(handles)
             _wait_writes(base, handles)
         _sync(dev)
@@ -445,6 +458,8 @@ def dst_engines_main(link: Link, g: Group, rank: int, engine: int, listen_host: 
         link.send({"type": "result", "step": step, "data": {
             "t1": max(max(row) for row in done), "done": done, "verified": verified, "errors": [e[:5] for e in errors],
             "stages": [_stages(row) for row in handles], "path": [row[0].path for row in handles],
+            "descriptors": [sum(h.descriptors for h in row) for row in handles],
+            "writes": [sum(h.writes for h in row) for row in handles],
             "arena": ep.arena_location, "arena_bytes": ep.arena.buffer.nbytes, "copier": ep.copier.name,
         } | _links(ep, step, g) | _endpoint(ep, step, g)})
     link.recv("end")

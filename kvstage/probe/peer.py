@@ -26,14 +26,15 @@ class PeerProbeFailed(KVStageError):
 
 
 def _ask_peer(host: str, port: int, hello: dict, token: str, nbytes: int, timeout: float) -> tuple[dict, object]:
-    from kvstage.protocol.wire import PROTOCOL_VERSION, Connection
+    from kvstage.protocol.messages import PROTOCOL_VERSION
+    from kvstage.protocol.wire import Connection
 
     try:
         sock = socket.create_connection((host, port), timeout=timeout)
     except OSError as e:
         raise PeerProbeFailed(f"cannot connect to {host}:{port}: {e}") from e
     conn = Connection(sock, f"{host}:{port}")
-    conn.send({"type": "probe", "version": PROTOCOL_VERSION, "token": token, "nbytes": nbytes,
+    conn.send({"type": "probe", "version": PROTOCOL_VERSION, "token": token, "transport": "nixl", "nbytes": nbytes,
                "agent": hello["agent"], "facts": hello["facts"]})
     try:
         reply = conn.recv()

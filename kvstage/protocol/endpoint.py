@@ -43,7 +43,8 @@ from kvstage.link.finding import Finding, Severity
 from kvstage.metrics import endpoint_metrics, start_from_settings
 from kvstage.protocol import beat
 from kvstage.protocol.gate import PRE_AUTH_MAX_FRAME, PRE_AUTH_TYPES, RefusalLog, host_of, pending_cap
-from kvstage.protocol.wire import MAX_ENGINE_ID, MAX_FRAME, MAX_MODEL_ID, Connection
+from kvstage.protocol.messages import MAX_ENGINE_ID, MAX_ID, MAX_MODEL_ID, Error, Message, Ping, decode
+from kvstage.protocol.wire import MAX_FRAME, Connection
 from kvstage.staging.arena import ArenaSize, StagingArena, arena_size, choose_arena
 from kvstage.staging.cache import RankCache
 from kvstage.staging.copy import copy_stream
@@ -53,8 +54,9 @@ log = logging.getLogger("kvstage")
 #: errors of a connection whose peer's host stopped answering (a cut link, a dead host), not one it closed
 _UNANSWERED = (errno.ETIMEDOUT, errno.EHOSTUNREACH, errno.ENETUNREACH, errno.EHOSTDOWN, errno.ENETDOWN)
 
-# seconds between transport polls while writes or notices are expected: GPU hosts have
-# cores to spare and sub-millisecond chunks; on a host cache the copies are the cores' work
+# seconds between transport polls while reads run: a GPU's copy engines move the bytes meanwhile, and 20 us
+# keeps a poll near; on a host the loop sleeps between polls, which leaves the GIL to the threads that copy
+# (a host read's or scatter's, whose calls need it to return: a spinning loop slowed them ten-fold)
 _BUSY_WAIT = {"cuda": 0.00002, "cpu": 0.0002}
 #: while a request is in flight, the loop polls its sockets this long after each event (a message other
 #: than a ping, a call, a send) instead of sleeping: on the GPU hosts a thread that slept runs its next
@@ -85,7 +87,7 @@ def check_engine(engine) -> str:
     return engine
 
 
-def check_model(model) -> str:
+def check_model_id(model) -> str:
     """A model identity as an engine gives it (``""``: none, nothing is compared)."""
     if not isinstance(model, str) or len(model) > MAX_MODEL_ID or not model.isprintable():
         raise ConfigError(f"model={str(model)[:40]!r}: must be a string of at most {MAX_MODEL_ID} printable "
@@ -168,11 +170,9 @@ class EndpointStats:
     requests: int  # in flight (a failed request is held until no write of it can land)
     peers: int  # connected peer ranks, of every peer engine
     engines: int = 0  # peer engines known (each with its own plan)
-    late_holds: int = 0  # destination: slots held for late writes of lost writers
-    held_grants: int = 0  # source: grants kept for requests not sent here yet
-    unknown_announced: int = 0  # destination: announcements of requests it was not told of yet
+    late_holds: int = 0  # destination: reads of failed requests that may still land (their slots or pages held)
+    unknown_announced: int = 0  # destination: requests said ready that it was not told of yet
     announced: int = 0  # destination: requests in flight that every writer announced
-    mapped_peers: int = 0  # destination: writers that gather straight into its arena (same host)
     aborts_remembered: int = 0  # aborts of requests this side was not told of yet
     polling: bool = False  # the loop polls the transport now (a transfer is near)
     wait: str = "select"  # how the loop waits on its sockets: select(2), or epoll past descriptor 1023
@@ -183,13 +183,12 @@ class Endpoint:
     """Base of ``Source`` and ``Destination``."""
 
     role = "endpoint"
-    shares_arena = False  # offers its arena to sources on this host (``staging.mapped``)
 
     def __init__(self, cache: RankCache, settings: Settings | None = None, transport: Transport | None = None,
                  engine: str = "", model: str = ""):
         self.cache, self.spec, self.rank = cache, cache.spec, cache.rank
         self.engine = check_engine(engine)
-        self.model = check_model(model)
+        self.model = check_model_id(model)
         self.settings = settings or Settings()
         self.transport, made = self._open_transport(transport)
         try:
@@ -216,10 +215,10 @@ class Endpoint:
             from kvstage.transports import make_transport
 
             return make_transport(self.settings.transport, f"kvstage-{self.role}{self.rank}"), True
-        if self.settings.direct and not transport.one_sided:
+        if self.settings.path in ("direct", "pages") and not transport.one_sided:
             raise ConfigError(
-                f"direct=True with a {transport.name} transport: {transport.name} is two-sided and has no direct "
-                f"path; pass Settings(transport={transport.name!r}) or unset direct"
+                f"path={self.settings.path!r} with a {transport.name} transport: {transport.name} is two-sided and "
+                f"cannot read a peer's pages; pass Settings(transport={transport.name!r}) or another path"
             )
         return transport, False
 
@@ -244,23 +243,20 @@ class Endpoint:
         where, why = choose_arena(self.settings.arena, cache.device, value(self.facts, "ucx_modules"), os.environ)
         on_gpu = where == "device"
         size = self._arena_size(where)
-        # a destination's host arena goes in shared memory only when asked (mapped="on"): sources on this
-        # host then gather into it; a CUDA arena is shareable as it is (CUDA IPC)
-        shared = self.shares_arena and self.settings.mapped == "on" and cache.device.type == "cpu"
         arena = StagingArena(size.slot_bytes, size.slots, cache.device if on_gpu else torch.device("cpu"),
-                             pinned=cache.device.type == "cuda", shared=shared)
+                             pinned=cache.device.type == "cuda")
         place = f"{cache.device} memory" if on_gpu else "pinned host memory" if cache.device.type == "cuda" else "host memory"
         log.info("%s %d: staging arena of %d slots x %.4g MiB in %s (%s; %s)", self.role, self.rank, size.slots,
                  size.slot_bytes / 2**20, place, size.why, why)
         return arena, where
 
     def _arena_size(self, where: str) -> ArenaSize:
-        """The rule's arena for this rank (``staging.arena.arena_size``); a source over a
-        transport that reads the pages itself keeps less (``Source``)."""
+        """The rule's arena for this rank (``staging.arena.arena_size``), at most its KV cache's size."""
         free = None
         if where == "device":
             free = torch.cuda.mem_get_info(self.cache.device)[0]
-        return arena_size(self.settings.arena_bytes, self.token_bytes, where, free)
+        pool = sum(b.numel() * b.element_size() for b in self.cache.buffers)
+        return arena_size(self.settings.arena_bytes, self.token_bytes, where, free, pool)
 
     @property
     def token_bytes(self) -> int:
@@ -459,6 +455,10 @@ class Endpoint:
             self._pending[conn] = (deadline + gap, within)
         self._forgive(gap)
 
+    def _idle_wait(self) -> float:
+        """How long the loop sleeps with no transfer near (a role may need its transport driven meanwhile)."""
+        return _IDLE_WAIT
+
     def _wait(self, fence, busy: bool, poll_until: float = 0.0) -> list[Connection]:
         """The connections with bytes to read, once something is to be done: a message,
         a posted event, a device copy's end (``fence``), or (while a transfer is near,
@@ -470,7 +470,7 @@ class Endpoint:
             if not ready:  # the window passed quietly: back to sleeping
                 return []
         elif fence is None:  # the transport is polled every _busy_wait while a transfer is near; a message ends the wait
-            ready = self._ready(self._busy_wait if busy else _IDLE_WAIT)
+            ready = self._ready(self._busy_wait if busy else self._idle_wait())
         else:  # messages first; then the copy's end wakes the loop, with no thread in between
             ready = self._ready(0)
             if not ready:
@@ -535,20 +535,31 @@ class Endpoint:
                     self._selector.register(sock, selectors.EVENT_READ)
 
     def _read(self, conn: Connection) -> None:
-        """Handle every whole message ``conn`` holds now; a closed or broken connection is dropped."""
+        """Handle every whole message ``conn`` holds now, each decoded and checked (``messages.decode``);
+        a closed or broken connection is dropped."""
         try:
-            for msg in conn.feed():
-                if conn in self._pending and msg["type"] not in PRE_AUTH_TYPES:
-                    self._refuse(conn, f"sent {str(msg['type'])[:32]!r} before authenticating (only a hello or a "
+            for raw in conn.feed():
+                if conn in self._pending and raw["type"] not in PRE_AUTH_TYPES:
+                    self._refuse(conn, f"sent {str(raw['type'])[:32]!r} before authenticating (only a hello or a "
                                        "probe request may come first)")
                     return
                 now = time.monotonic()
                 self.silence_max_s = max(self.silence_max_s, now - self._heard.get(conn, now))
                 self._heard[conn] = now
-                if msg["type"] == "ping":
-                    loop_s = msg.get("loop_s", 0.0)  # absent: the peer's loop pinged itself
-                    if isinstance(loop_s, (int, float)) and not isinstance(loop_s, bool) and loop_s >= 0:
-                        self._peer_loop[conn] = (now, float(loop_s))
+                try:
+                    msg = decode(raw)
+                except ProtocolError as e:  # a field that breaks its rule: refused, the stream goes on
+                    if conn in self._pending:  # a hello or a probe: the peer hears why, then the connection closes
+                        try:
+                            conn.send(Error(str(e), str(raw["type"])).to_wire())
+                        except OSError:
+                            pass
+                        self._refuse(conn, str(e))
+                        return
+                    self._reject(conn, raw, e)
+                    continue
+                if isinstance(msg, Ping):
+                    self._peer_loop[conn] = (now, msg.loop_s if msg.loop_s is not None else 0.0)
                 else:  # a ping is no event: the peers' pings do not keep a loop polling
                     self._stirred = time.perf_counter()
                     try:
@@ -556,8 +567,10 @@ class Endpoint:
                     except OSError as e:  # the peer went away while this side answered it: that is its loss
                         self._drop(conn, str(e) or type(e).__name__, answered=getattr(e, "errno", None) not in _UNANSWERED)
                         return
+                    except KVStageError as e:
+                        self._reject(conn, raw, e)
                     except Exception:  # a bug must not kill the loop or the rest of the batch
-                        log.exception("%s %d: handling %s from %s", self.role, self.rank, msg["type"], conn.peer)
+                        log.exception("%s %d: handling %s from %s", self.role, self.rank, msg.TYPE, conn.peer)
                 if conn.closed:
                     return
         except ProtocolError as e:  # a frame that is not one (too large, not JSON): the stream cannot go on
@@ -583,7 +596,7 @@ class Endpoint:
     def _ping(self) -> None:
         for conn in self._peers():
             try:
-                conn.send({"type": "ping"})
+                conn.send(Ping().to_wire())
             except OSError:
                 pass  # a broken connection is reported by its reader
 
@@ -649,7 +662,7 @@ class Endpoint:
         end by microseconds instead of a poll interval or a thread hand-off."""
         return None
 
-    def _on_message(self, conn: Connection, msg: dict) -> None:
+    def _on_message(self, conn: Connection, msg: Message) -> None:
         raise NotImplementedError
 
     def _on_closed(self, conn: Connection, reason: str, answered: bool) -> None:
@@ -672,18 +685,18 @@ class Endpoint:
         self._wake.close()
         self._waker.close()
 
-    def _reject(self, conn: Connection, msg: dict, err: KVStageError) -> None:
-        log.warning("%s %d: rejected %s message from %s: %s", self.role, self.rank, msg.get("type"), conn.peer, err)
+    def _reject(self, conn: Connection, raw: dict, err: KVStageError) -> None:
+        """Refuse one message of an authenticated peer: one line here, an ``error`` naming it there."""
+        kind = str(raw.get("type"))[:32]
+        log.warning("%s %d: rejected %s message from %s: %s", self.role, self.rank, kind, conn.peer, err)
+        req = raw.get("req")
         try:
-            reply = {"type": "error", "reason": str(err), "about": str(msg.get("type"))[:32]}
-            if isinstance(msg.get("req"), str) and len(msg["req"]) <= 256:
-                reply["req"] = msg["req"]
-            conn.send(reply)
+            conn.send(Error(str(err), kind, req if isinstance(req, str) and len(req) <= MAX_ID else None).to_wire())
         except OSError:
             pass
 
     def kv_facts(self) -> dict:
-        """Facts about the memory of this rank's KV buffers: what the direct path registers
+        """Facts about the memory of this rank's KV buffers: what the page paths register
         (an engine's allocator may hand out memory the arena's ``cudaMalloc`` is not)."""
         if self._kv_facts is None:
             self._kv_facts = memory_facts(self.cache.buffers[0], value(self.facts, "gpus"))
@@ -692,7 +705,7 @@ class Endpoint:
     def _judge_link(self, peer_facts, peer_name: str, peer_kv_facts=None, kv: bool = False,
                     label: str = "") -> Finding | None:
         """The connect-time judgement of the link to one peer (docs/probe.md), logged once, kept
-        for ``stats``: of the arenas, or with ``kv`` of the KV buffers the direct path writes. None
+        for ``stats``: of the arenas, or with ``kv`` of the KV buffers the page paths read. None
         when the peer's facts are unreadable (said in one line)."""
         local, peer = self.facts, peer_facts if isinstance(peer_facts, dict) else None
         if kv:
@@ -703,26 +716,32 @@ class Endpoint:
         except Exception as e:  # a peer's malformed facts must not break the connection
             log.info("%s %d: link to %s: not assessed (peer facts unreadable: %s)", self.role, self.rank, peer_name, e)
             return None
-        finding.path = ("KV pages, direct: " if kv else "") + finding.path
+        finding.path = ("KV pages: " if kv else "") + finding.path
         finding.log(log)
         self.metrics.link(label or peer_name, finding.path, finding.severity, kv=kv)
         remember(self._links, (peer_name, kv), finding.to_dict(), MAX_LINKS)
         return finding
 
-    def _log_link(self, peer_facts, peer_name: str, peer_kv_facts=None, direct: bool = False, label: str = "") -> bool:
+    def _log_link(self, peer_facts, peer_name: str, peer_kv_facts=None, pages: bool = False, label: str = "") -> bool:
         """Judge the memory each path to this peer registers: the arenas, and the KV buffers when
-        the direct path may run. True when the direct path's link is healthy (not WARNING or worse).
+        a page path may read them. True when that path's link is healthy (not WARNING or worse).
         ``label``: the peer as the metrics name it (``peer_label``)."""
         self._judge_link(peer_facts, peer_name, label=label)
-        if not direct:
+        if not pages:
             return False
         kv = self._judge_link(peer_facts, peer_name, peer_kv_facts, kv=True, label=label)
         return kv is None or kv.severity is Severity.INFO
 
     def kv_regions(self) -> list[Region]:
-        """Register this rank's KV buffers (the direct path only) once."""
+        """Register this rank's KV buffers with the transport once: what the direct and pages paths read.
+        A buffer that stands in two places (an engine's layer described twice) is registered once."""
         if self._kv_regions is None:
-            self._kv_regions = [self.transport.register(b) for b in self.cache.buffers]
+            seen: dict = {}
+            for b in self.cache.buffers:
+                key = (b.data_ptr(), b.numel() * b.element_size())
+                if key not in seen:
+                    seen[key] = self.transport.register(b)
+            self._kv_regions = [seen[(b.data_ptr(), b.numel() * b.element_size())] for b in self.cache.buffers]
         return self._kv_regions
 
     def stats(self) -> EndpointStats:

@@ -2,17 +2,21 @@
 carry before a destination gives it anything, and what a source checks in a welcome.
 
 A peer is accepted only with the same protocol version, the auth token, the same
-transport and a spec this side can plan with. Every refusal names the field.
+transport, the same model and a spec this side can plan with. Every refusal
+names the field. With a token, the welcome proves the destination holds it too
+(an HMAC of the hello's nonce), before the source offers its KV pages.
 """
 
 from __future__ import annotations
 
 import base64
+import hashlib
 import hmac
 
 from kvstage.errors import ConfigError, ProtocolError
 from kvstage.layout import KVGeometry, PageLayout
-from kvstage.protocol.wire import MAX_ENGINE_ID, MAX_MODEL_ID, PROTOCOL_VERSION, field
+from kvstage.protocol.messages import PROTOCOL_VERSION, Hello, Welcome
+from kvstage.protocol.wire import field
 from kvstage.tp import SideSpec
 
 #: a connection sends its hello (a destination) or answers it (a source) within this: a live peer
@@ -50,55 +54,52 @@ def md_from_wire(s: str) -> bytes:
         raise ProtocolError("agent metadata is not base64") from e
 
 
-def check_version(msg: dict, who: str) -> None:
-    version = field(msg, "version", int)
+def check_version(version: int, who: str) -> None:
     if version != PROTOCOL_VERSION:
         raise ProtocolError(f"version: the {who} speaks protocol version {version}, this side {PROTOCOL_VERSION}")
 
 
-def check_transport(msg: dict, mine: str, who: str) -> None:
+def check_transport(theirs: str, mine: str, who: str) -> None:
     """Both sides of a connection must move bytes with the same transport."""
-    theirs = msg.get("transport", "nixl")
     if theirs != mine:
         raise ProtocolError(
             f"transport: the {who} uses {str(theirs)[:32]!r}, this side {mine!r}; set the same KVSTAGE_TRANSPORT on both sides"
         )
 
 
-def check_token(msg: dict, token: str) -> None:
-    """The peer's ``token`` equals ours (compared in constant time)."""
-    if not hmac.compare_digest(str(msg.get("token", "")).encode(), token.encode()):
+def check_token(given: str, token: str) -> None:
+    """The peer's token equals ours (compared in constant time)."""
+    if not hmac.compare_digest(str(given).encode(), token.encode()):
         raise ProtocolError("token: the auth token does not match KVSTAGE_AUTH_TOKEN on the destination")
 
 
-def check_peer(msg: dict, token: str, transport: str, who: str) -> None:
-    """A hello's or a probe request's admission: version, token, transport (in that order)."""
-    check_version(msg, who)
-    check_token(msg, token)
-    check_transport(msg, transport, who)
-
-
-def peer_engine(msg: dict) -> str:
-    """The engine a hello or a welcome names: its ranks share one plan (``MAX_ENGINE_ID`` printable characters)."""
-    engine = field(msg, "engine", str)
-    if len(engine) > MAX_ENGINE_ID or not engine.isprintable():
-        raise ProtocolError(f"engine: {engine[:40]!r} is not an engine id (at most {MAX_ENGINE_ID} printable characters)")
-    return engine
-
-
-def check_model(msg: dict, mine: str, who: str) -> None:
+def check_same_model(theirs: str, mine: str, who: str) -> None:
     """Both sides serve the same model, where both say which (an engine's identity of it: its name
     or path and a hash of what shapes its KV). KV of another model's weights moves as well as the
     right one and gives wrong tokens: a pair that says it differs is refused, naming both."""
-    theirs = msg.get("model", "")
-    if not isinstance(theirs, str) or len(theirs) > MAX_MODEL_ID:
-        raise ProtocolError(f"model: the {who} sent {str(theirs)[:40]!r}, not a model identity")
     if theirs and mine and theirs != mine:
         raise ProtocolError(f"model: the {who} serves {theirs!r}, this side {mine!r}; both sides of a KV transfer "
                             "must serve the same model")
 
 
-def hello_spec(msg: dict) -> tuple[SideSpec, int]:
-    """The spec and rank a hello announces, checked against each other."""
-    spec = spec_from_wire(field(msg, "spec", dict))
-    return spec, field(msg, "rank", int, minimum=0, maximum=spec.tp - 1)
+def check_hello(hello: Hello, token: str, transport: str) -> tuple[SideSpec, int]:
+    """A hello's admission, in this order: version, token, transport; then the spec and rank it announces."""
+    check_version(hello.version, "source")
+    check_token(hello.token, token)
+    check_transport(hello.transport, transport, "source")
+    spec = spec_from_wire(hello.spec)
+    if hello.rank >= spec.tp:
+        raise ProtocolError(f"hello: rank={hello.rank} is past the source's tp={spec.tp}")
+    return spec, hello.rank
+
+
+def proof(token: str, nonce: str) -> str:
+    """What a destination holding ``token`` answers to a hello's ``nonce``."""
+    return hmac.new(token.encode(), b"kvstage-welcome:" + nonce.encode(), hashlib.sha256).hexdigest()
+
+
+def check_welcome_proof(welcome: Welcome, token: str, nonce: str) -> None:
+    """With a token, the destination must have proved it holds it: a source shares its KV pages with
+    nobody else who happens to listen at the address it was given."""
+    if token and not hmac.compare_digest(str(welcome.proof or ""), proof(token, nonce)):
+        raise ProtocolError("welcome: the destination did not prove it holds KVSTAGE_AUTH_TOKEN")

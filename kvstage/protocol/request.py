@@ -27,27 +27,27 @@ class State(enum.Enum):
 class TransferHandle:
     """What ``Source.send`` and ``Destination.expect`` return.
 
-    ``stages`` holds seconds spent per stage on this rank (gather, write,
-    scatter, queued, slot_wait) so a slow request says where its time went.
-    On a source, ``queued`` is a granted chunk waiting for the rank's earlier
-    chunks (one loop gathers them in turn) and ``slot_wait`` only the time the
-    arena had no free slot for it; ``start`` runs from ``send`` to its first copy
-    (a gather launched or a direct write posted), including any wait for the
-    first grant. On a destination, ``slot_wait`` is the time the announced
-    request's next chunk waited for a free slot of its arena (a full arena, or
-    its engine at its share of the slots)."""
+    ``stages`` holds seconds spent per stage on this rank so a slow request
+    says where its time went: on a source ``gather`` (its chunks into its arena,
+    the read path); on a destination ``read`` (its transport reads, from the
+    first posted to the last done, per chunk), ``scatter`` (into its pages),
+    ``slot_wait`` (a readable chunk waiting for a free slot of its arena: a full
+    arena, or its engine at its share of the slots); ``gather_gpu``,
+    ``read_gpu`` and ``scatter_gpu``: the device copies' own time where CUDA
+    events measure it. On the ipc path ``read`` is the one-pass kernel's launch
+    to its seen end, and ``read_gpu`` the kernel's own time."""
 
     def __init__(self, req: str, role: str, tokens: int):
         self.req, self.role, self.tokens = req, role, tokens
         self.state = State.PENDING
         self.error: TransferFailed | None = None
         self.bytes = 0
-        self.descriptors = 0  # spans handed to the transport (a gathering transport takes a chunk's pages)
-        self.writes = 0  # transport writes: one per chunk and destination on the staged path
-        self.path: str | None = None  # "staged" or "direct", once known
+        self.descriptors = 0  # spans the destination's reads posted
+        self.writes = 0  # transport reads the destination posted (one per chunk and source rank on the read path)
+        self.path: str | None = None  # the paths it takes (``route.Path``: ipc, direct, pages, read), once known
         self.created = time.perf_counter()
         self.finished: float | None = None
-        self.stages = {"gather": 0.0, "write": 0.0, "scatter": 0.0, "queued": 0.0, "slot_wait": 0.0}
+        self.stages = {"gather": 0.0, "read": 0.0, "scatter": 0.0, "slot_wait": 0.0}
         self._done = threading.Event()
         self._abort = None  # set by the endpoint: callable(reason)
 
@@ -81,7 +81,7 @@ class TransferHandle:
         return self
 
     def abort(self, reason: str = "aborted by caller") -> None:
-        """Fail the request on both sides; its slots are freed once no write can still land."""
+        """Fail the request on both sides; its slots are freed once no read can still touch them."""
         if self._abort is not None and not self.done():
             self._abort(reason)
 

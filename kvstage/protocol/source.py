@@ -1,86 +1,93 @@
-"""The source (prefill) side: announces requests, gathers and writes granted chunks.
+"""The source (prefill) side: makes a request readable, then lets the destination move it.
 
-For each grant the source gathers its piece of the chunk (its head slice, the
-chunk's tokens, all layers, K and V) into a slot of its own arena and issues
-one write into the granted destination slot, with a notice that lands after
-the bytes. Its own arena is back-pressure too: a grant waits for a free slot.
-When the destination shares its arena and this process can map it (same
-host: CUDA IPC, or shared memory with ``mapped="on"``), the gather goes
-straight into the granted slot there and a ``landed`` control message
-replaces the write and its notice. A transport that walks many spans at the
-cost of one (``Transport.gathers``: ``cma``) writes the chunk straight from
-this rank's pages into the granted slot, with no gather and no slot here.
+``send`` runs on the caller's thread, right after the forward that wrote the
+request's KV, and does everything this rank's process has to do for it:
 
-One source serves any number of decode engines, each with its own plan (its
-own TP size): a destination is known by its engine (the id its welcome names)
-and rank, a request by that engine and its id. A destination is connected
-once; later ``connect`` calls to the same address reuse the connection.
+- ``ipc`` (one host, CUDA memory): it records this rank's ready event on the
+  caller's stream and says ``ready`` with the page ids; the destination's kernel
+  reads the pages (shared over CUDA IPC at the handshake) after that event;
+- ``direct`` / ``pages``: it says ``ready`` with the page ids; the destination
+  reads page runs or head slices straight from the registered KV buffers;
+- ``read``: it gathers its slices of each chunk into a slot of its arena
+  (head-major, ``outgoing``), says where, and the destination reads them. Chunks
+  that find no free slot are gathered by this rank's loop as the destination's
+  ``read`` messages free slots: only then is this process on the request's path.
 
-A destination grants the first chunks of a request as soon as it expects it,
-often before this side's ``send``: such grants are checked on arrival and held
-until the request is sent (its first gather then starts at once), or until
-that destination aborts the request or goes away.
+The destination's ``done`` ends the request here (its pages may be reused). A
+request is sent to one decode engine (``engine``) or, with ``engine=None``, to
+whichever connected engine reads it first (an engine that connects later is
+told too); the first engine to read it takes it, and the others hear ``abort``.
+
+A destination is connected once; later ``connect`` calls to the same address
+reuse the connection. The handshake (``hello``, ``welcome``, ``offer``,
+``opened``) runs whole inside ``connect``, so a request sent after it returns
+knows how each destination rank can read it.
 """
 
 from __future__ import annotations
 
-import base64
 import collections
 import dataclasses
 import logging
 import os
+import secrets
+import select
 import socket
 import time
 from dataclasses import dataclass, field as dc_field
 
 import numpy as np
 
-from kvstage.errors import ConfigError, KVStageError, ProtocolError, TransferFailed
-from kvstage.layout import pages_needed
+from kvstage.errors import KVStageError, ProtocolError, TransferFailed
 from kvstage.link.context import link_context
+from kvstage.protocol import route
 from kvstage.protocol.endpoint import (SLOW_S, Endpoint, EndpointStats, check_engine, check_pages, peer_label, rank_name,
                                       remember)
-from kvstage.protocol.handshake import (HANDSHAKE_TIMEOUT_S, check_model, check_transport, check_version, md_from_wire,
-                                        md_to_wire, peer_engine, spec_from_wire, spec_to_wire)
+from kvstage.protocol.handshake import (HANDSHAKE_TIMEOUT_S, check_same_model, check_transport, check_version,
+                                        check_welcome_proof, spec_from_wire, spec_to_wire)
+from kvstage.protocol.messages import (PROTOCOL_VERSION, Abort, Chunk, Done, Error, Hello, Message, Offer, Opened, Ping,
+                                       Read, Ready, Welcome, decode)
+from kvstage.protocol.outgoing import Outgoing, SrcChunk, plan_chunks, region_box
 from kvstage.protocol.request import State, TransferHandle
-from kvstage.protocol.wire import PROTOCOL_VERSION, Connection, field, notice_fields
-from kvstage.protocol.writes import (DirectPageRuns, FromPages, InFlight, MappedGather, PlacedPages, StagedWrite,
-                                     WritePath)
-from kvstage.staging.arena import ArenaSize
-from kvstage.staging.copy import upload_pages
-from kvstage.staging.cuda_place import PlacedCopier, PlacedDestination
-from kvstage.staging.mapped import MappedArena, MappingError, open_shared
-from kvstage.staging.shared_buffers import OpenedBuffers, open_buffers
+from kvstage.protocol.route import Path
+from kvstage.protocol.wire import Connection
+from kvstage.staging.copy import TokenIndex, copy_stream, gather, upload_pages
+from kvstage.staging.fence import CopyFence
 from kvstage.tp import Piece, TransferPlan, plan
-from kvstage.transports.base import Region, WriteState
+from kvstage.transports.base import Spans, WriteState
 
 log = logging.getLogger("kvstage")
 
-MAX_HELD = 4096  # grants kept for requests not sent here yet
-MAX_FINISHED = 4096  # finished request ids remembered, so a late grant for one is refused, not held
-#: destination addresses remembered that this rank writes nothing to (another source rank covers them),
+MAX_FINISHED = 4096  # finished request ids remembered, so a late message for one is refused by name
+#: destination addresses remembered that this rank reads nothing to (another source rank covers them),
 #: so a later ``connect`` to them needs no handshake
 MAX_IDLE_ADDRESSES = 1024
-#: a ``send`` whose gathers are the whole request (a small one, granted early, into mapped arenas) waits
-#: this long on the caller's thread for them and says ``landed`` from there: the loop would first have
-#: to wake, which takes longer on a GPU host than such a gather
+#: on CUDA, a ``send`` whose gathers are launched waits this long on the caller's thread for them and
+#: announces them from there: the loop would first have to wake, which takes longer on a GPU host
 SEND_WAIT_S = 200e-6
+#: a failed request's gathered slots return this long after its ``abort`` went out, unless each destination
+#: that may read them answered first: a read already posted may still be copying from them
+ABORT_HOLD_S = 1.0
+#: how often the loop drives the transport while a request is readable and nothing else is near
+#: (``Source._readable``): a read over UCX's tcp waits up to this long for this process's answer, and an engine
+#: whose requests wait long for their decode does not give its GIL to a loop turn every few microseconds
+DRIVE_S = 0.001
 
 
 @dataclass
 class Target:
+    """One connected destination rank, as routes and reads need it."""
+
     engine: str
     rank: int
     conn: Connection
     agent: str
     plan: TransferPlan
-    piece: Piece
-    arena: Region
-    kv: list[Region]
-    address: tuple = ()  # (host, port) it was connected at
-    mapped: MappedArena | None = None  # the destination's arena mapped here: gathers go straight into it
-    path: WritePath | None = None  # how its staged chunks go (decided at connect); direct grants go direct
-    placed: "PlacedTarget | None" = None  # its KV pages opened here: direct-ipc grants write straight into them
+    piece: Piece  # what this rank sends it
+    address: tuple  # (host, port) it was connected at
+    ipc: bool  # it opened this rank's KV pages and ready event (same host, CUDA IPC)
+    paths: frozenset  # the paths both sides' settings allow
+    capacity: int  # tokens of its slot (its whole shard): a ``read`` chunk holds at most this many
 
     @property
     def name(self) -> str:
@@ -88,64 +95,19 @@ class Target:
 
 
 @dataclass
-class PlacedTarget:
-    """A destination rank's KV buffers opened here (``shared_buffers.open_buffers``) and the
-    kernel's view of them: what a direct-ipc grant's head slices are stored into."""
-
-    opened: OpenedBuffers
-    copier: PlacedCopier
-    destination: PlacedDestination
-
-
-@dataclass
 class DestinationEngine:
     """One decode engine's ranks as this source sees them: the plan from its welcomes, and the
-    connected ranks this source writes to."""
+    connected ranks this source sends to."""
 
     name: str
     plan: TransferPlan
     targets: dict = dc_field(default_factory=dict)  # destination rank -> Target
 
 
-@dataclass
-class Job:
-    req: str
-    dst: int
-    chunk: int
-    start: int
-    count: int
-    engine: str = ""  # the destination's engine
-    ipc_pages: np.ndarray | None = None  # a direct-ipc grant: the destination's page ids of the request
-    offset: int | None = 0  # in the destination's arena; None where no arena is written (direct, direct-ipc)
-    pages: np.ndarray | None = None  # a direct grant: the destination's page ids
-    ticket: bytes = b""  # from the destination's transport.expect (two-sided transports)
-    queued: float = dc_field(default_factory=time.perf_counter)  # granted (or sent, for a held grant)
-    blocked: float | None = None  # when it first found no free slot in this arena
-
-
-@dataclass
-class Outgoing:
-    handle: TransferHandle
-    pages: np.ndarray
-    engine: str  # the decode engine it goes to
-    chunks: dict = dc_field(default_factory=dict)  # dst rank -> chunks it will grant
-    granted: dict = dc_field(default_factory=dict)  # dst rank -> set of chunk indices granted
-    written: dict = dc_field(default_factory=dict)  # dst rank -> chunks fully written
-    inflight: int = 0
-    slow: bool = False  # said to be slow (once: ``Source._check_stalls``)
-    stage: str = "waiting for grant"
-    touched: float = dc_field(default_factory=time.monotonic)
-    kernel_pages: object = None  # the page ids where the GPU copies read them (``upload_pages``), once at ``send``
-
-    @property
-    def key(self) -> tuple[str, str]:
-        return self.engine, self.handle.req
-
-
 class Source(Endpoint):
     """A source rank. ``connect`` it to the destination ranks of a decode engine, then ``send``
-    to that engine; any number of decode engines (``engine``: this rank's own engine id, told to
-    every destination, which names the requests it expects from it)."""
+    to that engine, or to any connected one; any number of decode engines (``engine``: this rank's
+    own engine id, told to every destination, which names the requests it expects from it)."""
 
     role = "src"
 
@@ -153,30 +115,52 @@ class Source(Endpoint):
         super().__init__(cache, settings, transport, engine, model)
         self.engines: dict[str, DestinationEngine] = {}
         self._targets: dict[Connection, Target] = {}  # every connected destination, by its control connection
-        self._idle: dict[tuple, tuple[str, int]] = {}  # address this rank writes nothing to -> (engine, rank)
-        self.requests: dict[tuple[str, str], Outgoing] = {}
-        self._jobs: collections.deque[Job] = collections.deque()
-        self._inflight: list = []  # writes.InFlight
-        self._gathering: list = []  # writes.Gathering
-        self._held: dict[tuple, dict] = {}  # (engine, req) not sent yet -> {(dst rank, chunk): (Job, chunks, tokens)}
-        self._held_count = 0
+        self._idle: dict[tuple, tuple[str, int]] = {}  # address this rank sends nothing to -> (engine, rank)
+        self.requests: dict[tuple, Outgoing] = {}  # (engine or None, req) -> the request
+        self._waiting: collections.deque = collections.deque()  # (request, chunk) with no free slot yet
+        self._gathering: list = []  # (request, chunk) whose gather runs on the device
+        self._held: list = []  # (release time, slot) of failed requests' chunks (``ABORT_HOLD_S``)
+        self._draining: list = []  # done requests whose offers are not over yet: their slots return when they are
         self._finished: dict[tuple, str] = {}  # (engine, req) -> final state, oldest first
-        self._direct = DirectPageRuns(self)
-        self._staged = FromPages(self) if self.transport.gathers else StagedWrite(self)
-        self._mapped = MappedGather(self)
-        self._placed = PlacedPages(self)
-        self._placed_copiers: dict = {}  # destination spec -> PlacedCopier (one per peer engine's geometry)
-        if self.transport.gathers:
-            log.info("src %d: %s writes each chunk straight from the KV pages into the granted slot (no gather "
-                     "into this rank's arena)", self.rank, self.transport.name)
+        self._routes: dict = {}  # (engine, rank, path) whose route was logged, the latest ones
+        self._ipc = self._share_pages()
+        if self._reads_pages():
+            self.kv_regions()  # before the hello: the transport's metadata it carries must name them
         self._start()
+
+    # -- construction ------------------------------------------------------------
+    def _reads_pages(self) -> bool:
+        """Whether a destination may read this rank's KV buffers with the transport (the direct and pages
+        paths): a one-sided transport, a token, and a path setting that allows one of them."""
+        return (self.settings.offers_pages and self.transport.one_sided
+                and bool({Path.DIRECT, Path.PAGES} & _allowed(self.settings)))
+
+    def _share_pages(self):
+        """This rank's KV pages and ready event, shared over CUDA IPC with destinations of this host
+        that open them (the ``ipc`` path), or None (said in one line when it cannot be)."""
+        if self.cache.device.type != "cuda" or not self.settings.offers_pages or "ipc" not in _allowed(self.settings):
+            return None
+        from kvstage.staging.shared_buffers import NotShareable, ReadyEvent, share_buffers
+
+        try:
+            shared = {"buffers": share_buffers(self.cache.buffers), "event": None}
+            event = ReadyEvent(self.cache.device)
+        except NotShareable as e:
+            log.warning("src %d: KV pages not shared over CUDA IPC: %s; destinations on this host read them through "
+                        "the arena (the read path) instead of one pass (the ipc path)", self.rank, e)
+            return None
+        shared["event"] = event
+        log.info("src %d: KV pages shared over CUDA IPC with destinations of this host and user that open them "
+                 "(%d allocations): their kernel reads these pages in one pass (the ipc path)", self.rank,
+                 len(shared["buffers"]["allocations"]))
+        return shared
 
     # -- public --------------------------------------------------------------
     def connect(self, addresses) -> list[int]:
         """Handshake with each destination rank at ``addresses`` (host, port) this source is not
         connected to yet; an address connected before is reused as it is.
 
-        Keeps the connections to ranks this source writes to and returns their
+        Keeps the connections to ranks this source sends to and returns their
         ranks. Raises ``TransferFailed`` when a destination refuses."""
         kept = []
         for host, port in addresses:
@@ -188,27 +172,34 @@ class Source(Endpoint):
                 kept.append(known)
         return kept
 
-    def send(self, req: str, page_ids, tokens: int, engine: str = "") -> TransferHandle:
-        """Send ``tokens`` tokens of request ``req`` held in ``page_ids`` (this rank's pages) to
-        the ranks of decode engine ``engine`` (the id its destinations were made with)."""
-        if not isinstance(req, str) or not 0 < len(req) <= 256:
-            raise ValueError(f"req={req!r}: must be a non-empty string of at most 256 characters")
-        check_engine(engine)
+    def send(self, req: str, page_ids, tokens: int, engine: str | None = "") -> TransferHandle:
+        """Make ``tokens`` tokens of request ``req``, held in ``page_ids`` (this rank's pages, written by
+        the work queued on the caller's stream so far), readable by the ranks of decode engine ``engine``
+        (the id its destinations were made with), or with ``engine=None`` by whichever connected decode
+        engine reads it first. The handle is done once the destination ranks hold every byte."""
+        if not isinstance(req, str) or not 0 < len(req) <= 256 or not req.isprintable():
+            raise ValueError(f"req={req!r}: must be a non-empty printable string of at most 256 characters")
+        if engine is not None:
+            check_engine(engine)
         pages = check_pages(self.cache, page_ids, tokens)
         handle = TransferHandle(req, "src", int(tokens))
         log.debug("src %d: %s sent by the caller, %d tokens", self.rank, req, tokens)
         key = (engine, req)
         handle._abort = lambda reason: self._post("call", lambda: self._fail(key, "local", "abort", reason, tell=True))
-        self._here(lambda: self._add(handle, pages, engine))  # on this thread: it is awake, the loop may not be
+        caller = self._caller_stream()  # taken here: ``_here`` runs on the copies' stream
+        self._here(lambda: self._add(handle, pages, engine, caller))  # on this thread: it is awake, the loop may not be
         return handle
 
-    def target_of(self, job: Job) -> Target | None:
-        """The connected destination rank a granted job writes to (None once it is gone)."""
-        eng = self.engines.get(job.engine)
-        return eng.targets.get(job.dst) if eng is not None else None
+    def _caller_stream(self):
+        """CUDA: the stream the caller's work (the forward that wrote the pages) is queued on."""
+        if self.cache.device.type != "cuda":
+            return None
+        import torch
+
+        return torch.cuda.current_stream(self.cache.device)
 
     def _known(self, address: tuple) -> int | None:
-        """The destination rank already connected at ``address`` (-1: known, written to by another
+        """The destination rank already connected at ``address`` (-1: known, served by another
         source rank), or None: a handshake is needed."""
         for t in self._targets.values():
             if t.address == address and not t.conn.closed:
@@ -218,18 +209,6 @@ class Source(Endpoint):
             return -1
         return None
 
-    # -- construction ------------------------------------------------------------
-    def _arena_size(self, where: str) -> ArenaSize:
-        """A transport that reads the pages itself (``gathers``) leaves this rank's arena unused:
-        one page keeps its shape, not the rule's arena. The hello announces the rule's slot size
-        either way: the destination cuts chunks to fit it."""
-        size = super()._arena_size(where)
-        self.slot_bytes = size.slot_bytes  # announced in the hello
-        if self.transport.gathers:
-            return ArenaSize(4096, 1, f"{self.transport.name} writes from the pages: one page kept; chunks cut to "
-                                      f"{size.slot_bytes} B ({size.why})")
-        return size
-
     # -- handshake (caller's thread; state changes go to the loop) -------------
     def _handshake(self, host: str, port: int) -> int | None:
         peer = f"{host}:{port}"
@@ -238,49 +217,95 @@ class Source(Endpoint):
         except OSError as e:
             raise TransferFailed("-", f"destination {peer}", "handshake", f"cannot connect: {e}") from e
         conn = Connection(sock, peer)
+        nonce = secrets.token_hex(16)
         try:
-            conn.send({
-                "type": "hello", "version": PROTOCOL_VERSION, "token": self.settings.auth_token, "engine": self.engine,
-                "model": self.model, "uid": os.getuid(), "kv_ipc": self._asks_kv_ipc(),
-                "spec": spec_to_wire(self.spec), "rank": self.rank, "agent": self.transport.id,
-                "transport": self.transport.name,
-                "metadata": md_to_wire(self.transport.metadata()), "slot_bytes": self.slot_bytes,
-                "facts": self.facts, "kv_facts": self.kv_facts(),
-            })
-            msg = conn.recv()
-        except (OSError, ConnectionError, ProtocolError) as e:
-            conn.close()
-            raise TransferFailed("-", f"destination {peer}", "handshake", f"no welcome: {e}") from e
-        if msg["type"] == "error":
-            conn.close()
-            reason = str(msg.get("reason"))[:300]
-            log.warning("src %d: destination %s refused this source: %s", self.rank, peer, reason)
-            raise TransferFailed("-", f"destination {peer}", "handshake", f"refused: {reason}")
-        try:
-            if msg["type"] != "welcome":
-                raise ProtocolError(f"expected welcome, got {msg['type']!r}")
-            check_version(msg, "destination")
-            check_transport(msg, self.transport.name, "destination")
-            check_model(msg, self.model, "destination")
-            engine = peer_engine(msg)
-            dst = spec_from_wire(field(msg, "spec", dict))
+            conn.send(Hello(PROTOCOL_VERSION, self.settings.auth_token, self.engine, self.model, os.getuid(),
+                            spec_to_wire(self.spec), self.rank, self.transport.id, self.transport.name,
+                            self.transport.metadata(), self.slot_bytes, self.facts, self.kv_facts(),
+                            sorted(p.value for p in _allowed(self.settings)), nonce).to_wire())
+            msg = _expect(conn, Welcome)
+            check_version(msg.version, "destination")
+            check_transport(msg.transport, self.transport.name, "destination")
+            check_same_model(msg.model, self.model, "destination")
+            dst = spec_from_wire(msg.spec)
             p = plan(self.spec, dst)
-            rank = field(msg, "rank", int, minimum=0, maximum=dst.tp - 1)
-            piece = next((x for x in p.targets_of(self.rank) if x.dst_rank == rank), None)
-            if piece is None:  # another source rank covers this destination
+            if msg.rank >= dst.tp:
+                raise ProtocolError(f"welcome: rank={msg.rank} is past the destination's tp={dst.tp}")
+            piece = next((x for x in p.targets_of(self.rank) if x.dst_rank == msg.rank), None)
+            if piece is None:  # another source rank covers this destination rank
                 conn.close()
-                self._call(lambda: self._set_idle(engine, p, rank, (host, port), conn))
+                self._call(lambda: self._set_idle(msg.engine, p, msg.rank, (host, port), conn))
                 return None
-            arena = Region.from_wire(field(msg, "arena", dict))
-            kv = [Region.from_wire(r) for r in field(msg, "kv", list)]
-            md = md_from_wire(field(msg, "metadata", str))
-        except (KVStageError, ValueError) as e:
+            check_welcome_proof(msg, self.settings.auth_token, nonce)
+            if msg.slot_bytes is None or (msg.metadata is None and self.transport.reads_offered):
+                raise ProtocolError("welcome lacks the destination's slot size, or the metadata its offers need")
+            warm = self._warm_offer(msg.metadata)
+            offer = self._offer(p, msg, warm[0] if warm else None)
+            conn.send(offer.to_wire())
+            opened = self._await_opened(conn, warm[1] if warm else None)
+        except TransferFailed:
+            conn.close()
+            raise
+        except (OSError, ConnectionError, KVStageError, ValueError) as e:
             conn.close()
             raise TransferFailed("-", f"destination {peer}", "handshake", str(e)) from e
         conn.sock.settimeout(None)
-        self._call(lambda: self._add_target(engine, p, rank, conn, md, piece, arena, kv, msg, (host, port)))
+        self._call(lambda: self._add_target(msg, p, piece, conn, opened, (host, port)))
         self._watch(conn)
-        return rank
+        return msg.rank
+
+    def _warm_offer(self, metadata: bytes):
+        """A two-sided transport: connect to the destination now and offer it the first 16 bytes of the arena,
+        (ticket, handle), which it reads before its ``opened`` while this rank drives its transport: the
+        connection's wire-up in both directions happens then, so no later read of a request waits for this
+        process (a source stopped right after ``send`` is read all the same). None for a one-sided transport
+        (the destination's first read of the arena does the same without an offer)."""
+        if not self.transport.reads_offered:
+            return None
+
+        def offer():
+            agent = self.transport.connect(metadata)
+            return self.transport.offer(agent, Spans.single(self.arena_region, [0], [16]))
+        return self._here(offer)
+
+    def _offer(self, p: TransferPlan, welcome: Welcome, warm: bytes | None = None) -> Offer:
+        """What the destination may read of this rank: its arena, its KV buffers where a page path can
+        read them, and on this host its shared pages and event (ipc)."""
+        kv = []
+        if self._reads_pages() and (p.direct or self.cache.device.type == "cpu"):
+            kv = [r.to_wire() for r in self.kv_regions()]
+        ipc = None
+        same_host = link_context(self.facts, welcome.facts).same_host if isinstance(welcome.facts, dict) else None
+        if self._ipc is not None and same_host is True and "ipc" in (welcome.paths or ()):
+            ipc = {"buffers": self._ipc["buffers"], "event": _b64(self._ipc["event"].handle())}
+        return Offer(self.arena_region.to_wire(), kv, ipc, warm)
+
+    def _await_opened(self, conn: Connection, warm=None) -> Opened:
+        """The destination's ``opened``, while this rank's transport is driven: the destination's first read
+        of the arena (its connection's wire-up) needs this process's transport to answer. A source receives
+        no notifications, so draining them is only the drive. ``warm``: the handle of a two-sided transport's
+        warm offer (``_warm_offer``), released once its reader took it."""
+        deadline = time.monotonic() + HANDSHAKE_TIMEOUT_S
+        answer = select.poll()  # not select(2): it sees no descriptor past 1023
+        answer.register(conn.sock, select.POLLIN)
+        try:
+            while not answer.poll(1):  # milliseconds
+                if time.monotonic() > deadline:
+                    raise ProtocolError(f"no opened within {HANDSHAKE_TIMEOUT_S:g} s")
+                self._here(self.transport.notifications)
+            opened = _expect(conn, Opened)
+            while warm is not None and self._here(lambda: self.transport.poll(warm)) is WriteState.PENDING:
+                if time.monotonic() > deadline:
+                    raise ProtocolError(f"the destination did not take the first read within {HANDSHAKE_TIMEOUT_S:g} s")
+                time.sleep(0.0005)
+            return opened
+        finally:
+            if warm is not None:
+                self._here(lambda: (self.transport.abandon(warm), self.transport.release(warm)))
+
+    def _set_idle(self, engine: str, p: TransferPlan, rank: int, address: tuple, conn: Connection) -> None:
+        self._engine(engine, p, conn)
+        remember(self._idle, address, (engine, rank), MAX_IDLE_ADDRESSES)
 
     # -- loop thread -----------------------------------------------------------
     def _engine(self, engine: str, p: TransferPlan, conn: Connection) -> DestinationEngine:
@@ -298,487 +323,455 @@ class Source(Endpoint):
             log.info("src %d: decode engine %r: %s -> %s", self.rank, engine, p.src, p.dst)
         return eng
 
-    def _set_idle(self, engine: str, p: TransferPlan, rank: int, address: tuple, conn: Connection) -> None:
-        self._engine(engine, p, conn)
-        remember(self._idle, address, (engine, rank), MAX_IDLE_ADDRESSES)
-
-    def _add_target(self, engine: str, p: TransferPlan, rank: int, conn: Connection, md: bytes, piece: Piece,
-                    arena: Region, kv: list[Region], welcome: dict, address: tuple) -> None:
-        eng = self._engine(engine, p, conn)
-        if kv and len(kv) != len(self.cache.buffers):
-            conn.close()
-            raise TransferFailed("-", conn.peer, "handshake", f"destination offered {len(kv)} KV regions, need {len(self.cache.buffers)}")
-        old = eng.targets.get(rank)
+    def _add_target(self, welcome: Welcome, p: TransferPlan, piece: Piece, conn: Connection, opened: Opened,
+                    address: tuple) -> None:
+        eng = self._engine(welcome.engine, p, conn)
+        old = eng.targets.get(welcome.rank)
         if old is not None:  # the same identity again: the new connection replaces the old one
             self._replace_peer(old.conn, old.name, conn.peer)
-            eng = self._engine(engine, p, conn)  # made anew if the old connection was its last
-        facts = welcome.get("facts")
-        mapped = self._map_arena(conn, arena, welcome.get("mapped"), facts)
-        placed = self._open_pages(conn, welcome.get("kv_ipc"), facts, p)
-        agent = self.transport.connect(md)
-        name = rank_name(engine, "destination", rank)
+            eng = self._engine(welcome.engine, p, conn)  # made anew if the old connection was its last
+        # a one-sided transport's reads need nothing of the destination here: its metadata is not even loaded,
+        # so this rank holds no key to the destination's memory; a two-sided one's offers go to its endpoint
+        agent = self.transport.connect(welcome.metadata) if self.transport.reads_offered else ""
+        name = rank_name(welcome.engine, "destination", welcome.rank)
         conn.peer = f"{name} ({conn.peer})"
-        path = self._mapped if mapped is not None else self._staged
-        target = eng.targets[rank] = Target(engine, rank, conn, agent, p, piece, arena, kv, address, mapped, path,
-                                            placed)
+        paths = _allowed(self.settings) & frozenset(Path(x) for x in (welcome.paths or ()) if x in route.PATH_SETTINGS)
+        target = eng.targets[welcome.rank] = Target(
+            welcome.engine, welcome.rank, conn, agent, p, piece, address, opened.ipc, paths,
+            max(1, welcome.slot_bytes // max(1, p.dst_token_bytes())))
         self._targets[conn] = target
         self._pinged_peer(conn)
-        if welcome.get("kv_ipc") is not None:  # its requests wait for this answer
-            conn.send({"type": "placed", "ok": placed is not None})
-        if placed is not None:
-            log.info("src %d: %s shares its KV pages (CUDA IPC, %s): its direct-ipc grants are stored straight into "
-                     "them, in its page size and layout", self.rank, conn.peer,
-                     "this GPU" if placed.opened.on(self.cache.device) else "another GPU, through peer access")
-        log.debug("src %d: connected to %s, heads %d..%d, %s path%s", self.rank, conn.peer, piece.heads.start,
-                  piece.heads.stop, path.name, ", direct offered" if kv else "")
-        self._log_link(facts, conn.peer, welcome.get("kv_facts"), direct=bool(kv), label=peer_label(engine, rank))
-        if mapped is not None:
-            conn.send({"type": "mapped"})  # before any ready: its chunks owe the destination no transport notice
-            log.info("src %d: %s shares its arena (%s, same host): chunks are gathered straight into its slots, "
-                     "no transport write", self.rank, conn.peer, mapped.kind)
+        if opened.ipc:
+            log.info("src %d: %s opened this rank's KV pages (CUDA IPC): it reads them in one pass", self.rank, conn.peer)
+        elif self._ipc is not None and opened.reason:
+            log.info("src %d: %s did not open this rank's KV pages (%s)", self.rank, conn.peer, opened.reason)
+        log.debug("src %d: connected to %s, heads %d..%d, buffers %d..%d", self.rank, conn.peer, piece.heads.start,
+                  piece.heads.stop, piece.buffers.start, piece.buffers.stop)
+        self._log_link(welcome.facts, conn.peer, None, pages=False, label=peer_label(welcome.engine, welcome.rank))
+        for out in list(self.requests.values()):  # requests sent to any engine before this one connected
+            if out.engine is None and out.bound is None and not out.handle.done():
+                self._announce(out, [target])
 
-    def _map_arena(self, conn: Connection, arena: Region, shared, peer_facts) -> MappedArena | None:
-        """The destination's arena mapped here, or None (with ``mapped="on"``, no mapping fails the handshake)."""
-        setting = self.settings.mapped
-        if setting == "off" or not self.transport.one_sided:
-            return None
-        why = None
-        if shared is None:
-            why = "the destination does not share its arena (it runs with mapped=off, or its arena is not shareable: " \
-                  "a host arena is shared only with KVSTAGE_MAPPED=on on the destination)"
-        elif link_context(self.facts, peer_facts if isinstance(peer_facts, dict) else None).same_host is False:
-            why = "the destination runs on another host (hostname and boot id differ)"
-        else:
-            try:
-                mapped = open_shared(shared, arena.nbytes, self.cache.device)
-            except MappingError as e:
-                why = str(e)
-            else:
-                if setting == "on" or mapped.on(self.cache.device):
-                    return mapped
-                # another GPU: the transport's copy engines write it over the link as fast and leave this GPU's
-                # SMs to the model; mapped=on stores over the link anyway
-                log.info("src %d: %s shares its arena on another GPU (%s) or one of unknown identity: chunks go "
-                         "by transport writes (KVSTAGE_MAPPED=on maps it)", self.rank, conn.peer, mapped.gpu)
-                mapped.close()
-                return None
-        if setting == "on":
-            conn.close()
-            raise TransferFailed("-", conn.peer, "handshake", f"mapped=on, but {why}")
-        if shared is not None:  # offered and not usable: say so once; the chunks go by transport writes
-            log.info("src %d: %s offered its arena, not mapped here (%s): chunks go by transport writes",
-                     self.rank, conn.peer, why)
-        return None
-
-    def _asks_kv_ipc(self) -> bool:
-        """Whether this source asks destinations on its host for their KV pages (direct-ipc)."""
-        return self.settings.share_kv != "off" and self.cache.device.type == "cuda"
-
-    def _open_pages(self, conn: Connection, desc, peer_facts, p: TransferPlan) -> "PlacedTarget | None":
-        """The destination's KV buffers opened here, or None (said in one line when offered and not
-        opened: its chunks then go through the arena)."""
-        if desc is None or not self._asks_kv_ipc():
-            return None
-        if link_context(self.facts, peer_facts if isinstance(peer_facts, dict) else None).same_host is not True:
-            log.info("src %d: %s offered its KV pages from another host; not opened", self.rank, conn.peer)
-            return None
-        try:
-            opened = open_buffers(desc, self.cache.device)
-        except MappingError as e:
-            log.info("src %d: %s offered its KV pages, not opened here (%s): chunks go through its arena",
-                     self.rank, conn.peer, e)
-            return None
-        try:
-            copier = self._placed_copiers.get(p.dst)
-            if copier is None:
-                copier = self._placed_copiers[p.dst] = PlacedCopier(self.cache, p.dst)
-            return PlacedTarget(opened, copier, copier.destination(opened.spans))
-        except (ConfigError, ValueError) as e:
-            opened.close()
-            log.info("src %d: %s offered its KV pages, not written here (%s): chunks go through its arena",
-                     self.rank, conn.peer, e)
-            return None
-
-    def _close_target(self, target: Target) -> None:
-        """Close a destination's connection and unmap its arena and pages, once no copy still writes into them."""
-        target.conn.close()
-        if target.mapped is not None or target.placed is not None:
-            for g in self._gathering:
-                if g.slot is None and any((j.engine, j.dst) == (target.engine, target.rank) for j in g.jobs):
-                    g.fence.wait()
-        if target.mapped is not None:
-            target.mapped.close()
-        if target.placed is not None:
-            target.placed.opened.close()
-
-    def _add(self, handle: TransferHandle, pages: np.ndarray, engine: str) -> None:
-        """A sent request (caller's thread, state lock held): announce it, apply the grants
-        held for it and launch the gathers they allow. Writes, slots and the transport's
-        polls stay the loop's."""
+    def _add(self, handle: TransferHandle, pages: np.ndarray, engine: str | None, caller=None) -> None:
+        """A sent request (caller's thread, state lock held): route it to each destination rank, gather
+        what the read path needs into free slots, record the ready event, say ``ready``."""
         key = (engine, handle.req)
-        if key in self.requests:
-            raise ValueError(f"request {handle.req!r} to engine {engine!r} is already in flight on source rank {self.rank}")
-        eng = self.engines.get(engine)
-        if eng is None:
-            known = ", ".join(repr(e) for e in self.engines) or "none"
-            raise TransferFailed(handle.req, "-", "send", f"not connected to any destination rank of engine {engine!r} "
-                                 f"(engines connected: {known}); call connect() first")
-        want = [p.dst_rank for p in eng.plan.targets_of(self.rank)]
-        missing = [d for d in want if d not in eng.targets]
-        if missing:
-            raise TransferFailed(handle.req, f"destination ranks {missing}" + (f" of engine {engine}" if engine else ""),
-                                 "send", "not connected")
-        if not want:  # replicas or MLA: another source rank covers these heads
-            handle._move(State.DONE)
-            return
+        if key in self.requests or (engine is None and any(k[1] == handle.req for k in self.requests)):
+            raise ValueError(f"request {handle.req!r} is already in flight on source rank {self.rank}")
+        if engine is not None:
+            eng = self.engines.get(engine)
+            if eng is None:
+                known = ", ".join(repr(e) for e in self.engines) or "none"
+                raise TransferFailed(handle.req, "-", "send", f"not connected to any destination rank of engine "
+                                     f"{engine!r} (engines connected: {known}); call connect() first")
+            want = [x.dst_rank for x in eng.plan.targets_of(self.rank)]
+            missing = [d for d in want if d not in eng.targets]
+            if missing:
+                raise TransferFailed(handle.req, f"destination ranks {missing}" + (f" of engine {engine}" if engine else ""),
+                                     "send", "not connected")
+            if not want:  # replicas or layer shares: other source ranks serve this engine
+                handle._move(State.DONE)
+                return
+            targets = [eng.targets[d] for d in want]
+        else:
+            targets = [t for t in self._targets.values()]
         self._finished.pop(key, None)
-        if self._take_abort(key, handle):  # every destination hears of it: none keeps slots granted to it
-            for d in want:
-                self._send(engine, d, {"type": "abort", "req": handle.req, "reason": handle.error.cause})
-                self._send(engine, d, {"type": "abort_ack", "req": handle.req})
+        if self._take_abort(key, handle):  # every destination hears of it
+            for t in targets:
+                self._tell(t, Abort(handle.req, handle.error.cause))
             return
         out = Outgoing(handle, pages, engine)
         self.requests[key] = out
-        held = self._drop_held(key)
-        # the announcements go first: each destination handles its ``ready`` while this side gathers
-        ready = {"type": "ready", "req": handle.req, "tokens": handle.tokens}
-        for d in want:
-            out.written[d] = 0
-            out.granted[d] = set()
-            self._send(engine, d, ready)  # a send that fails here fails the request when the loop sees the closed connection
-        out.kernel_pages = upload_pages(self.cache, pages, checked=True)
-        for job, chunks, tokens in sorted(held.values(), key=lambda g: (g[0].chunk, g[0].dst)):
-            if not handle.done():  # a grant naming other tokens fails it
-                self._apply_grant(out, job, chunks, tokens)
-        # on CUDA the early grants' gathers into mapped arenas start here (a launch returns at once);
-        # a host gather runs in the call: the loop does those
-        if held and self.cache.device.type == "cuda":
-            self._launch_mapped()
-            if handle.state is not State.FAILED:  # FAILED: an abort went to each destination instead
-                self._finish_here(out)
+        if caller is not None:
+            self._order_after_caller(out, caller)
+        self._announce(out, targets)
+        if not out.targets and engine is not None:
+            self._maybe_forget(out)
+
+    def _order_after_caller(self, out: Outgoing, caller) -> None:
+        """On CUDA, what reads the pages follows the work queued on the caller's stream (the forward that
+        wrote them): the gathers (on the copies' stream, current here) wait on it, and the ready event is
+        recorded on it."""
+        import torch
+
+        copies = torch.cuda.current_stream(self.cache.device)
+        if copies != caller:
+            copies.wait_stream(caller)
+        out.caller_stream = caller
+
+    def _announce(self, out: Outgoing, targets: list) -> None:
+        """Route ``out`` to each of ``targets``, gather what its read routes need, and say ``ready``."""
+        routed = []
+        for t in targets:
+            r = self._route(out, t)
+            if r.path is None:
+                return self._fail(out.key, t.name, "route", r.reason, tell=True)
+            out.targets[(t.engine, t.rank)] = r.path
+            routed.append((t, r.path))
+        reads = [t for t, path in routed if path is Path.READ]
+        gather = bool(reads) and not out.chunks
+        if gather:
+            self._plan_read(out, reads)
+        if any(path is Path.IPC for _, path in routed) and not out.event_recorded:
+            self._ipc["event"].record(out.caller_stream)
+            out.event_recorded = True
+        for t, path in routed:
+            self._tell(t, self._ready_message(out, t, path))
+            out.told.add((t.engine, t.rank))
+        if gather:  # each chunk is announced as it is gathered: the destination reads the first meanwhile
+            for c in out.chunks:
+                if not self._gather(out, c):
+                    c.blocked = time.perf_counter()
+                    self._waiting.append((out, c))
+                elif c.gathered:
+                    self._announce_chunk(out, c)
+        if self._gathering:
+            self._finish_here(out)
+        out.touched = time.monotonic()
+        if out.handle.state is State.PENDING and routed:
+            out.handle.path = ",".join(sorted({p.value for _, p in routed}))
+
+    def _announce_chunk(self, out: Outgoing, c: SrcChunk) -> None:
+        """Tell every read destination rank told of ``out`` (and not passed over) that chunk ``c`` is gathered."""
+        for t in self._read_targets(out):
+            if (t.engine, t.rank) in out.told and (out.bound is None or out.bound == t.engine):
+                index, offset, ticket = self._listing(out, c, t)
+                self._tell(t, Chunk(out.handle.req, index, offset, _unb64(ticket) or None))
+
+    def _route(self, out: Outgoing, t: Target) -> route.Route:
+        """``route.choose`` for this request to ``t``, logged once per destination rank and path."""
+        memory = "cuda" if self.cache.device.type == "cuda" else "cpu"
+        piece, spec = t.piece, self.spec
+        nbytes = t.plan.piece_token_bytes(piece) * out.handle.tokens
+        runs = route.page_runs(out.pages) * len(piece.buffers)
+        page_spans = _page_span_count(spec, out.pages, out.handle.tokens, piece) if memory == "cpu" else 0
+        box = region_box([piece] if out.engine is not None else None, spec)
+        per = min(self.slot_bytes // box.token_bytes, t.capacity)
+        fits = per > 0 and -(-out.handle.tokens // per) <= self.arena.allocator.free
+        link = route.Link(memory, t.ipc, bool(self._kv_regions), t.plan.direct,
+                          self.transport.read_span_cost_s.get(memory, 0.0), t.paths)
+        if not t.paths:
+            return route.Route(None, f"path={self.settings.path} is not allowed to this destination rank: a page path "
+                                     "needs KVSTAGE_AUTH_TOKEN on both sides (its KV pages are read only by a peer that "
+                                     "presented the token), and both sides' path settings must allow it")
+        r = route.choose(link, route.Request(nbytes, runs, page_spans, fits))
+        key = (t.engine, t.rank, r.path)
+        if r.path is not None and key not in self._routes:
+            remember(self._routes, key, True, MAX_IDLE_ADDRESSES)
+            log.info("src %d: requests to %s go %s: %s (first: %s)", self.rank, t.name, r.path, r.reason,
+                     out.handle.req)
+        return r
+
+    def _read_targets(self, out: Outgoing) -> list:
+        return [t for t in self._targets.values() if out.targets.get((t.engine, t.rank)) is Path.READ]
+
+    def _plan_read(self, out: Outgoing, reads: list) -> None:
+        """Cut ``out`` into chunks for the read path. A request sent to any engine gathers this rank's whole
+        shard, which every engine's pieces lie in."""
+        pieces = [t.piece for t in reads] if out.engine is not None else None
+        out.box = region_box(pieces, self.spec)
+        capacity = min(t.capacity for t in reads)
+        out.chunks = plan_chunks(out.handle.tokens, self.slot_bytes // out.box.token_bytes, capacity,
+                                 self.spec.page.page_size, [t.plan.dst.page.page_size for t in reads])
+        if self.cache.device.type == "cuda" and out.kernel_pages is None:
+            out.kernel_pages = upload_pages(self.cache, out.pages, checked=True)
+
+    def _gather(self, out: Outgoing, c: SrcChunk) -> bool:
+        """Gather chunk ``c`` into a free slot; False where none is free (it waits for one)."""
+        slot = self.arena.allocator.acquire()
+        if slot is None:
+            return False
+        c.slot, c.offset = slot, self.arena.offset(slot)
+        t0 = time.perf_counter()
+        idx = TokenIndex(self.cache, out.pages, c.start, c.count, out.kernel_pages)
+        region = self.arena.view(c.offset, out.box.nbytes(c.count))
+        try:
+            fence = CopyFence(self.cache.device)
+            gather(self.cache, idx, [out.box.piece()], region)
+            c.fence = fence.close()
+        except Exception as e:
+            self.arena.allocator.release(slot)
+            c.slot = None
+            self._fail(out.key, "local", "gather", f"{type(e).__name__}: {e}", tell=True)
+            return True
+        took = time.perf_counter() - t0
+        out.handle.stages["gather"] += took
+        self.metrics.stage("gather", took)
+        if c.fence.done():
+            c.gathered = True
+        else:
+            self._gathering.append((out, c))
+        log.debug("src %d: %s chunk %d gathered into slot %d%s", self.rank, out.handle.req, c.index, slot,
+                  "" if c.gathered else " (launched)")
+        return True
+
+    def _ready_message(self, out: Outgoing, t: Target, path: Path) -> Ready:
+        """The ``ready`` for destination rank ``t``: its path and what that path reads."""
+        if path is not Path.READ:
+            return Ready(out.handle.req, out.handle.tokens, path.value, out.pages.tolist())
+        listed = [self._listing(out, c, t) for c in out.chunks if c.gathered]
+        return Ready(out.handle.req, out.handle.tokens, path.value, None, out.chunks[0].count if out.chunks else None,
+                     len(out.chunks), listed, out.box.order.value)
+
+    def _listing(self, out: Outgoing, c: SrcChunk, t: Target) -> list:
+        """[index, offset, ticket] of ``t``'s piece of gathered chunk ``c``: where it lies in this arena, and
+        for a two-sided transport the offer its receive matches."""
+        offset, nbytes = out.box.piece_span(t.piece, c.count)
+        ticket = b""
+        if self.transport.reads_offered:
+            ticket, handle = self.transport.offer(t.agent, Spans.single(self.arena_region, [c.offset + offset], [nbytes]))
+            c.offers.append(handle)
+        c.readers.setdefault(t.engine, set()).add(t.rank)
+        return [c.index, c.offset + offset, _b64(ticket)]
 
     def _finish_here(self, out: Outgoing) -> None:
-        """When ``send`` gathered every chunk of the request into mapped arenas (a small
-        request, granted early), wait for those gathers on the caller's thread, at most
-        ``SEND_WAIT_S``, and send their ``landed`` from here. Not when the gathers have not
-        started on the GPU (work queued before them, an engine's model step, would hold the
-        caller for the whole bound): the loop does it then."""
-        req = out.handle.req
-        if any((j.engine, j.req) == out.key for j in self._jobs) or any(len(out.granted[d]) != out.chunks.get(d)
-                                                                          for d in out.written):
-            return
-        fences = [g.fence for g in self._gathering if g.out is out and g.slot is None]
-        if not fences or not all(f.started() for f in fences):
+        """On CUDA: wait up to ``SEND_WAIT_S`` on the caller's thread for ``out``'s gathers that started on
+        the device, and announce them from here (the loop does it otherwise)."""
+        mine = [c for o, c in self._gathering if o is out]
+        if not mine or not all(c.fence.started() for c in mine):
             return
         deadline = time.perf_counter() + SEND_WAIT_S
-        while not all(f.done() for f in fences):
-            if time.perf_counter() > deadline:
-                log.debug("src %d: %s gathers still running after %g us: the loop reports them", self.rank, req,
-                          SEND_WAIT_S * 1e6)
-                return
+        while not all(c.fence.done() for c in mine) and time.perf_counter() < deadline:
+            pass
         self._poll_gathers()
 
+    def _poll_gathers(self) -> None:
+        """Announce every chunk whose gather has passed its fence to the destination ranks told of its request."""
+        still = []
+        for out, c in self._gathering:
+            if not c.fence.done():
+                still.append((out, c))
+                continue
+            c.gathered = True
+            gpu = c.fence.gpu_seconds()
+            if gpu is not None:
+                out.handle.stages["gather_gpu"] = out.handle.stages.get("gather_gpu", 0.0) + gpu
+            if not out.handle.done():
+                self._announce_chunk(out, c)
+        self._gathering = still
+
     def _busy(self) -> bool:
-        return bool(self._inflight or self._jobs or self._gathering)
+        return bool(self._gathering or self._draining
+                    or any(c.offers for out in self.requests.values() for c in out.chunks))
+
+    def _idle_wait(self) -> float:
+        return DRIVE_S if self._readable() else super()._idle_wait()
+
+    def _readable(self) -> bool:
+        """Whether a request in flight may be read with this rank's transport (any path but ipc). Its loop then
+        drives the transport: over UCX's tcp a destination's read completes only as the source's UCX answers
+        (its flush, a get), which needs this process to progress its worker; over shared memory, cma or RDMA
+        nothing waits for it, and a stopped source is read all the same."""
+        return any(p is not Path.IPC for out in self.requests.values() for p in out.targets.values())
 
     def _copying(self):
-        return next((g.fence for g in self._gathering if not g.fence.done()), None)
+        return next((c.fence for _, c in self._gathering if not c.fence.done()), None)
 
-    def _on_message(self, conn: Connection, msg: dict) -> None:
+    def _progress(self) -> None:
+        self._poll_gathers()
+        self._poll_offers()
+        if self._readable():
+            self.transport.notifications()  # the drive (``_readable``): a source receives no notifications
+        now = time.monotonic()
+        while self._held and self._held[0][0] <= now:
+            self.arena.allocator.release(self._held.pop(0)[1])
+        while self._waiting:
+            out, c = self._waiting[0]
+            if out.handle.done():
+                self._waiting.popleft()
+                continue
+            if not self._gather(out, c):
+                return  # back-pressure: wait for the destination to read a slot
+            self._waiting.popleft()
+            waited = time.perf_counter() - c.blocked
+            out.handle.stages["slot_wait"] += waited
+            self.metrics.stage("slot_wait", waited)
+            if c.gathered:
+                self._announce_chunk(out, c)
+
+    def _poll_offers(self) -> None:
+        """Two-sided transports: an offer is over once its reader took the bytes; a chunk's slot returns once
+        every reader said ``read`` and every offer of it is over (a done request's too: its ``done`` may come
+        before this side saw its offers end)."""
+        for out in list(self.requests.values()) + self._draining:
+            for c in out.chunks:
+                if not c.offers:
+                    continue
+                pending = []
+                for h in c.offers:
+                    try:
+                        over = self.transport.poll(h) is not WriteState.PENDING
+                    except KVStageError:
+                        over = True  # a failed offer: its reader's read fails too, and says so
+                    if over:
+                        self.transport.release(h)
+                    else:
+                        pending.append(h)
+                c.offers = pending
+                self._maybe_free(out, c)
+        for out in self._draining:  # done: every reader has read every chunk; a slot returns with its offers
+            for c in out.chunks:
+                if c.slot is not None and not c.offers:
+                    self.arena.allocator.release(c.slot)
+                    c.slot = None
+        self._draining = [out for out in self._draining if any(c.slot is not None for c in out.chunks)]
+
+    # -- messages --------------------------------------------------------------
+    def _on_message(self, conn: Connection, msg: Message) -> None:
         target = self._targets.get(conn)
         if target is None:
             return
-        kind = msg["type"]
-        try:
-            if kind == "grant":
-                self._on_grant(target, msg)
-            elif kind == "abort":
-                req = field(msg, "req", str)
-                key = (target.engine, req)
-                cause = "destination aborted: " + str(msg.get("reason"))[:200]
-                if key in self.requests:
-                    self._fail(key, target.name, "abort", cause, tell=False)
-                else:  # not sent here (yet): nothing of it can land, its early grants are void
-                    self._drop_held(key)
-                    self._remember_abort(key, target.name, cause)
-                    self._send(target.engine, target.rank, {"type": "abort_ack", "req": req})
-            elif kind == "done":
-                field(msg, "req", str)
-            elif kind == "error":
-                reason = str(msg.get("reason"))[:300]
-                log.warning("src %d: %s refused our %s: %s", self.rank, conn.peer, msg.get("about"), reason)
-                if isinstance(msg.get("req"), str):
-                    self._fail((target.engine, msg["req"]), conn.peer, str(msg.get("about")), f"refused: {reason}",
-                               tell=False)
-            else:
-                raise ProtocolError(f"unknown message type {kind!r}")
-        except KVStageError as e:
-            self._reject(conn, msg, e)
-
-    def _on_grant(self, target: Target, msg: dict) -> None:
-        """Check a grant on arrival; apply it, or hold it until the request is sent. A grant
-        naming the destination's ``pages`` is a direct one (page runs in place)."""
-        req = field(msg, "req", str)
-        d = target.rank
-        tokens = field(msg, "tokens", int, minimum=1)
-        chunks = field(msg, "chunks", int, minimum=1, maximum=tokens)
-        c = field(msg, "chunk", int, minimum=0, maximum=chunks - 1)
-        start = field(msg, "start", int, minimum=0, maximum=tokens - 1)
-        count = field(msg, "count", int, minimum=1, maximum=tokens - start)
-        job = Job(req, d, c, start, count, target.engine)
-        if "ipc_pages" in msg:
-            if target.placed is None:
-                raise ProtocolError(f"direct-ipc grant for {req!r}, but this source has not opened the destination's "
-                                    "KV pages")
-            pages = field(msg, "ipc_pages", list)
-            if (chunks, start, count) != (1, 0, tokens):
-                raise ProtocolError(f"direct-ipc grant for {req!r} must cover the whole request in one chunk")
-            if len(pages) != pages_needed(tokens, target.plan.dst.page.page_size) or not all(
-                isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in pages
-            ):
-                raise ProtocolError(f"direct-ipc grant for {req!r} has a malformed page list")
-            job.ipc_pages, job.offset = np.asarray(pages, dtype=np.int64), None
-        elif "pages" in msg:
-            if not target.kv:
-                raise ProtocolError(f"direct grant for {req!r}, but the destination offered no KV regions")
-            pages = field(msg, "pages", list)
-            if (chunks, start, count) != (1, 0, tokens):
-                raise ProtocolError(f"direct grant for {req!r} must cover the whole request in one chunk")
-            if len(pages) != pages_needed(tokens, self.spec.page.page_size) or not all(
-                isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in pages
-            ):
-                raise ProtocolError(f"direct grant for {req!r} has a malformed page list")
-            job.pages = np.asarray(pages, dtype=np.int64)
+        if isinstance(msg, Read):
+            out = self._request_of(target, msg.req, take=False)  # taken only once the read is checked
+            if not 0 <= msg.index < len(out.chunks):
+                raise ProtocolError(f"read of chunk {msg.index} of {msg.req!r}, which has {len(out.chunks)} chunks")
+            c = out.chunks[msg.index]
+            readers = c.readers.get(target.engine, set())
+            if target.rank not in readers:
+                raise ProtocolError(f"read of chunk {msg.index} of {msg.req!r}, which {target.name} was not offered "
+                                    "or read already")
+            self._take(out, target)
+            readers.discard(target.rank)
+            out.touched = time.monotonic()
+            self._maybe_free(out, c)
+        elif isinstance(msg, Done):
+            out = self._request_of(target, msg.req)
+            out.done.add(target.rank)
+            out.touched = time.monotonic()
+            log.debug("src %d: %s done at %s", self.rank, msg.req, target.name)
+            self._maybe_done(out)
+        elif isinstance(msg, Abort):
+            out = self._lookup(target.engine, msg.req)
+            cause = "destination aborted: " + msg.reason
+            if out is None:  # not sent here (yet): nothing of it is readable
+                self._remember_abort((target.engine, msg.req), target.name, cause)
+            elif out.bound in (None, target.engine):  # a destination aborts only what it was to read
+                self._fail(out.key, target.name, "abort", cause, tell=True, answered=target)
+        elif isinstance(msg, Error):
+            log.warning("src %d: %s refused our %s: %s", self.rank, conn.peer, msg.about, msg.reason)
+            out = self._lookup(target.engine, msg.req) if msg.req else None
+            if out is not None:
+                self._fail(out.key, conn.peer, str(msg.about), f"refused: {msg.reason}", tell=False)
         else:
-            job.offset = field(msg, "offset", int, minimum=0)
-            if "ticket" in msg:
-                try:
-                    job.ticket = base64.b64decode(field(msg, "ticket", str), validate=True)
-                except ValueError:
-                    raise ProtocolError(f"grant for {req!r} chunk {c}: ticket is not base64") from None
-            nbytes = target.plan.piece_token_bytes(target.piece) * count
-            if job.offset + nbytes > target.arena.nbytes:
-                raise ProtocolError(
-                    f"grant for {req!r} chunk {c}: {nbytes} bytes at offset {job.offset} exceed the "
-                    f"destination arena of {target.arena.nbytes} bytes"
-                )
-        key = (target.engine, req)
-        out = self.requests.get(key)
+            raise ProtocolError(f"{msg.TYPE} message from a destination")
+
+    def _lookup(self, engine: str, req: str) -> Outgoing | None:
+        return self.requests.get((engine, req)) or self.requests.get((None, req))
+
+    def _request_of(self, target: Target, req: str, take: bool = True) -> Outgoing:
+        """The in-flight request ``req`` a message of ``target`` names, with ``take`` taken by its engine
+        (``_take``)."""
+        out = self._lookup(target.engine, req)
         if out is None:
-            if key in self._finished:
-                raise ProtocolError(f"grant for request {req!r}, which already {self._finished[key]} here")
-            return self._hold(job, chunks, tokens)
-        if out.handle.done():
-            raise ProtocolError(f"grant for request {req!r}, which already {out.handle.state.value} here")
-        self._apply_grant(out, job, chunks, tokens)
+            if (target.engine, req) in self._finished or (None, req) in self._finished:
+                raise ProtocolError(f"request {req!r} already {self._finished.get((target.engine, req), 'finished')} here")
+            raise ProtocolError(f"request {req!r} is not in flight here")
+        if (target.engine, target.rank) not in out.told:
+            raise ProtocolError(f"request {req!r} was not offered to {target.name}")
+        if out.bound not in (None, target.engine):
+            raise ProtocolError(f"request {req!r} was taken by engine {out.bound!r}")
+        if take:
+            self._take(out, target)
+        return out
 
-    def _hold(self, job: Job, chunks: int, tokens: int) -> None:
-        """Keep a grant for a request not sent here yet (at most ``MAX_HELD``)."""
-        key = (job.engine, job.req)
-        held = self._held.get(key)
-        if held is not None:
-            if (job.dst, job.chunk) in held:
-                raise ProtocolError(f"chunk {job.chunk} of {job.req!r} granted twice")
-            other = next((g for (d, _), g in held.items() if d == job.dst), None)
-            if other is not None and (other[1], other[2]) != (chunks, tokens):
-                raise ProtocolError(f"grant says {chunks} chunks of {tokens} tokens for {job.req!r}; an earlier "
-                                    f"grant said {other[1]} of {other[2]}")
-        if self._held_count >= MAX_HELD:
-            raise ProtocolError(f"more than {MAX_HELD} grants held for requests not sent to this source rank")
-        self._held.setdefault(key, {})[(job.dst, job.chunk)] = (job, chunks, tokens)
-        self._held_count += 1
-        log.debug("src %d: %s chunk %d granted by destination rank %d, held until sent", self.rank, job.req,
-                  job.chunk, job.dst)
-
-    def _drop_held(self, key: tuple) -> dict:
-        held = self._held.pop(key, {})
-        self._held_count -= len(held)
-        return held
-
-    def _apply_grant(self, out: Outgoing, job: Job, chunks: int, tokens: int) -> None:
-        req, d, c = job.req, job.dst, job.chunk
-        if tokens != out.handle.tokens:
-            return self._fail(out.key, rank_name(job.engine, "destination", d), "grant",
-                              f"destination expects {tokens} tokens, this source sends {out.handle.tokens}", tell=True)
-        if out.chunks.get(d, chunks) != chunks:
-            raise ProtocolError(f"grant says {chunks} chunks for {req!r}; an earlier grant said {out.chunks[d]}")
-        if c in out.granted[d]:
-            raise ProtocolError(f"chunk {c} of {req!r} granted twice")
-        out.chunks[d] = chunks
-        out.granted[d].add(c)
-        out.handle.path = self._path_of(job).name
-        out.stage = "gather"
-        out.touched = time.monotonic()
+    def _take(self, out: Outgoing, target: Target) -> None:
+        """``target``'s engine reads ``out``: one sent to any engine is taken by it (the others hear
+        ``abort``), and the request is under way."""
+        req = out.handle.req
+        if out.bound is None:
+            out.bound = target.engine
+            log.debug("src %d: %s taken by engine %r", self.rank, req, target.engine)
+            for t in self._targets.values():
+                if t.engine != target.engine and (t.engine, t.rank) in out.told:
+                    self._tell(t, Abort(req, f"taken by engine {target.engine!r}"))
+                    out.targets.pop((t.engine, t.rank), None)
+            for c in out.chunks:
+                for e in [e for e in c.readers if e != target.engine]:
+                    del c.readers[e]
+                self._maybe_free(out, c)
         if out.handle.state is State.PENDING:
             out.handle._move(State.TRANSFERRING)
-        job.queued = time.perf_counter()
-        self._jobs.append(job)
-        log.debug("src %d: %s chunk %d granted by destination rank %d", self.rank, req, c, d)
 
-    def _path_of(self, job: Job) -> WritePath:
-        """The write path of a granted job: direct for a grant naming pages, else its destination's."""
-        if job.ipc_pages is not None:
-            return self._placed
-        if job.pages is not None:
-            return self._direct
-        target = self.target_of(job)
-        return target.path if target is not None else self._staged
+    def _maybe_free(self, out: Outgoing, c: SrcChunk) -> None:
+        """Return chunk ``c``'s slot once the engine that reads it has (every rank's ``read``, every offer over)."""
+        if c.slot is None or c.offers or not c.gathered or out.bound is None or c.readers.get(out.bound):
+            return
+        if (out.bound, c.index) in out.freed:
+            return
+        self.arena.allocator.release(c.slot)
+        c.slot = None
+        out.freed.add((out.bound, c.index))
+        log.debug("src %d: %s chunk %d read: slot free", self.rank, out.handle.req, c.index)
 
-    def _progress(self) -> None:
-        self._poll_writes()
-        self._poll_gathers()
-        while self._jobs:
-            out = self.requests.get((self._jobs[0].engine, self._jobs[0].req))
-            if out is None or out.handle.done():
-                self._jobs.popleft()
-                continue
-            if not self._path_of(self._jobs[0]).start(out):
-                return  # back-pressure: wait for a write to finish
-
-    def _launch_mapped(self) -> None:
-        """Launch the queued gathers into mapped arenas, and nothing else (``_add``, on the
-        caller's thread); the loop takes the queue from the first job that needs a slot, a
-        write or the transport."""
-        while self._jobs and self._path_of(self._jobs[0]) in (self._mapped, self._placed):
-            out = self.requests.get((self._jobs[0].engine, self._jobs[0].req))
-            if out is None or out.handle.done():
-                self._jobs.popleft()
-                continue
-            self._path_of(self._jobs[0]).start(out, poll=False)
-
-    def _poll_gathers(self) -> None:
-        """Post the write of every chunk whose gather has finished on the device (or, gathered
-        into mapped arenas, say ``landed``)."""
-        still = []
-        for g in self._gathering:
-            if not g.fence.done():
-                still.append(g)
-                continue
-            t1 = time.perf_counter()
-            out, job = g.out, g.jobs[0]
-            log.debug("src %d: %s chunk %d gathered", self.rank, job.req, job.chunk)
-            out.inflight -= 1
-            gone = next((j.dst for j in g.jobs if self.target_of(j) is None), None)
-            mapped = g.slot is None
-            going = not (out.handle.done() or gone is not None or (g.write is None and not mapped))
-            if going:  # what the destinations wait for goes first (this path runs cold), the accounting after
-                if mapped:  # the gather's stores were the transfer: tell each destination they are done
-                    for j, nbytes in zip(g.jobs, g.sizes):
-                        self._send(j.engine, j.dst, {"type": "landed", **notice_fields(j.req, j.chunk, self.rank,
-                                                                                        j.offset, nbytes)})
-                else:
-                    self._post_write(out, job, g.slot, g.write, g.sizes[0], 1, t1)
-            out.handle.stages["gather"] += t1 - g.started
-            self.metrics.stage("gather", t1 - g.started)
-            gpu = g.fence.gpu_seconds()
-            g.fence.release()
-            if gpu is not None:
-                out.handle.stages["gather_gpu"] = out.handle.stages.get("gather_gpu", 0.0) + gpu
-            if not going:
-                if g.write is not None:
-                    g.write.drop()
-                if not mapped:
-                    self.arena.allocator.release(g.slot)
-                if gone is not None:
-                    self._fail(out.key, rank_name(job.engine, "destination", gone), "write", "not connected", tell=False)
-                self._maybe_forget(out)
-                continue
-            if mapped:
-                for j, nbytes in zip(g.jobs, g.sizes):
-                    log.debug("src %d: %s chunk %d landed in destination rank %d's mapped arena", self.rank, j.req,
-                              j.chunk, j.dst)
-                    out.handle.bytes += nbytes
-                    self._chunk_written(out, j)
-        self._gathering = still
-
-    def _post_write(self, out, job, slot, write, nbytes: int, descriptors: int, t: float) -> None:
-        try:
-            h = write.post()
-        except KVStageError as e:
-            write.drop()
-            if slot is not None:
-                self.arena.allocator.release(slot)
-            return self._fail(out.key, rank_name(job.engine, "destination", job.dst), "write", str(e), tell=True)
-        log.debug("src %d: %s chunk %d write posted to destination rank %d", self.rank, job.req, job.chunk, job.dst)
-        out.inflight += 1
-        out.stage = "write"
-        out.handle.bytes += nbytes
-        out.handle.descriptors += descriptors
-        out.handle.writes += 1
-        self._inflight.append(InFlight(h, job, slot, t))
-
-    def _poll_writes(self) -> None:
-        still = []
-        for w in self._inflight:
-            try:
-                state = self.transport.poll(w.handle)
-            except KVStageError as e:
-                state = e
-            if state is WriteState.PENDING:
-                still.append(w)
-                continue
-            self.transport.release(w.handle)
-            if w.slot is not None:
-                self.arena.allocator.release(w.slot)
-            out = self.requests.get((w.job.engine, w.job.req))
-            if out is None:
-                continue
-            out.inflight -= 1
-            out.touched = time.monotonic()
-            took = time.perf_counter() - w.posted
-            out.handle.stages["write"] += took
-            self.metrics.stage("write", took)
-            log.debug("src %d: %s chunk %d write complete", self.rank, w.job.req, w.job.chunk)
-            if isinstance(state, Exception):
-                self._fail(out.key, rank_name(w.job.engine, "destination", w.job.dst), "write", str(state), tell=True)
-                self._maybe_forget(out)
-            else:
-                self._chunk_written(out, w.job)
-        self._inflight = still
-
-    def _chunk_written(self, out: Outgoing, job: Job) -> None:
-        """A chunk is in its destination slot (or pages); the request is done with its last one."""
-        if not out.handle.done():
-            out.written[job.dst] += 1
-            if all(out.written[d] == out.chunks.get(d, -1) for d in out.written):
-                out.handle._move(State.DONE)
-                self.metrics.request_finished(peer_label(out.engine), True, out.handle.seconds, out.handle.bytes)
+    def _maybe_done(self, out: Outgoing) -> None:
+        want = {d for (e, d) in out.targets if e == out.bound}
+        if out.handle.done() or not want or not want <= out.done:
+            return
+        for c in out.chunks:  # every reader reported every chunk it read (``done`` follows its last ``read``)
+            if c.slot is not None and not c.offers:
+                self.arena.allocator.release(c.slot)
+                c.slot = None
+        if any(c.slot is not None for c in out.chunks):  # offers not over yet (``_poll_offers``)
+            self._draining.append(out)
+        out.handle.bytes = sum(out_bytes(out, t) for t in self._targets.values() if (t.engine, t.rank) in out.targets)
+        out.handle._move(State.DONE)
+        self.metrics.request_finished(peer_label(out.bound), True, out.handle.seconds, out.handle.bytes)
         self._maybe_forget(out)
 
+    def _tell(self, t: Target, msg: Message) -> None:
+        try:
+            t.conn.send(msg.to_wire())
+        except OSError as e:
+            log.debug("src %d: send to %s failed: %s", self.rank, t.name, e)
+
+    def _drop_target(self, out: Outgoing, t: Target) -> None:
+        """An engine that did not take a request sent to any engine lets it go (aborted there, or gone)."""
+        out.targets.pop((t.engine, t.rank), None)
+        out.told.discard((t.engine, t.rank))
+        for c in out.chunks:
+            readers = c.readers.get(t.engine)
+            if readers is not None:
+                readers.discard(t.rank)
+
     # -- failures --------------------------------------------------------------
-    def _fail(self, key: tuple, peer: str, stage: str, cause: str, tell: bool) -> None:
+    def _fail(self, key: tuple, peer: str, stage: str, cause: str, tell: bool, answered: Target | None = None) -> None:
         out = self.requests.get(key)
         if out is None or out.handle.done():
             return
         req = out.handle.req
         out.handle._fail(peer, stage, cause)
-        self.metrics.failure(peer_label(out.engine), stage, cause)
-        self.metrics.request_finished(peer_label(out.engine), False, 0.0, out.handle.bytes)
+        label = peer_label(out.bound or out.engine or "")
+        self.metrics.failure(label, stage, cause)
+        self.metrics.request_finished(label, False, 0.0, out.handle.bytes)
         log.warning("src %d: request %s failed at %s with %s: %s", self.rank, req, stage, peer, cause)
-        if tell:
-            for d in out.written:
-                self._send(out.engine, d, {"type": "abort", "req": req, "reason": cause})
+        readers = set()
+        for t in self._targets.values():
+            if (t.engine, t.rank) in out.told:
+                if tell and t is not answered:
+                    self._tell(t, Abort(req, cause))
+                if t is not answered:
+                    readers.add((t.engine, t.rank))
+        self._waiting = collections.deque((o, c) for o, c in self._waiting if o is not out)
+        for c in out.chunks:
+            for h in c.offers:
+                self.transport.abandon(h)
+                self.transport.release(h)
+            c.offers = []
+            if c.slot is not None and c.fence is not None and not c.fence.done():
+                c.fence.wait()  # the gather into it ends before the slot is anyone else's
+            if c.slot is not None:
+                if readers and c.gathered:  # a destination may have posted a read of it
+                    self._held.append((time.monotonic() + ABORT_HOLD_S, c.slot))
+                else:
+                    self.arena.allocator.release(c.slot)
+                c.slot = None
+        self._gathering = [(o, c) for o, c in self._gathering if o is not out]
         self._maybe_forget(out)
 
     def _maybe_forget(self, out: Outgoing) -> None:
-        """Drop a final request once no write of it can still land; tell the
-        destinations (after a failure) that its slots may be reused."""
-        if not out.handle.done() or out.inflight:
-            return
-        self.requests.pop(out.key, None)
-        remember(self._finished, out.key, out.handle.state.value, MAX_FINISHED)
-        if out.handle.state is State.FAILED:
-            for d in out.written:
-                self._send(out.engine, d, {"type": "abort_ack", "req": out.handle.req})
-
-    def _send(self, engine: str, rank: int, msg: dict) -> None:
-        eng = self.engines.get(engine)
-        t = eng.targets.get(rank) if eng is not None else None
-        if t is not None:
-            try:
-                t.conn.send(msg)
-            except OSError as e:
-                log.debug("src %d: send to %s failed: %s", self.rank, t.name, e)
+        if out.handle.done():
+            self.requests.pop(out.key, None)
+            remember(self._finished, out.key, out.handle.state.value, MAX_FINISHED)
 
     def _on_closed(self, conn: Connection, reason: str, answered: bool) -> None:
         target = self._targets.pop(conn, None)
@@ -788,24 +781,21 @@ class Source(Endpoint):
         eng = self.engines[target.engine]
         if eng.targets.get(target.rank) is target:
             del eng.targets[target.rank]
-        self._close_target(target)
-        self.transport.disconnect(target.agent)
-        d = target.rank
-        for key, held in list(self._held.items()):  # that destination's early grants died with it
-            if key[0] != target.engine:
+        if target.agent:
+            self.transport.disconnect(target.agent)
+        hit = []
+        for key, out in list(self.requests.items()):
+            if (target.engine, target.rank) not in out.targets:
                 continue
-            for k in [k for k in held if k[0] == d]:
-                del held[k]
-                self._held_count -= 1
-            if not held:
-                del self._held[key]
-        hit = [key for key, out in self.requests.items()
-               if out.engine == target.engine and d in out.written and out.written[d] != out.chunks.get(d, -1)]
+            if out.engine is None and out.bound is None:
+                self._drop_target(out, target)
+            else:
+                hit.append(key)
         (log.warning if hit else log.info)("src %d: %s disconnected (%s), %d requests affected",
                                            self.rank, target.name, reason, len(hit))
         for key in hit:
-            self._fail(key, target.name, self.requests[key].stage, f"connection lost ({reason})", tell=True)
-        if not eng.targets and not any(out.engine == eng.name for out in self.requests.values()):
+            self._fail(key, target.name, "read", f"connection lost ({reason})", tell=True, answered=target)
+        if not eng.targets and not any(out.bound == eng.name or out.engine == eng.name for out in self.requests.values()):
             del self.engines[target.engine]  # connected again later, possibly with another spec
             log.info("src %d: decode engine %r has no rank connected any more", self.rank, target.engine)
 
@@ -813,54 +803,105 @@ class Source(Endpoint):
         return list(self._targets)
 
     def _stats(self) -> EndpointStats:
-        return dataclasses.replace(super()._stats(), held_grants=self._held_count, engines=len(self.engines))
+        return dataclasses.replace(super()._stats(), engines=len(self.engines))
 
     def _check_stalls(self, now: float) -> None:
-        """An announced request never granted within ``ready_timeout_s``, or a
-        write not complete after ``stall_timeout_s``, fails. Waiting for grants
-        is the destination's back-pressure; a dead destination closes the
-        control connection (or misses its keepalives), a frozen one stops
-        pinging: its requests fail after ``peer_timeout_s`` of silence."""
+        """A request no destination started reading within ``ready_timeout_s`` fails; one a destination
+        reads that makes no progress for ``stall_timeout_s`` while it runs fails; a destination silent for
+        ``peer_timeout_s`` (no ping) fails its requests."""
         for t in list(self._targets.values()):
             quiet = self._silent(t.conn, now)
             if quiet is None:
                 continue
             for key, out in list(self.requests.items()):
-                if out.engine == t.engine and t.rank in out.written and not out.handle.done():
-                    self._fail(key, t.name, out.stage,
-                               f"no control message for {quiet:.1f} s: the destination is stopped or hung, or the link is down", tell=True)
+                if (t.engine, t.rank) in out.targets and out.bound in (None, t.engine) and out.engine is not None:
+                    self._fail(key, t.name, "read", f"no control message for {quiet:.1f} s: the destination is "
+                               "stopped or hung, or the link is down", tell=True)
         for key, out in list(self.requests.items()):
-            if not out.handle.done() and out.handle.state is State.PENDING and now - out.touched > self.settings.ready_timeout_s:
-                self._fail(key, "destination", "waiting for grant", f"no grant within {self.settings.ready_timeout_s:g} s", tell=True)
-        t = time.perf_counter()
-        for w in self._inflight:
-            waited = t - w.posted
+            waited = now - out.touched
+            if out.bound is None or out.handle.state is State.PENDING:  # no destination started reading it
+                if waited > self.settings.ready_timeout_s:
+                    self._fail(key, "destination", "waiting for a reader",
+                               f"no destination started reading it within {self.settings.ready_timeout_s:g} s", tell=True)
+                continue
             if waited <= min(SLOW_S, self.settings.stall_timeout_s):
                 continue
-            out = self.requests.get((w.job.engine, w.job.req))
-            target = self.target_of(w.job)
-            running = target is not None and self._peer_running(target.conn, now, now - waited + min(SLOW_S, self.settings.stall_timeout_s))
-            if out is not None and not out.slow:
+            eng = self.engines.get(out.bound)
+            late = [t for t in (eng.targets.values() if eng else ()) if (t.engine, t.rank) in out.targets
+                    and t.rank not in out.done]
+            running = bool(late) and all(self._peer_running(t.conn, now, out.touched + min(SLOW_S, self.settings.stall_timeout_s))
+                                         for t in late)
+            if not out.slow:
                 out.slow = True
-                self.metrics.slow(peer_label(w.job.engine, w.job.dst), "write")
-                log.warning("src %d: request %s is slow: chunk %d's write to %s not complete after %.1f s (%s)",
-                            self.rank, w.job.req, w.job.chunk, rank_name(w.job.engine, "destination", w.job.dst),
-                            waited, "it runs" if running else "it is alive, busy: its loop does not turn")
-            if waited > self.settings.stall_timeout_s and target is not None and \
-                    self._peer_running(target.conn, now, now - waited + self.settings.stall_timeout_s):
-                self._fail((w.job.engine, w.job.req), rank_name(w.job.engine, "destination", w.job.dst), "write",
-                           f"write not complete after {self.settings.stall_timeout_s:g} s, while the destination runs",
-                           tell=True)
+                self.metrics.slow(peer_label(out.bound), "read")
+                log.warning("src %d: request %s is slow: no destination progress for %.1f s (%s)", self.rank,
+                            out.handle.req, waited, "it runs" if running else "it is alive, busy: its loop does not turn")
+            if waited > self.settings.stall_timeout_s and late and all(
+                    self._peer_running(t.conn, now, out.touched + self.settings.stall_timeout_s) for t in late):
+                self._fail(key, late[0].name, "read", f"no progress for {self.settings.stall_timeout_s:g} s while the "
+                           "destination runs", tell=True)
 
     def _forgive(self, gap: float) -> None:
         for out in self.requests.values():
             out.touched += gap
-        for w in self._inflight:
-            w.posted += gap
+        self._held = [(t + gap, s) for t, s in self._held]
 
     def _shutdown(self) -> None:
         for key in list(self.requests):
             self._fail(key, "local", "shutdown", "source closed", tell=True)
         for t in list(self._targets.values()):
-            self._close_target(t)
+            t.conn.close()
         super()._shutdown()
+
+    @property
+    def slot_bytes(self) -> int:
+        return self.arena.slot_bytes
+
+
+def _allowed(settings) -> frozenset:
+    """The paths this rank's settings allow: ``path`` (auto: all), with no page path without a token."""
+    paths = route.allowed_paths(settings.path)
+    return paths if settings.auth_token else paths & {Path.READ}
+
+
+def _page_span_count(spec, pages: np.ndarray, tokens: int, piece: Piece) -> int:
+    """Spans a destination's pages read of ``piece`` would post (the route's estimate)."""
+    from kvstage.staging.region import RegionPiece
+    from kvstage.staging.spans import cheapest_order, piece_spans
+
+    order = cheapest_order(spec, piece.heads.count)
+    rp = RegionPiece(piece.src_offset, piece.heads.count, piece.buffers, 0, order)
+    return len(piece_spans(spec, pages, 0, tokens, rp)[0])
+
+
+def out_bytes(out: Outgoing, t: Target) -> int:
+    return t.plan.piece_token_bytes(t.piece) * out.handle.tokens
+
+
+def _expect(conn: Connection, cls):
+    """The next message on a handshaking connection, which must be a ``cls`` (an ``error`` is a refusal). A
+    ping is passed over: the destination pings a source from its hello on, so one may come before its answer."""
+    try:
+        msg = decode(conn.recv())
+        while isinstance(msg, Ping):
+            msg = decode(conn.recv())
+    except socket.timeout:  # the socket's timeout is the handshake's
+        raise ProtocolError(f"no {cls.TYPE} within {HANDSHAKE_TIMEOUT_S:g} s: timed out") from None
+    if isinstance(msg, Error):
+        log.warning("destination %s refused this source: %s", conn.peer, msg.reason)
+        raise TransferFailed("-", f"destination {conn.peer}", "handshake", f"refused: {msg.reason}")
+    if not isinstance(msg, cls):
+        raise ProtocolError(f"expected {cls.TYPE}, got {msg.TYPE}")
+    return msg
+
+
+def _b64(data: bytes) -> str:
+    import base64
+
+    return base64.b64encode(data).decode() if data else ""
+
+
+def _unb64(text: str) -> bytes:
+    import base64
+
+    return base64.b64decode(text) if text else b""

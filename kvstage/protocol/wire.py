@@ -1,15 +1,12 @@
-"""Control messages on the wire: framing, encoding and field checks.
+"""Control messages on the wire: framing and the one field check.
 
-Control traffic (handshake, grants, readiness, aborts) goes over one TCP
-connection per (source rank, destination rank) pair as length-prefixed JSON.
-The "chunk landed" notice rides on the data write itself (a transport
-notification), so it can never arrive before the bytes it announces. A source
-that gathers straight into the destination's mapped arena (same host) has no
-write: it sends the same notice as a ``landed`` control message once its
-gather has finished on the device.
+Control traffic (the handshake, readiness, reads, completion, aborts) goes over
+one TCP connection per (source rank, destination rank) pair as length-prefixed
+JSON; ``messages`` defines every message and decodes it. The bytes themselves
+never cross this connection: the destination reads them (``protocol.reads``).
 
-Every field read from a peer goes through ``field``: a malformed or hostile
-message raises ``ProtocolError`` naming the field, never a KeyError deep inside.
+``field`` checks one value read from a peer: a malformed or hostile message
+raises ``ProtocolError`` naming the field, never a KeyError deep inside.
 """
 
 from __future__ import annotations
@@ -18,20 +15,11 @@ import json
 import socket
 import struct
 import threading
-from typing import NamedTuple
 
 from kvstage.errors import ProtocolError
 from kvstage.protocol import beat
 
-#: the handshake refuses a peer of another version by name. 8: a hello and a welcome name their engine,
-#: and one endpoint serves the ranks of any number of peer engines
-PROTOCOL_VERSION = 8
 MAX_FRAME = 16 << 20
-MAX_ID = 256
-#: an engine id names one engine's ranks on the wire and in logs: short, printable
-MAX_ENGINE_ID = 128
-#: a model identity (name or path, and a hash): both sides of a link must serve the same model
-MAX_MODEL_ID = 512
 _LEN = struct.Struct("!I")
 # one encoder for every message: ``json.dumps`` with separators builds a new one per call, on a request's critical path
 _COMPACT = json.JSONEncoder(separators=(",", ":"))
@@ -49,49 +37,7 @@ def field(msg: dict, name: str, kind: type | tuple, *, minimum: int | None = Non
             raise ProtocolError(f"field {name}={v} is below {minimum}")
         if maximum is not None and v > maximum:
             raise ProtocolError(f"field {name}={v} is above {maximum}")
-    if isinstance(v, str) and len(v) > MAX_ID and name in ("req", "type"):
-        raise ProtocolError(f"field {name} is {len(v)} characters long; at most {MAX_ID}")
     return v
-
-
-class Notice(NamedTuple):
-    """A "chunk landed" notice: ``writer`` wrote ``nbytes`` for ``chunk`` of ``req``
-    at ``offset`` in the destination arena (``None`` on the direct path)."""
-
-    req: str
-    chunk: int
-    writer: int
-    offset: int | None
-    nbytes: int
-
-
-def notice_fields(req: str, chunk: int, writer: int, offset: int | None, nbytes: int) -> dict:
-    """A notice's fields: riding on a write (``encode_notice``) or in a ``landed`` control message."""
-    return {"req": req, "chunk": chunk, "writer": writer, "offset": offset, "bytes": nbytes}
-
-
-def encode_notice(req: str, chunk: int, writer: int, offset: int | None, nbytes: int) -> bytes:
-    return _COMPACT.encode({"t": "landed", **notice_fields(req, chunk, writer, offset, nbytes)}).encode()
-
-
-def decode_notice(data: bytes) -> Notice:
-    try:
-        msg = json.loads(data)
-    except (ValueError, UnicodeDecodeError) as e:
-        raise ProtocolError(f"notification is not JSON: {data[:60]!r}") from e
-    if field(msg, "t", str) != "landed":
-        raise ProtocolError(f"notification type {msg['t']!r} unknown")
-    return notice_from_message(msg)
-
-
-def notice_from_message(msg: dict) -> Notice:
-    """The notice in a decoded notification, or in a ``landed`` control message
-    (a mapped writer's: the same fields)."""
-    offset = msg.get("offset")
-    if offset is not None:
-        offset = field(msg, "offset", int, minimum=0)
-    return Notice(field(msg, "req", str), field(msg, "chunk", int, minimum=0), field(msg, "writer", int, minimum=0),
-                  offset, field(msg, "bytes", int, minimum=1))
 
 
 def _keepalive(sock: socket.socket, idle: int = 1, interval: int = 1, count: int = 3) -> None:
@@ -197,4 +143,6 @@ def _decode(data: bytes) -> dict:
     if not isinstance(msg, dict):
         raise ProtocolError(f"frame is not a JSON object: {data[:60]!r}")
     field(msg, "type", str)
+    if len(msg["type"]) > 32:
+        raise ProtocolError(f"frame type {msg['type'][:32]!r}... is longer than 32 characters")
     return msg

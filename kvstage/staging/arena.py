@@ -14,7 +14,6 @@ from dataclasses import dataclass
 import torch
 
 from kvstage.cudart import runtime
-from kvstage.staging.mapped import shared_host_buffer
 
 log = logging.getLogger(__name__)
 
@@ -112,17 +111,12 @@ def choose_arena(setting: str, device: torch.device, ucx_modules: list[str] | No
     return "device", "arena=auto: UCX has a CUDA transport for device memory"
 
 
-def allocate_arena(nbytes: int, device: torch.device, pinned: bool = False, shared: bool = False) -> torch.Tensor:
+def allocate_arena(nbytes: int, device: torch.device, pinned: bool = False) -> torch.Tensor:
     """A contiguous byte buffer for the arena: host memory (pinned for a CUDA rank's
-    host arena, so its kernels reach it; in a memory file peers can map (memfd) when ``shared``,
-    so sources on this host can map it), or cudaMalloc'd device memory."""
+    host arena, so its kernels reach it), or cudaMalloc'd device memory."""
     if device.type != "cuda":
-        if shared and pinned:
-            raise ValueError("a shared host arena cannot be pinned (a CUDA rank's host arena is not shared)")
         # touch every page now: a first write into untouched memory page-faults,
         # which would land inside the first transfers' timings
-        if shared:
-            return shared_host_buffer(nbytes).fill_(0)
         return torch.empty(nbytes, dtype=torch.uint8, pin_memory=pinned).fill_(0)
     owner = _DeviceAllocation(nbytes, device)
     t = torch.as_tensor(owner, device=device)
@@ -159,13 +153,16 @@ class ArenaSize:
         return self.slot_bytes * self.slots
 
 
-def arena_size(asked_bytes: int | None, token_bytes: int, where: str, free_bytes: int | None = None) -> ArenaSize:
+def arena_size(asked_bytes: int | None, token_bytes: int, where: str, free_bytes: int | None = None,
+               pool_bytes: int | None = None) -> ArenaSize:
     """The arena of one rank, sized by rule (pure).
 
     ``token_bytes``: this rank's bytes per token (its whole shard, all layers, K and V);
     ``where``: "device" or "host"; ``free_bytes``: free GPU memory (device arenas);
+    ``pool_bytes``: the rank's whole KV cache (an arena larger than it stages nothing more);
     ``asked_bytes``: ``Settings.arena_mb`` in bytes, or None. A device slot holds
-    ``CHUNK_TOKENS_DEVICE`` tokens, a host slot ``SLOT_BYTES_HOST``; an asked arena
+    ``CHUNK_TOKENS_DEVICE`` tokens, a host slot ``SLOT_BYTES_HOST``, and the rule's arena
+    holds at most the KV cache (in slots of at least a page and one token); an asked arena
     keeps the rule's slot if ``SLOTS`` of them fit, else is cut into ``MIN_SLOTS`` slots."""
     if where not in SLOTS:
         raise ValueError(f"where={where!r}: must be device or host")
@@ -187,6 +184,10 @@ def arena_size(asked_bytes: int | None, token_bytes: int, where: str, free_bytes
     if where == "device" and free_bytes is not None and slot * count > free_bytes * DEVICE_SHARE:
         slot = max(PAGE, int(free_bytes * DEVICE_SHARE) // count // PAGE * PAGE)
         why = f"{count} slots in 1/{round(1 / DEVICE_SHARE)} of the {free_bytes / 2**30:.1f} GiB free on the GPU"
+    if pool_bytes is not None and slot * count > pool_bytes:
+        least = _pages(token_bytes)
+        slot = max(least, _pages(pool_bytes // count))
+        why = f"{count} slots of the {pool_bytes / 2**20:.4g} MiB KV cache (an arena holds no more than the cache)"
     return ArenaSize(slot, count, why + f", {count} slots")
 
 
@@ -197,10 +198,10 @@ def _pages(nbytes: int) -> int:
 class StagingArena:
     """``slots`` slots of ``slot_bytes`` in one registered buffer."""
 
-    def __init__(self, slot_bytes: int, slots: int, device: torch.device, pinned: bool = False, shared: bool = False):
+    def __init__(self, slot_bytes: int, slots: int, device: torch.device, pinned: bool = False):
         self.slot_bytes = slot_bytes
         self.allocator = SlotAllocator(slots)
-        self.buffer = allocate_arena(slot_bytes * slots, device, pinned, shared)
+        self.buffer = allocate_arena(slot_bytes * slots, device, pinned)
         log.debug("arena: %d slots of %d bytes on %s%s", slots, slot_bytes, device, " (pinned)" if pinned else "")
 
     def offset(self, slot: int) -> int:

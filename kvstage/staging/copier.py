@@ -1,30 +1,41 @@
 """The copier contract: how one rank's cache copies a chunk to and from a staging region.
 
-A region holds, for ``count`` tokens and ``heads`` heads, the bytes of every
-(layer, plane) buffer in order: ``[buffers, count, heads, head_dim]``. The
-source gathers with its own page size and layout; the destination scatters
-with its own, which is how page size and NHD/HND conversion happen.
+A region holds pieces (``staging.region.RegionPiece``): each some local heads of
+some (layer, plane) buffers of the chunk's tokens, at its own byte offset, in one
+of two orders (``Order.HEADS``: a head's rows contiguous; ``Order.TOKENS``: a
+token's heads contiguous), with rows that may be longer than the chunk (a window
+of a region sized for a whole request). The source gathers with its own page size
+and layout; the destination scatters with its own, which is how page size and
+NHD/HND conversion happen.
 
 Three implementations, one per file, chosen once per cache by ``choose_copier``
 (``RankCache.copier``, which logs the choice in one line):
 
 - ``cuda`` (``copier_cuda``): one fused kernel launch per chunk and piece list;
-- ``native`` (``copier_native``): a host cache's spans in one native call per chunk
-  and piece, with streaming stores;
+- ``native`` (``copier_native``): a host cache's spans in one native call per piece,
+  with streaming stores;
 - ``torch`` (``copier_torch``): torch and numpy indexed copies, on any device.
 
-``pieces`` are ``(head_lo, heads, byte offset in the region)``, one per writer of
-a chunk; ``idx`` is a ``staging.copy.TokenIndex``, built once per chunk.
+Every call checks its pieces against the rank and the region once, here, before
+anything moves (``region.check_pieces``); an implementation's ``_gather``,
+``_scatter`` and ``_prepare_*`` take pieces already checked. ``idx`` is a
+``staging.copy.TokenIndex``, built once per chunk.
 """
 
 from __future__ import annotations
 
 import abc
+from typing import Sequence
 
 from kvstage.errors import ConfigError
 from kvstage.staging.copy import TokenIndex
+from kvstage.staging.region import RegionPiece, check_pieces
 
 COPIERS = ("cuda", "native", "torch")
+
+
+def _nothing() -> None:
+    return None
 
 
 class Copier(abc.ABC):
@@ -49,41 +60,63 @@ class Copier(abc.ABC):
         its own path from a fallback (the kernel cannot reach every region)."""
         return True
 
-    @abc.abstractmethod
-    def gather(self, idx: TokenIndex, head_lo: int, heads: int, region) -> None:
-        """Copy local heads ``[head_lo, head_lo+heads)`` of the indexed tokens into ``region``:
-        a source's chunk, laid out for one write."""
+    def check(self, idx: TokenIndex, pieces: Sequence[RegionPiece], region) -> tuple[RegionPiece, ...]:
+        """``pieces`` checked against this rank and ``region`` (``region.check_pieces``)."""
+        spec = self.cache.spec
+        geo = spec.geometry
+        return check_pieces(pieces, local_heads=1 if geo.mla else spec.local_heads(), buffers=geo.buffers,
+                            head_bytes=geo.head_bytes(), count=idx.count, region_bytes=region.nbytes)
 
-    def gather_pieces(self, idx: TokenIndex, pieces) -> None:
-        """Gather several head slices of the same tokens, each into its own region,
-        ``pieces`` = [(head_lo, heads, region)]: a 1->N source's chunk, one piece per
-        destination's mapped arena, which an implementation may fill in one pass."""
-        for lo, n, region in pieces:
-            self.gather(idx, lo, n, region)
+    # -- the contract: checked once here, run by the implementation ---------------------------
+    def gather(self, idx: TokenIndex, pieces: Sequence[RegionPiece], region) -> None:
+        """Copy every piece of the indexed tokens from the cache into ``region``: a source's
+        chunk, laid out for one write (or one read by its destination)."""
+        pieces = self.check(idx, pieces, region)
+        if pieces and idx.count:
+            self._gather(idx, pieces, region)
 
-    @abc.abstractmethod
-    def scatter(self, idx: TokenIndex, head_lo: int, heads: int, region) -> None:
-        """Copy ``region`` into local heads ``[head_lo, head_lo+heads)`` of the indexed tokens:
-        one writer's part of a slot."""
+    def scatter_chunk(self, idx: TokenIndex, pieces: Sequence[RegionPiece], region, threads=None) -> None:
+        """Copy every piece from ``region`` into the cache in one call, so an implementation can
+        place them together; ``threads`` (``staging.copy.CopyThreads``) may take a share of a
+        host scatter."""
+        pieces = self.check(idx, pieces, region)
+        if pieces and idx.count:
+            self._scatter(idx, pieces, region, threads)
 
-    @abc.abstractmethod
-    def scatter_chunk(self, idx: TokenIndex, pieces, region, threads=None) -> None:
-        """Scatter every writer's part of a slot in one call, so an implementation can place
-        them together; ``threads`` (``staging.copy.CopyThreads``) may take a share of a host scatter."""
-
-    def prepare_scatter(self, idx: TokenIndex, pieces, region, threads=None):
+    def prepare_scatter(self, idx: TokenIndex, pieces: Sequence[RegionPiece], region, threads=None):
         """``scatter_chunk`` made ready when the chunk is granted, a callable that runs it, so
-        the set-up is off the path between the last writer landing and the pages being written."""
-        return lambda: self.scatter_chunk(idx, pieces, region, threads)
+        the set-up is off the path between the last piece landing and the pages being written."""
+        pieces = self.check(idx, pieces, region)
+        if not (pieces and idx.count):
+            return _nothing
+        return self._prepare_scatter(idx, pieces, region, threads)
 
-    def prepare_piece_scatters(self, idx: TokenIndex, pieces, region) -> list | None:
-        """One prepared scatter per piece, so each writer's piece can go to the pages the moment
-        it lands; None where a chunk's pieces scatter in one pass (``prepare_scatter``)."""
-        return None
+    def prepare_piece_scatters(self, idx: TokenIndex, pieces: Sequence[RegionPiece], region) -> list | None:
+        """One prepared scatter per piece, so each piece can go to the pages the moment it
+        lands; None where a chunk's pieces scatter in one pass (``prepare_scatter``)."""
+        pieces = self.check(idx, pieces, region)
+        if not idx.count:
+            return None
+        return self._prepare_piece_scatters(idx, pieces, region)
 
     def load(self) -> None:
         """Load what the copies run on (a kernel) now, since loading at the first copy may
         wait for work already queued on the device."""
+
+    # -- what an implementation provides (pieces already checked, at least one, count >= 1) ----
+    @abc.abstractmethod
+    def _gather(self, idx: TokenIndex, pieces: tuple[RegionPiece, ...], region) -> None:
+        """``gather``'s copy."""
+
+    @abc.abstractmethod
+    def _scatter(self, idx: TokenIndex, pieces: tuple[RegionPiece, ...], region, threads=None) -> None:
+        """``scatter_chunk``'s copy."""
+
+    def _prepare_scatter(self, idx: TokenIndex, pieces: tuple[RegionPiece, ...], region, threads=None):
+        return lambda: self._scatter(idx, pieces, region, threads)
+
+    def _prepare_piece_scatters(self, idx: TokenIndex, pieces: tuple[RegionPiece, ...], region) -> list | None:
+        return None
 
 
 def choose_copier(cache, want: str | None = None) -> Copier:

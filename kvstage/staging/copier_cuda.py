@@ -3,8 +3,7 @@ device memory or a pinned host arena, its page ids uploaded once per request.
 
 A call the kernel cannot run (words not 16-byte aligned, a region the GPU cannot
 reach, indices past 32 bits: ``supports``) is copied the torch way, exactly as the
-torch copier copies it. A single writer's ``scatter`` is always the torch way: the
-protocol scatters through ``scatter_chunk`` and the prepared launches.
+torch copier copies it.
 """
 
 from __future__ import annotations
@@ -33,8 +32,8 @@ class CudaCopier(TorchCopier):
         return self.kernel.supports(region, pieces, count)
 
     def prepare(self, idx, pieces, region, to_region: bool) -> cuda_copy.PreparedCopy:
-        """The chunk's kernel launch, built now and launched by calling it: the set-up leaves
-        the path of the copy (``region`` None: each piece's base is an absolute address)."""
+        """The chunk's kernel launch for pieces already checked (``Copier.check``), built now
+        and launched by calling it: the set-up leaves the path of the copy."""
         if idx.kernel_pages is None:
             return self.kernel.prepare(idx.chunk_pages, idx.first, idx.count, pieces, region, to_region)
         return self.kernel.prepare(idx.kernel_pages, idx.first, idx.count, pieces, region, to_region, idx.first_page)
@@ -46,31 +45,23 @@ class CudaCopier(TorchCopier):
             return self.kernel.launch(idx.chunk_pages, idx.first, idx.count, pieces, region, to_region)
         return self.kernel.launch(idx.kernel_pages, idx.first, idx.count, pieces, region, to_region, idx.first_page)
 
-    def gather(self, idx, head_lo: int, heads: int, region) -> None:
-        pieces = [(head_lo, heads, 0)]
+    def _gather(self, idx, pieces, region) -> None:
         if not self.supports(region, pieces, idx.count):
-            return super().gather(idx, head_lo, heads, region)
+            return super()._gather(idx, pieces, region)
         self.launch(idx, pieces, region, to_region=True)
 
-    def gather_pieces(self, idx, pieces) -> None:
-        """One launch fills every piece's region (each base an absolute address) when the
-        kernel reaches them all, else one ``gather`` per piece."""
-        if not all(self.supports(r, [(lo, n, 0)], idx.count) for lo, n, r in pieces):
-            return super().gather_pieces(idx, pieces)
-        self.launch(idx, [(lo, n, r.data_ptr()) for lo, n, r in pieces], None, to_region=True)
-
-    def scatter_chunk(self, idx, pieces, region, threads=None) -> None:
+    def _scatter(self, idx, pieces, region, threads=None) -> None:
         if not self.supports(region, pieces, idx.count):
-            return super().scatter_chunk(idx, pieces, region, threads)
+            return super()._scatter(idx, pieces, region, threads)
         self.launch(idx, pieces, region, to_region=False)
 
-    def prepare_scatter(self, idx, pieces, region, threads=None):
+    def _prepare_scatter(self, idx, pieces, region, threads=None):
         """All set-up now; the call is one kernel launch."""
         if not self.supports(region, pieces, idx.count):
-            return super().prepare_scatter(idx, pieces, region, threads)
+            return super()._prepare_scatter(idx, pieces, region, threads)
         return self.prepare(idx, pieces, region, to_region=False)
 
-    def prepare_piece_scatters(self, idx, pieces, region) -> list | None:
+    def _prepare_piece_scatters(self, idx, pieces, region) -> list | None:
         if not self.supports(region, pieces, idx.count):
             return None
         return [self.prepare(idx, [piece], region, to_region=False) for piece in pieces]

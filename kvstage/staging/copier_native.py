@@ -1,18 +1,19 @@
 """The native copier: a host cache's chunk as byte spans, copied in one native call
-per chunk and piece (``hostcopy.SpanCopy``: ``_spans.c``, with streaming stores,
-which skip the read of each destination line that ordinary stores make).
+per piece (``hostcopy.SpanCopy``: ``_spans.c``, with streaming stores, which skip
+the read of each destination line that ordinary stores make).
 
+A piece's spans are the same in each of its buffers (``spans.spans_per_buffer``),
+only shifted in the region from one buffer to the next, so one span list serves
+every buffer of the piece.
 A region this copier cannot address (not host memory, not contiguous: ``supports``)
 is copied the torch way, exactly as the torch copier copies it.
 """
 
 from __future__ import annotations
 
-import numpy as np
-
 from kvstage.staging import hostcopy
 from kvstage.staging.copier_torch import TorchCopier
-from kvstage.staging.spans import buffer_spans
+from kvstage.staging.spans import spans_per_buffer
 
 
 class NativeCopier(TorchCopier):
@@ -21,56 +22,57 @@ class NativeCopier(TorchCopier):
     def supports(self, region, pieces=None, count: int = 0) -> bool:
         return region.device.type == "cpu" and region.is_contiguous()
 
-    def gather(self, idx, head_lo: int, heads: int, region) -> None:
-        """Each buffer's spans laid end to end in its part of the region, one native call."""
-        if not self.supports(region):
-            return super().gather(idx, head_lo, heads, region)
-        cache = self.cache
-        offsets, lengths = buffer_spans(cache, idx.page_ids, idx.start, idx.count, head_lo, heads)
-        copy = hostcopy.SpanCopy(np.cumsum(lengths) - lengths, offsets, lengths)
-        per, base, room = copy.nbytes, region.data_ptr(), region.nbytes
-        copy.run([(base + b * per, max(0, min(per, room - b * per))) for b in range(len(cache.buffers))],
-                 [(buf.data_ptr(), buf.nbytes) for buf in cache.buffers])
+    def _parts(self, idx, piece, region) -> list[tuple[int, int]]:
+        """(address, bytes from there to the region's end) of each buffer's part of ``piece``
+        in ``region``: where that buffer's spans' region offsets start from."""
+        stride = piece.buffer_stride(self.cache.spec.geometry.head_bytes(), idx.count)
+        at, room = region.data_ptr(), region.nbytes
+        return [(at + i * stride, max(0, room - i * stride)) for i in range(len(piece.buffers))]
 
-    def scatter(self, idx, head_lo: int, heads: int, region) -> None:
-        """The region's spans to their places in every buffer, one native call."""
-        if not self.supports(region):
-            return super().scatter(idx, head_lo, heads, region)
-        self._prepared(idx, [(head_lo, heads, 0)], region, None)()
+    def _buffers(self, piece) -> list[tuple[int, int]]:
+        return [(self.cache.buffers[b].data_ptr(), self.cache.buffers[b].nbytes) for b in piece.buffers]
 
-    def scatter_chunk(self, idx, pieces, region, threads=None) -> None:
+    def _gather(self, idx, pieces, region) -> None:
+        """Each piece's spans from every one of its buffers, one native call per piece."""
+        if not self.supports(region):
+            return super()._gather(idx, pieces, region)
+        spec = self.cache.spec
+        for piece in pieces:
+            at_buffer, at_region, lengths = spans_per_buffer(spec, idx.page_ids, idx.start, idx.count, piece)
+            hostcopy.SpanCopy(at_region, at_buffer, lengths).run(self._parts(idx, piece, region),
+                                                                 self._buffers(piece))
+
+    def _scatter(self, idx, pieces, region, threads=None) -> None:
         """Each piece's spans, one native call per piece; ``threads`` take a share of the buffers."""
         if not self.supports(region):
-            return super().scatter_chunk(idx, pieces, region, threads)
+            return super()._scatter(idx, pieces, region, threads)
         self._prepared(idx, pieces, region, threads)()
 
-    def prepare_scatter(self, idx, pieces, region, threads=None):
+    def _prepare_scatter(self, idx, pieces, region, threads=None):
         """The spans are found and checked now; the call only copies."""
         if not self.supports(region):
-            return super().prepare_scatter(idx, pieces, region, threads)
+            return super()._prepare_scatter(idx, pieces, region, threads)
         return self._prepared(idx, pieces, region, threads)
 
     def _prepared(self, idx, pieces, region, threads):
         """A chunk's scatter set up now: each share's (copy, its buffers, their parts of the
-        region), so running it only copies; ``threads`` take a share of the buffers each."""
-        cache = self.cache
-        copies = []
-        for lo, n, base in pieces:
-            offsets, lengths = buffer_spans(cache, idx.page_ids, idx.start, idx.count, lo, n)
-            copy = hostcopy.SpanCopy(offsets, np.cumsum(lengths) - lengths, lengths)
-            copies.append((copy, base, copy.nbytes))
-        dst = [(b.data_ptr(), b.nbytes) for b in cache.buffers]
-        at, room = region.data_ptr(), region.nbytes
-        B = len(dst)
+        region), so running it only copies; ``threads`` take a share of each piece's buffers. The
+        callable holds ``region``, whose addresses it copies from."""
+        spec = self.cache.spec
         n = 1 if threads is None else threads.threads
-        shares = [([(copy, [dst[i] for i in range(k, B, n)],
-                     [(at + base + i * per, max(0, min(per, room - base - i * per))) for i in range(k, B, n)])
-                    for copy, base, per in copies],) for k in range(n)]
+        shares = [[] for _ in range(n)]
+        for piece in pieces:
+            at_buffer, at_region, lengths = spans_per_buffer(spec, idx.page_ids, idx.start, idx.count, piece)
+            copy = hostcopy.SpanCopy(at_buffer, at_region, lengths)
+            to, frm = self._buffers(piece), self._parts(idx, piece, region)
+            for k in range(n):
+                if to[k::n]:
+                    shares[k].append((copy, to[k::n], frm[k::n]))
 
-        def run_share(share) -> None:
+        def run_share(share, keep=region) -> None:
             for copy, to, frm in share:
                 copy.run(to, frm)
 
         if threads is None:
-            return lambda: run_share(shares[0][0])
-        return lambda: threads.run(run_share, shares)
+            return lambda: run_share(shares[0])
+        return lambda: threads.run(run_share, [(share,) for share in shares])

@@ -1,13 +1,16 @@
 """The torch copier: indexed torch and numpy copies, on any device.
 
 Copies are bytes: each head is moved as the widest integer word that tiles it,
-since torch's indexed copies run per element. Whole pages at the front of a
-chunk that starts on a page boundary move as page rows. On the host, scatters
-are numpy's indexed assignments, which copy each row as one block where torch's
-``index_copy_`` goes element by element, and writers laid end to end over
-adjacent heads are scattered with one indexed assignment per buffer. A region on
-another device than the cache (a host arena of a CUDA cache) is bounced through
-a copy on the cache's device.
+since torch's indexed copies run per element. A piece of the region is viewed as
+``[buffers, count, heads, words]`` whatever its order (a strided view for
+``Order.HEADS`` and for a row window), so every copy is one indexed copy per
+buffer. Whole pages at the front of a chunk that starts on a page boundary move
+as page rows. On the host, scatters are numpy's indexed assignments, which copy
+each row as one block where torch's ``index_copy_`` goes element by element, and
+token-order pieces laid end to end over adjacent heads are scattered with one
+indexed assignment per buffer. A region on another device than the cache (a
+host arena of a CUDA cache) is bounced through a copy of each piece's window on
+the cache's device, so bytes of the region outside the pieces are never written.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ import torch
 
 from kvstage.layout import token_major
 from kvstage.staging.copier import Copier
-from kvstage.staging.copy import region_bytes
+from kvstage.staging.region import Order, RegionPiece
 
 _WIDE = ((8, torch.int64), (4, torch.int32), (2, torch.int16), (1, torch.uint8))
 
@@ -34,8 +37,15 @@ class TorchCopier(Copier):
         self._hw = hb // self._n  # words per head
 
     # -- views ------------------------------------------------------------------------------
-    def _region_view(self, region: torch.Tensor, count: int, heads: int) -> torch.Tensor:
-        return region.view(self._dt).view(self.cache.spec.geometry.buffers, count, heads, self._hw)
+    def _piece_view(self, region: torch.Tensor, piece: RegionPiece, count: int) -> torch.Tensor:
+        """The piece's tokens in ``region`` as ``[buffers, count, heads, words]``: a view, strided
+        where the order or the row window makes it so."""
+        hb = self.cache.spec.geometry.head_bytes()
+        words = region[piece.offset : piece.offset + piece.nbytes(hb, count)].view(self._dt)
+        nb, rows, heads, lo = len(piece.buffers), piece.row_tokens(count), piece.heads, piece.row_first
+        if piece.order is Order.TOKENS:
+            return words.view(nb, rows, heads, self._hw)[:, lo : lo + count]
+        return words.view(heads, nb, rows, self._hw)[:, :, lo : lo + count].permute(1, 2, 0, 3)
 
     def _words(self, buf: torch.Tensor) -> torch.Tensor:
         """A buffer as words, keeping its shape but the last dim (head_dim elements -> words)."""
@@ -48,94 +58,104 @@ class TorchCopier(Copier):
         """A token-major buffer as one row of words per page."""
         return self._words(buf).view(self.cache.pages, -1)
 
-    def _bounce(self, region: torch.Tensor) -> torch.Tensor | None:
-        """A device copy of a region on another device (a host arena of a CUDA cache):
-        the indexed copies need both sides on one device."""
-        return None if region.device == self.cache.device else torch.empty_like(region, device=self.cache.device)
+    # -- one buffer's part of a piece ---------------------------------------------------------
+    def _gather_buffer(self, idx, buf: torch.Tensor, lo: int, heads: int, out: torch.Tensor) -> None:
+        """Local heads ``[lo, lo+heads)`` of the indexed tokens of ``buf`` into ``out``
+        (``[count, heads, words]``, on the cache's device)."""
+        whole = idx.full_pages if heads == self._heads else 0
+        t0 = whole * self.cache.spec.page.page_size
+        if whole:
+            rows = out[:t0]
+            if rows.is_contiguous():
+                torch.index_select(self._page_rows(buf), 0, idx.pages, out=rows.view(whole, -1))
+            else:
+                rows.copy_(torch.index_select(self._page_rows(buf), 0, idx.pages).view(rows.shape))
+        if t0 == idx.count:
+            return
+        if idx.flat_order:
+            rest, src = out[t0:], self._flat(buf)[:, lo : lo + heads]
+            if rest.is_contiguous():
+                torch.index_select(src, 0, idx.flat[t0:], out=rest)
+            else:
+                rest.copy_(torch.index_select(src, 0, idx.flat[t0:]))
+        else:
+            out.copy_(self._words(buf)[idx.page, lo : lo + heads, idx.offset])
+
+    def _scatter_buffer(self, idx, buf: torch.Tensor, lo: int, heads: int, src: torch.Tensor) -> None:
+        """``src`` (``[count, heads, words]``, on the cache's device) into local heads
+        ``[lo, lo+heads)`` of the indexed tokens of ``buf``."""
+        whole = idx.full_pages if heads == self._heads else 0
+        t0 = whole * self.cache.spec.page.page_size
+        if idx.on_cpu:
+            if whole:
+                self._page_rows(buf).numpy()[idx.pages_np] = src[:t0].reshape(whole, -1).numpy()
+            if t0 == idx.count:
+                return
+            if idx.flat_order:
+                self._flat(buf).numpy()[idx.flat_np[t0:], lo : lo + heads] = src[t0:].numpy()
+            else:
+                self._words(buf).numpy()[idx.page_np, lo : lo + heads, idx.offset_np] = src.numpy()
+            return
+        if whole:
+            self._page_rows(buf).index_copy_(0, idx.pages, src[:t0].reshape(whole, -1))
+        if t0 == idx.count:
+            return
+        if idx.flat_order:
+            self._flat(buf)[:, lo : lo + heads].index_copy_(0, idx.flat[t0:], src[t0:])
+        else:
+            self._words(buf)[idx.page, lo : lo + heads, idx.offset] = src
 
     # -- the contract -----------------------------------------------------------------------
-    def gather(self, idx, head_lo: int, heads: int, region) -> None:
+    def _gather(self, idx, pieces, region) -> None:
         cache = self.cache
-        tmp = self._bounce(region)
-        if tmp is not None:
-            self.gather(idx, head_lo, heads, tmp)
-            region.copy_(tmp)
-            return
-        out = self._region_view(region, idx.count, heads)
-        whole = idx.full_pages if heads == self._heads else 0
-        t0 = whole * cache.spec.page.page_size
-        for i, buf in enumerate(cache.buffers):
-            if whole:
-                torch.index_select(self._page_rows(buf), 0, idx.pages, out=out[i, :t0].reshape(whole, -1))
-            if t0 == idx.count:
-                continue
-            if idx.flat_order:
-                torch.index_select(self._flat(buf)[:, head_lo : head_lo + heads], 0, idx.flat[t0:], out=out[i, t0:])
-            else:
-                out[i].copy_(self._words(buf)[idx.page, head_lo : head_lo + heads, idx.offset])
+        for piece in pieces:
+            view = self._piece_view(region, piece, idx.count)
+            out = view if region.device == cache.device else torch.empty(view.shape, dtype=view.dtype,
+                                                                         device=cache.device)
+            for bi, b in enumerate(piece.buffers):
+                self._gather_buffer(idx, cache.buffers[b], piece.head_lo, piece.heads, out[bi])
+            if out is not view:
+                view.copy_(out)
 
-    def scatter(self, idx, head_lo: int, heads: int, region) -> None:
+    def _scatter(self, idx, pieces, region, threads=None) -> None:
+        """``threads``: share a host cache's tiled scatter (token-order pieces laid end to end)
+        among them, by buffer."""
         cache = self.cache
-        tmp = self._bounce(region)
-        if tmp is not None:
-            tmp.copy_(region)
-            region = tmp
-        src = self._region_view(region, idx.count, heads)
-        whole = idx.full_pages if heads == self._heads else 0
-        t0 = whole * cache.spec.page.page_size
-        for i, buf in enumerate(cache.buffers):
-            if idx.on_cpu:
-                if whole:
-                    self._page_rows(buf).numpy()[idx.pages_np] = src[i, :t0].reshape(whole, -1).numpy()
-                if t0 == idx.count:
-                    continue
-                if idx.flat_order:
-                    self._flat(buf).numpy()[idx.flat_np[t0:], head_lo : head_lo + heads] = src[i, t0:].numpy()
-                else:
-                    self._words(buf).numpy()[idx.page_np, head_lo : head_lo + heads, idx.offset_np] = src[i].numpy()
-                continue
-            if whole:
-                self._page_rows(buf).index_copy_(0, idx.pages, src[i, :t0].reshape(whole, -1))
-            if t0 == idx.count:
-                continue
-            if idx.flat_order:
-                self._flat(buf)[:, head_lo : head_lo + heads].index_copy_(0, idx.flat[t0:], src[i, t0:])
-            else:
-                self._words(buf)[idx.page, head_lo : head_lo + heads, idx.offset] = src[i]
-
-    def scatter_chunk(self, idx, pieces, region, threads=None) -> None:
-        """``threads``: share a host cache's tiled scatter (NHD pieces laid end to end) among them, by buffer."""
-        tmp = self._bounce(region)
-        if tmp is not None:
-            tmp.copy_(region)
-            region = tmp
-        tiled = self._tiling(idx.count, pieces) if self.cache.device.type == "cpu" else None
+        tiled = self._tiling(idx.count, pieces) if cache.device.type == region.device.type == "cpu" else None
         if tiled is not None:
             return self._scatter_tiled(idx, *tiled, region, threads)
-        for lo, n, base in pieces:
-            self.scatter(idx, lo, n, region[base : base + region_bytes(self.cache, idx.count, n)])
+        for piece in pieces:
+            src = self._piece_view(region, piece, idx.count)
+            if region.device != cache.device:
+                src = src.to(cache.device)
+            for bi, b in enumerate(piece.buffers):
+                self._scatter_buffer(idx, cache.buffers[b], piece.head_lo, piece.heads, src[bi])
 
     # -- the tiled host scatter ------------------------------------------------------------------
-    def _tiling(self, count: int, pieces) -> tuple[int, int, int, int] | None:
-        """``(head_lo, writers, heads each, base)`` when the pieces, in region order, are
-        equal-width runs of adjacent heads laid end to end: the region is then one
-        ``[writers, buffers, count, heads, words]`` array that a single indexed
-        assignment per buffer can place (each destination token written whole)."""
+    def _tiling(self, count: int, pieces) -> tuple[int, int, int, int, range] | None:
+        """``(head_lo, writers, heads each, base, buffers)`` when the pieces, in region order,
+        are token-order pieces of the same buffers and whole rows, equal-width runs of
+        adjacent heads laid end to end: the region is then one ``[writers, buffers, count,
+        heads, words]`` array that a single indexed assignment per buffer can place (each
+        destination token written whole)."""
         if len(pieces) < 2 or not token_major(self.cache.spec.geometry, self.cache.spec.page):
             return None
-        lo, n, base = pieces[0]
-        size = region_bytes(self.cache, count, n)
-        for k, (lo_k, n_k, base_k) in enumerate(pieces):
-            if n_k != n or lo_k != lo + k * n or base_k != base + k * size:
+        first = pieces[0]
+        lo, n, base, buffers = first.head_lo, first.heads, first.offset, first.buffers
+        size = first.nbytes(self.cache.spec.geometry.head_bytes(), count)
+        for k, p in enumerate(pieces):
+            if (p.order is not Order.TOKENS or p.rows is not None or p.buffers != buffers or p.heads != n
+                    or p.head_lo != lo + k * n or p.offset != base + k * size):
                 return None
-        return lo, len(pieces), n, base
+        return lo, len(pieces), n, base, buffers
 
-    def _scatter_tiled(self, idx, lo: int, k: int, n: int, base: int, region, threads=None) -> None:
+    def _scatter_tiled(self, idx, lo: int, k: int, n: int, base: int, buffers: range, region,
+                       threads=None) -> None:
         cache = self.cache
         geo = cache.spec.geometry
-        hw = self._hw
-        size = region_bytes(cache, idx.count, n)
-        src = region[base : base + k * size].view(self._dt).numpy().reshape(k, geo.buffers, idx.count, n, hw)
+        hw, nb = self._hw, len(buffers)
+        size = n * nb * idx.count * geo.head_bytes()
+        src = region[base : base + k * size].view(self._dt).numpy().reshape(k, nb, idx.count, n, hw)
         whole = idx.full_pages if k * n == self._heads else 0
         P = cache.spec.page.page_size
         t0 = whole * P
@@ -143,7 +163,7 @@ class TorchCopier(Copier):
         # element moves as one block straight from the slot to its page, with no temporary that
         # interleaves the writers first
         piece = np.dtype(f"V{n * geo.head_bytes()}")
-        pieces = src.reshape(-1).view(piece).reshape(k, geo.buffers, idx.count)
+        pieces = src.reshape(-1).view(piece).reshape(k, nb, idx.count)
 
         def place(i: int, buf: torch.Tensor) -> None:
             if whole:  # [pages, tokens, writers] in the cache <- [writers, tokens] of the slot, transposed
@@ -153,8 +173,9 @@ class TorchCopier(Copier):
                 rows = src[:, i].transpose(1, 0, 2, 3)
                 self._flat(buf).numpy()[idx.flat_np[t0:], lo : lo + k * n] = rows[t0:].reshape(-1, k * n, hw)
 
+        items = [(i, cache.buffers[b]) for i, b in enumerate(buffers)]
         if threads is None:
-            for i, buf in enumerate(cache.buffers):
-                place(i, buf)
+            for item in items:
+                place(*item)
         else:
-            threads.run(place, list(enumerate(cache.buffers)))
+            threads.run(place, items)

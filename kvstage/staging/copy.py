@@ -1,4 +1,5 @@
-"""Gather a head slice of some tokens into a staging region, and scatter it back.
+"""Gather pieces (``staging.region.RegionPiece``) of some tokens into a staging region,
+and scatter them back.
 
 The verbs the protocol calls; each runs on the copier its cache chose once
 (``RankCache.copier``, the contract in ``staging.copier``). Also here: where
@@ -10,7 +11,7 @@ from __future__ import annotations
 
 import contextlib
 from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Sequence
 
 import numpy as np
 import torch
@@ -20,6 +21,7 @@ from kvstage.staging.words import chunk_pages
 
 if TYPE_CHECKING:
     from kvstage.staging.cache import RankCache
+    from kvstage.staging.region import RegionPiece
 
 
 def copy_stream(device: torch.device):
@@ -35,11 +37,6 @@ def copy_stream(device: torch.device):
     if current_stream(device) is default:
         return contextlib.nullcontext()
     return torch.cuda.stream(default)
-
-
-def region_bytes(cache: RankCache, count: int, heads: int) -> int:
-    geo = cache.spec.geometry
-    return geo.buffers * count * heads * geo.head_bytes()
 
 
 def _check_bounds(cache: RankCache, pages: np.ndarray) -> None:
@@ -138,31 +135,24 @@ class CopyThreads:
 
 
 # -- the verbs, on the copier the cache chose ------------------------------------------------
-def gather(cache: RankCache, idx: TokenIndex, head_lo: int, heads: int, region: torch.Tensor) -> None:
-    """Copy local heads ``[head_lo, head_lo+heads)`` of the indexed tokens into ``region``."""
-    cache.copier.gather(idx, head_lo, heads, region)
+def gather(cache: RankCache, idx: TokenIndex, pieces: Sequence[RegionPiece], region: torch.Tensor) -> None:
+    """Copy every piece of the indexed tokens from the cache into ``region``."""
+    cache.copier.gather(idx, pieces, region)
 
 
-def gather_pieces(cache: RankCache, idx: TokenIndex, pieces) -> None:
-    """Several head slices of the same tokens, each into its own region: [(head_lo, heads, region)]."""
-    cache.copier.gather_pieces(idx, pieces)
-
-
-def scatter(cache: RankCache, idx: TokenIndex, head_lo: int, heads: int, region: torch.Tensor) -> None:
-    """Copy ``region`` into local heads ``[head_lo, head_lo+heads)`` of the indexed tokens."""
-    cache.copier.scatter(idx, head_lo, heads, region)
-
-
-def scatter_chunk(cache: RankCache, idx: TokenIndex, pieces, region: torch.Tensor, threads: CopyThreads | None = None):
-    """Scatter every writer's part of a slot: ``pieces`` = [(head_lo, heads, byte offset in region)]."""
+def scatter_chunk(cache: RankCache, idx: TokenIndex, pieces: Sequence[RegionPiece], region: torch.Tensor,
+                  threads: CopyThreads | None = None) -> None:
+    """Copy every piece from ``region`` into the indexed tokens of the cache."""
     cache.copier.scatter_chunk(idx, pieces, region, threads)
 
 
-def prepare_scatter(cache: RankCache, idx: TokenIndex, pieces, region: torch.Tensor, threads: CopyThreads | None = None):
+def prepare_scatter(cache: RankCache, idx: TokenIndex, pieces: Sequence[RegionPiece], region: torch.Tensor,
+                    threads: CopyThreads | None = None):
     """``scatter_chunk`` made ready when the chunk is granted: a callable that runs it."""
     return cache.copier.prepare_scatter(idx, pieces, region, threads)
 
 
-def prepare_piece_scatters(cache: RankCache, idx: TokenIndex, pieces, region: torch.Tensor) -> list | None:
+def prepare_piece_scatters(cache: RankCache, idx: TokenIndex, pieces: Sequence[RegionPiece],
+                           region: torch.Tensor) -> list | None:
     """One prepared scatter per piece, or None where a chunk's pieces scatter in one pass."""
     return cache.copier.prepare_piece_scatters(idx, pieces, region)

@@ -1,16 +1,17 @@
-"""The CUDA gather/scatter kernel: one launch per chunk covers every (layer,
-plane) buffer and every writer's piece, with 16-byte vector loads and stores.
+"""The CUDA gather/scatter kernel: one launch per chunk covers every piece of a
+region (``staging.region``) and every (layer, plane) buffer of each piece, with
+16-byte vector loads and stores.
 
-Each thread finds its word's token, head and page from its index and the
-chunk's page ids (``words.word_index`` is the same arithmetic in numpy). A
-request's page ids are uploaded once, when the request is posted
-(``upload_pages``), or, for a request on at most ``INLINE_PAGES`` pages, passed
-in each launch's own parameters (a second entry point of the same kernel), so
-a small request's path has no upload at all; a piece table is uploaded once
-per distinct piece list. A chunk's copy is then one launch on the caller's
-torch stream with no upload and no host synchronization; ``prepare`` builds
-that launch ahead of time (the destination does it at grant time, before the
-chunk's bytes land).
+Each thread finds its word's token, head and page from its index, its piece's
+row of the piece table and the chunk's page ids (``words.word_index`` is the
+same arithmetic in numpy). A request's page ids are uploaded once, when the
+request is posted (``upload_pages``), or, for a request on at most
+``INLINE_PAGES`` pages, passed in each launch's own parameters (a second entry
+point of the same kernel), so a small request's path has no upload at all; a
+piece table is uploaded once per distinct piece list. A chunk's copy is then
+one launch on the caller's torch stream with no upload and no host
+synchronization; ``prepare`` builds that launch ahead of time (the destination
+does it at grant time, before the chunk's bytes land).
 Compiled at first use with CuPy's NVRTC (RawModule, both entry points): the copy is a pure byte
 move, so explicit ``uint4`` loads and stores are the whole kernel. Launched
 with the driver's ``cuLaunchKernel`` on arguments packed once per prepared
@@ -18,12 +19,9 @@ copy (a copy launched at once, a source's gather, fills its thread's own
 argument block instead): CuPy's own call converts every argument and enters
 a device and a stream context each time, which is most of a small chunk's
 copy. The region may be device memory or pinned host memory (mapped into the
-GPU's address space: the pinned-host arena); with no region (``None``) each
-piece's base is an absolute address, so one launch can fill several regions
-(a 1→N source's pieces of one chunk, each in its own destination's mapped
-arena). ``staging.copier_cuda`` is the copier built on it. ``DeviceKernels`` (the
-loading, the launch, the upload ring) also runs the direct page-write kernel
-(``cuda_place``).
+GPU's address space: the pinned-host arena). ``staging.copier_cuda`` is the
+copier built on it. ``DeviceKernels`` (the loading, the launch, the upload
+ring) also runs the direct page-write kernel (``cuda_place``).
 """
 
 from __future__ import annotations
@@ -35,7 +33,7 @@ import numpy as np
 import torch
 
 from kvstage.cudart import driver, driver_error
-from kvstage.staging.words import WordGeometry
+from kvstage.staging.words import WordGeometry, piece_table
 
 _UNROLL = 4
 _THREADS = 256
@@ -44,11 +42,15 @@ _THREADS = 256
 INLINE_PAGES = 256
 
 _SOURCE = r"""
-// grid: x = words of the largest piece / (THREADS * UNROLL), y = buffer, z = piece.
-// meta (device, int64): npieces x (head_lo, heads, region byte offset); pages: the chunk's page ids,
-// in device memory (kvstage_copy_words) or in the launch's own parameters (kvstage_copy_words_inline).
+// grid: x = words of one buffer of the largest piece / (THREADS * UNROLL), y = buffer of a piece (as many as
+// the piece with the most; a block past its own piece's buffers returns), z = piece.
+// meta (device, int64): npieces x META (head_lo, heads, buffer_lo, nbuffers, order, rows, row_first, offset);
+// order 0: the piece's bytes are [heads][buffers][rows][head_words], 1: [buffers][rows][heads][head_words];
+// rows 0: the chunk's count. pages: the chunk's page ids, in device memory (kvstage_copy_words) or in the
+// launch's own parameters (kvstage_copy_words_inline).
 // Index arithmetic is 32-bit (the host checks a piece's words fit); only the final
 // word offset inside a buffer is 64-bit.
+#define META 8
 struct PageIds { long long id[INLINE]; };
 
 __device__ __forceinline__ void copy_words(
@@ -59,37 +61,53 @@ __device__ __forceinline__ void copy_words(
     const int to_region)
 {
     const unsigned long long* table = (const unsigned long long*)table_addr;
-    const long long* meta = (const long long*)meta_addr;
-    const int p = blockIdx.z, b = blockIdx.y;
-    const unsigned int head_lo = (unsigned int)meta[3 * p], heads = (unsigned int)meta[3 * p + 1];
-    const long long base = meta[3 * p + 2];
-    const unsigned int per_token = heads * head_words;
+    const long long* meta = (const long long*)meta_addr + META * blockIdx.z;
+    const unsigned int bi = blockIdx.y, nbuffers = (unsigned int)meta[3];
+    if (bi >= nbuffers)
+        return;
+    const unsigned int head_lo = (unsigned int)meta[0], heads = (unsigned int)meta[1];
+    const unsigned int by_token = (unsigned int)meta[4];
+    const unsigned int rows = meta[5] ? (unsigned int)meta[5] : count, row_first = (unsigned int)meta[6];
+    const unsigned int per_head = count * head_words, per_token = heads * head_words;
     const unsigned int words = count * per_token;
-    uint4* kv = (uint4*)table[b];
-    uint4* rg = (uint4*)(region_addr + base) + (unsigned long long)b * words;
+    uint4* kv = (uint4*)table[meta[2] + bi];
+    uint4* rg = (uint4*)(region_addr + (unsigned long long)meta[7]);
     const unsigned int i0 = blockIdx.x * (THREADS * UNROLL) + threadIdx.x;
     uint4 v[UNROLL];
     long long at[UNROLL];
+    unsigned int in_region[UNROLL];
     #pragma unroll
     for (int k = 0; k < UNROLL; k++) {
         const unsigned int i = i0 + k * THREADS;
         at[k] = -1;
         if (i < words) {
-            const unsigned int t = i / per_token, r = i - t * per_token;
-            const unsigned int j = r / head_words, w = r - j * head_words;
+            unsigned int t, j, w;
+            if (by_token) {  // i walks [count][heads][words]
+                t = i / per_token;
+                const unsigned int r = i - t * per_token;
+                j = r / head_words;
+                w = r - j * head_words;
+                in_region[k] = ((bi * rows + row_first + t) * heads + j) * head_words + w;
+            } else {  // i walks [heads][count][words]: the region's rows in order
+                j = i / per_head;
+                const unsigned int r = i - j * per_head;
+                t = r / head_words;
+                w = r - t * head_words;
+                in_region[k] = ((j * nbuffers + bi) * rows + row_first + t) * head_words + w;
+            }
             const unsigned int u = first + t;
             const unsigned int q = u / page_size, off = u - q * page_size;
             const long long page = pages[q];
             const unsigned int h = head_lo + j;
             at[k] = hnd ? ((page * nheads + h) * page_size + off) * head_words + w
                         : ((page * page_size + off) * nheads + h) * head_words + w;
-            v[k] = to_region ? kv[at[k]] : rg[i];
+            v[k] = to_region ? kv[at[k]] : rg[in_region[k]];
         }
     }
     #pragma unroll
     for (int k = 0; k < UNROLL; k++) {
         if (at[k] >= 0) {
-            if (to_region) rg[i0 + k * THREADS] = v[k];
+            if (to_region) rg[in_region[k]] = v[k];
             else kv[at[k]] = v[k];
         }
     }
@@ -157,6 +175,7 @@ _modules: dict = {}  # kernel source -> its CuPy RawModule, compiled at first us
 _RING = 4  # pinned upload buffers in flight per copier
 _PIECE_TABLES = 64  # distinct piece lists kept on the device per copier
 _EVENT_DISABLE_TIMING = 0x2  # CU_EVENT_DISABLE_TIMING
+_GRID_YZ = 65535  # the most blocks a launch's grid takes in y and in z
 
 
 _RAW_STREAM = getattr(torch._C, "_cuda_getCurrentRawStream", None)
@@ -320,13 +339,15 @@ class WordCopier(DeviceKernels):
         self._fixed = None if g is None else (g.page_size, g.heads, g.head_words, int(g.hnd))
 
     def supports(self, region: torch.Tensor, pieces, count: int) -> bool:
-        """16-byte words everywhere, a region the GPU can reach, and 32-bit word indices
-        (with absolute piece bases, ask for each piece's own region)."""
-        reachable = region.is_cuda or region.is_pinned()
+        """16-byte words everywhere, a region the GPU can reach, a grid the device takes, and
+        32-bit word indices: every piece's words in the region (its whole rows) fit."""
         g = self.geometry
-        return (g is not None and self.aligned and reachable and region.data_ptr() % 16 == 0
-                and all(base % 16 == 0 for _, _, base in pieces)
-                and count * max(n for _, n, _ in pieces) * g.head_words < 2**31)
+        if g is None or not self.aligned or not pieces or count < 1:
+            return False
+        reachable = region.is_cuda or region.is_pinned()
+        return (reachable and region.data_ptr() % 16 == 0 and len(pieces) <= _GRID_YZ
+                and all(p.offset % 16 == 0 and len(p.buffers) <= _GRID_YZ
+                        and p.heads * len(p.buffers) * p.row_tokens(count) * g.head_words < 2**31 for p in pieces))
 
     def upload_pages(self, page_ids: np.ndarray) -> torch.Tensor | np.ndarray:
         """A request's page ids where its copies read them: on the device, copied on the
@@ -336,19 +357,18 @@ class WordCopier(DeviceKernels):
         ids = np.array(page_ids, dtype=np.int64)
         return ids if len(ids) <= INLINE_PAGES else self._upload(ids)
 
-    def prepare(self, pages, first: int, count: int, pieces, region: torch.Tensor | None, to_region: bool,
+    def prepare(self, pages, first: int, count: int, pieces, region: torch.Tensor, to_region: bool,
                 page_offset: int = 0) -> "PreparedCopy":
         """The launch copying tokens ``first .. first+count`` of the chunk's pages for every
-        ``(head_lo, heads, base)`` piece; nothing runs until it is called. ``pages``: the
-        chunk's page ids on the host (passed in the launch, or uploaded now past
-        ``INLINE_PAGES``), or a request's from ``upload_pages`` with the chunk's first page
-        at ``page_offset``. ``region`` None: each ``base`` is an absolute address (checked
-        by ``supports`` against that piece's own region)."""
+        piece (``region.RegionPiece``, checked, and ``supports``); nothing runs until it is
+        called. ``pages``: the chunk's page ids on the host (passed in the launch, or uploaded
+        now past ``INLINE_PAGES``), or a request's from ``upload_pages`` with the chunk's first
+        page at ``page_offset``."""
         block = _ArgBlock()
         function, grid, params, keep = self._fill(block, pages, first, count, pieces, region, to_region, page_offset)
         return PreparedCopy(self, function, grid, params, (*keep, block))
 
-    def launch(self, pages, first: int, count: int, pieces, region: torch.Tensor | None, to_region: bool,
+    def launch(self, pages, first: int, count: int, pieces, region: torch.Tensor, to_region: bool,
                page_offset: int = 0) -> None:
         """``prepare(...)()`` for a copy launched at once (a source's gather): the arguments
         go in this thread's own block, which ``cuLaunchKernel`` copies when called, so no
@@ -359,6 +379,18 @@ class WordCopier(DeviceKernels):
         if block is None:
             block = self._blocks.block = _ArgBlock()
         self._launch(*self._fill(block, pages, first, count, pieces, region, to_region, page_offset)[:3])
+
+    def device_table(self, pieces) -> torch.Tensor:
+        """The pieces' rows of the kernel's table on the device, uploaded once per distinct
+        piece list (a request's chunks share their pieces)."""
+        key = tuple(pieces)
+        meta = self._pieces.get(key)
+        if meta is None:
+            meta = self._upload(piece_table(key))
+            if len(self._pieces) >= _PIECE_TABLES:
+                self._pieces.pop(next(iter(self._pieces)))
+            self._pieces[key] = meta
+        return meta
 
     def _fill(self, block: _ArgBlock, pages, first, count, pieces, region, to_region, page_offset):
         """Write one copy's arguments into ``block``: the kernel to launch, its grid, its
@@ -374,23 +406,22 @@ class WordCopier(DeviceKernels):
                 block.ids[:need] = ids
             else:
                 pages = self._upload(ids)
-        key = tuple(map(tuple, pieces))
-        meta = self._pieces.get(key)
-        if meta is None:
-            meta = self._upload(np.asarray(key, dtype=np.int64).reshape(-1))
-            if len(self._pieces) >= _PIECE_TABLES:
-                self._pieces.pop(next(iter(self._pieces)))
-            self._pieces[key] = meta
-        most = max(n for _, n, _ in pieces) * count * self.geometry.head_words
-        args.table_addr, args.meta_addr = self._table_addr, meta.data_ptr()
-        args.region_addr = 0 if region is None else region.data_ptr()
+        meta = self.device_table(pieces)
+        args.table_addr, args.meta_addr, args.region_addr = self._table_addr, meta.data_ptr(), region.data_ptr()
         args.pages_addr = 0 if inline else pages.data_ptr() + 8 * page_offset
         args.count, args.first, args.to_region = count, first, int(to_region)
         args.page_size, args.nheads, args.head_words, args.hnd = self._fixed
-        grid = (-(-most // (_THREADS * _UNROLL)), self.nbuf, len(pieces))
+        grid = launch_grid(pieces, count, self.geometry.head_words)
         if inline:
             return "inline", grid, block.inline_pointers, (None, meta, region)
         return "pointer", grid, block.pointers, (pages, meta, region)
+
+
+def launch_grid(pieces, count: int, head_words: int) -> tuple[int, int, int]:
+    """The blocks of one launch copying ``count`` tokens of ``pieces``: x covers one buffer of
+    the piece with the most heads, y the most buffers of a piece, z the pieces."""
+    most = max(p.heads for p in pieces) * count * head_words
+    return -(-most // (_THREADS * _UNROLL)), max(len(p.buffers) for p in pieces), len(pieces)
 
 
 class PreparedCopy:

@@ -1,11 +1,11 @@
 """The end of a gather or scatter launched on the caller's CUDA stream.
 
-The endpoint's loop polls a fence while it has other work (launch the next
-chunk's copy, post the previous chunk's write: the overlap of gather k+1,
-write k and scatter k-1) and waits on it, without the GIL, when it has none.
-The two CUDA events also time the copy on the GPU itself, which the stage
-profile reports beside the wall time the loop saw. On the CPU the copy has
-finished when it returns.
+The endpoint's loop polls a fence while it has other work (post the next
+chunk's reads while this one scatters) and waits on it, without the GIL, when
+it has none. The two CUDA events also time the copy on the GPU itself, which
+the stage profile reports beside the wall time the loop saw. On the CPU a copy
+has finished when it returns (``CopyFence``), or runs on a thread of its own
+(``HostFence``), so the loop's own thread goes on reading meanwhile.
 """
 
 from __future__ import annotations
@@ -60,3 +60,26 @@ class CopyFence:
         if self._cuda and self._start is not None:
             _SPARE.setdefault(self._device, []).append((self._start, self._end))
             self._start = self._end = None
+
+
+class HostFence:
+    """The end of a host copy running on a thread (a ``concurrent.futures.Future``): the same
+    questions as ``CopyFence``; ``wait`` re-raises the copy's error."""
+
+    def __init__(self, future):
+        self._future = future
+
+    def started(self) -> bool:
+        return True
+
+    def done(self) -> bool:
+        return self._future.done()
+
+    def wait(self) -> None:
+        self._future.result()
+
+    def gpu_seconds(self) -> None:
+        return None
+
+    def release(self) -> None:
+        pass

@@ -1,26 +1,32 @@
-"""A destination's KV buffers shared with sources on its host, for direct page writes.
+"""A source rank's KV buffers shared with the destination on its host, and the event
+that says when a request's KV in them is written.
 
-A source on the destination's host can store its head slices straight into the
-destination's pages (``cuda_place``) once those pages are mapped into its own
-address space. Engines allocate their KV buffers through torch's caching
-allocator, which sub-allocates: a buffer may sit at an offset inside a larger
-``cudaMalloc`` segment, and one segment may hold many buffers (one big tensor
-viewed per layer). So ``share_buffers`` finds each buffer's allocation
-(``cuMemGetAddressRange``), exports one CUDA IPC handle per distinct allocation
-and describes each buffer as (allocation, offset, bytes); ``open_buffers`` maps
-each allocation once and gives each buffer's address here.
+On one host the destination reads every source rank's head slices straight out of
+the sources' own pages (``cuda_ipc``) once those pages are mapped into its address
+space. Engines allocate their KV buffers through torch's caching allocator, which
+sub-allocates: a buffer may sit at an offset inside a larger ``cudaMalloc`` segment,
+and one segment may hold many buffers (one big tensor viewed per layer). So
+``share_buffers`` finds each buffer's allocation (``cuMemGetAddressRange``), exports
+one CUDA IPC handle per distinct allocation and describes each buffer as
+(allocation, offset, bytes); ``open_buffers`` maps each allocation once and gives
+each buffer's address here.
 
 Only legacy-IPC memory (``cudaMalloc``) is shared. Memory made through CUDA's
 virtual memory API (torch's expandable segments, ``cuMemCreate``) or taken from
 a stream-ordered pool (``cudaMallocAsync``) has no CUDA IPC handle, and host
 memory is not for this path: ``share_buffers`` refuses them (``NotShareable``)
-and says what to change. A handle maps its whole allocation, so a source that
+and says what to change. A handle maps its whole allocation, so a peer that
 opens it can reach every byte of those allocations, not only the buffers
 (``exposed_bytes`` says how many lie outside them).
 
-Like ``mapped``, this module moves no bytes and knows nothing of KV. A
-description comes from a peer: ``parse`` checks every field as hostile input,
-and ``open_buffers`` checks each mapping's size against it.
+The source's GPU work that writes a request's KV is still queued when the source
+says the request is ready, so the destination's read waits for it on the GPU, not
+on the host: the source records a ``ReadyEvent`` after that work, and the
+destination's stream waits on it through an ``OpenedEvent`` before its launch.
+
+This module moves no bytes and knows nothing of KV. What comes from a peer (a
+description, an event handle) is checked as hostile input: ``parse`` checks every
+field, ``open_buffers`` each mapping's size against it.
 """
 
 from __future__ import annotations
@@ -35,7 +41,7 @@ from dataclasses import dataclass
 import torch
 
 from kvstage.cudart import driver, driver_error, runtime, runtime_error
-from kvstage.staging.mapped import MappingError, gpu_uuid
+from kvstage.errors import KVStageError, MappingError
 
 KIND = "cuda_ipc_buffers"
 #: bounds on a peer's description: buffers (layers x planes of one rank, with room to spare) and bytes
@@ -44,15 +50,17 @@ MAX_BYTES = 1 << 50
 _MAX_TEXT = 128  # characters of the owner and GPU fields
 _HANDLE_BYTES = 64  # cudaIpcMemHandle_t
 _IPC_LAZY_PEER_ACCESS = 1  # cudaIpcMemLazyEnablePeerAccess: a GPU other than the owner maps it over NVLink/PCIe
+_EVENT_HANDLE_BYTES = 64  # cudaIpcEventHandle_t
 _WHY_FOR_VMM = ("allocated through CUDA's virtual memory API (torch's expandable segments, cuMemCreate) or from a "
                 "stream-ordered pool (cudaMallocAsync): cudaIpcGetMemHandle cannot export it, and kvstage shares KV "
                 "buffers through CUDA IPC only; start the engine with PYTORCH_CUDA_ALLOC_CONF without "
-                "expandable_segments:True and without backend:cudaMallocAsync for direct page writes (the staged "
-                "and mapped paths work either way)")
+                "expandable_segments:True and without backend:cudaMallocAsync for reads straight from its pages "
+                "(the staged and mapped paths work either way)")
 
 
-class NotShareable(Exception):
-    """These buffers cannot be shared for direct page writes; the message names the cause and the fix."""
+class NotShareable(KVStageError):
+    """These buffers (or this device's event) cannot be shared with a peer; the message names the cause
+    and the fix."""
 
 
 class _IpcHandle(ctypes.Structure):
@@ -100,6 +108,14 @@ def _primary_context(device: torch.device):
         drv.cuDevicePrimaryCtxRelease_v2(dev)
 
 
+def gpu_uuid(device: torch.device) -> str | None:
+    """The GPU's UUID (the same in every process, whatever each one's device numbering), or None
+    where torch does not report it."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    uuid = getattr(torch.cuda.get_device_properties(index), "uuid", None)
+    return str(uuid) if uuid is not None else None
+
+
 def _address_range(ptr: int) -> tuple[int, int]:
     """(base, size) of the allocation holding device address ``ptr``, in the current context."""
     base, size = ctypes.c_uint64(), ctypes.c_size_t()
@@ -123,8 +139,8 @@ def share_buffers(buffers: list[torch.Tensor]) -> dict:
     device = buffers[0].device
     for i, b in enumerate(buffers):
         if not b.is_cuda:
-            raise NotShareable(f"buffer {i} is in host memory ({b.device}): direct page writes share CUDA buffers "
-                               "only; host caches use the staged or mapped path")
+            raise NotShareable(f"buffer {i} is in host memory ({b.device}): only CUDA buffers are shared with "
+                               "peers; host caches use the staged or mapped path")
         if b.device != device:
             raise NotShareable(f"buffer {i} is on {b.device}, buffer 0 on {device}: one device per rank")
         if not b.is_contiguous() or b.numel() == 0:
@@ -217,7 +233,7 @@ def parse(desc) -> Description:
 
 
 def exposed_bytes(desc) -> int:
-    """Bytes of the shared allocations outside every buffer: what a source that opens the
+    """Bytes of the shared allocations outside every buffer: what a peer that opens the
     handles can reach beyond the KV buffers (0 when each buffer is a whole allocation)."""
     d = parse(desc)
     covered = 0
@@ -232,7 +248,7 @@ def exposed_bytes(desc) -> int:
 class OpenedBuffers:
     """A peer's buffers mapped into this process: ``spans`` gives each buffer's (address,
     bytes) here, in the order shared; ``gpu`` the UUID of the GPU holding them, as the owner
-    reported it. ``close`` unmaps them: only once every kernel writing into them has ended."""
+    reported it. ``close`` unmaps them: only once every kernel reading or writing them has ended."""
 
     def __init__(self, bases: list[int], desc: Description, device: torch.device):
         self._bases, self.device, self.gpu = bases, device, desc.gpu
@@ -302,6 +318,59 @@ def open_buffers(desc, device: torch.device) -> OpenedBuffers:
 
 
 def tensor_spans(buffers: list[torch.Tensor]) -> list[tuple[int, int]]:
-    """Each tensor's (address, bytes): a destination's buffers in this very process, in the
-    form ``OpenedBuffers.spans`` gives a peer's."""
+    """Each tensor's (address, bytes): a rank's buffers in this very process, in the form
+    ``OpenedBuffers.spans`` gives a peer's."""
     return [(b.data_ptr(), b.numel() * b.element_size()) for b in buffers]
+
+
+class ReadyEvent:
+    """A source rank's mark, on its GPU, that the KV it announced is written: one interprocess
+    CUDA event for the device, its handle shared once at the handshake; ``record`` after the
+    work that wrote a request's KV, before saying the request is ready.
+
+    One event serves every request and every destination: a destination's wait covers the
+    event's latest record at the time it waits, which is the announced record or a later one,
+    and a later record on the same stream completes only after all the work queued before it
+    (at worst the wait also covers a later request's work). So a source records on the one
+    stream its forward writes the KV on."""
+
+    def __init__(self, device: torch.device):
+        if device.type != "cuda":
+            raise NotShareable(f"a ready event is a CUDA event; this rank runs on {device}")
+        self.device = device
+        self.event = torch.cuda.Event(enable_timing=False, interprocess=True)
+        with torch.cuda.device(device):
+            self._handle = bytes(self.event.ipc_handle())  # creates the event on ``device``
+
+    def record(self, stream: torch.cuda.Stream | None = None) -> None:
+        """Mark the work queued so far on ``stream`` (default: the current stream of this device)."""
+        self.event.record(torch.cuda.current_stream(self.device) if stream is None else stream)
+
+    def handle(self) -> bytes:
+        """The event's CUDA IPC handle, for ``OpenedEvent`` in a peer process on this host."""
+        return self._handle
+
+
+class OpenedEvent:
+    """A source's ``ReadyEvent`` opened in the destination's process, from its handle (a peer's
+    bytes: checked first, ``MappingError`` naming what is wrong). ``wait`` queues a wait for the
+    event's latest record on a stream: no host synchronization."""
+
+    def __init__(self, handle, device: torch.device):
+        if not isinstance(handle, (bytes, bytearray)) or len(handle) != _EVENT_HANDLE_BYTES:
+            got = f"{len(handle)} bytes" if isinstance(handle, (bytes, bytearray)) else type(handle).__name__
+            raise MappingError(f"event handle: must be the {_EVENT_HANDLE_BYTES} bytes of a CUDA IPC event handle; "
+                               f"got {got}")
+        if device.type != "cuda":
+            raise MappingError(f"a CUDA event; this rank runs on {device}")
+        self.device = device
+        try:
+            self.event = torch.cuda.Event.from_ipc_handle(device, bytes(handle))
+        except RuntimeError as e:
+            raise MappingError(f"cudaIpcOpenEventHandle failed ({str(e).splitlines()[0][:200]}): another host or "
+                               "container, the owner's process ended, or this process's own event") from None
+
+    def wait(self, stream: torch.cuda.Stream | None = None) -> None:
+        """Make work queued later on ``stream`` (default: the current stream of this device) wait
+        for the event's latest record."""
+        self.event.wait(torch.cuda.current_stream(self.device) if stream is None else stream)

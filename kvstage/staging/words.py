@@ -1,15 +1,15 @@
 """Where each word of a staging region lives in a rank's KV buffers.
 
-A region holds, for ``count`` tokens and ``heads`` heads, the bytes of every
-(layer, plane) buffer: ``[buffers, count, heads, head_bytes]``. Every buffer
-of a rank has the same shape, so one index map serves all of them. The CUDA
-kernel (``cuda_copy``) computes the map word by word from the chunk's page ids
-alone, so the host uploads a request's page ids once instead of a copy list
-per chunk; ``word_index`` computes the same map with numpy, the same
+A region holds pieces (``staging.region``): some local heads of some (layer,
+plane) buffers, in one of two orders. Every buffer of a rank has the same
+shape, so one index map serves all of a piece's buffers. The CUDA kernel
+(``cuda_copy``) computes the map word by word from the chunk's page ids and the
+piece table alone, so the host uploads a request's page ids once instead of a
+copy list per chunk; ``word_index`` computes the same map with numpy, the same
 arithmetic, so the addressing is tested on machines without a GPU.
-``place_index`` does the same for the direct page-write kernel (``cuda_place``),
-which copies from one rank's pages into another's with no region between and
-divides by its run-time divisors with a multiply and a shift (``divider``).
+``place_index`` does the same for the kernel that reads a source rank's pages
+into a destination's (``cuda_ipc``), with no region between, dividing by its
+run-time divisors with a multiply and a shift (``divider``).
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from kvstage.layout import token_major
+from kvstage.staging.region import Order, RegionPiece
 from kvstage.tp import SideSpec
 
 
@@ -51,19 +52,49 @@ def chunk_pages(page_ids: np.ndarray, page_size: int, start: int, count: int) ->
     return np.asarray(page_ids[first_page : last_page + 1], dtype=np.int64), start % page_size
 
 
-def word_index(wg: WordGeometry, pages: np.ndarray, first: int, count: int, head_lo: int, heads: int) -> np.ndarray:
-    """For each word of one buffer's part of a region (``count * heads * head_words``
-    words), the index of the word in the KV buffer; mirrors the kernel line by line."""
-    i = np.arange(count * heads * wg.head_words, dtype=np.int64)
-    per_token = heads * wg.head_words
-    t, r = i // per_token, i % per_token
-    j, w = r // wg.head_words, r % wg.head_words
+#: int64 fields per piece in the kernel's piece table (``piece_table``; ``META`` in the kernel source)
+META = 8
+#: how the piece table names each order (the kernel's ``by_token`` flag)
+ORDER_CODES = {Order.HEADS: 0, Order.TOKENS: 1}
+
+
+def piece_table(pieces) -> np.ndarray:
+    """The kernel's piece table: ``META`` int64 per piece, (head_lo, heads, buffer_lo, nbuffers,
+    order code, rows or 0 for the chunk's count, row_first, byte offset)."""
+    return np.array([(p.head_lo, p.heads, p.buffers.start, len(p.buffers), ORDER_CODES[p.order], p.rows or 0,
+                      p.row_first, p.offset) for p in pieces], dtype=np.int64).reshape(-1)
+
+
+def word_index(wg: WordGeometry, pages: np.ndarray, first: int, count: int,
+               piece: RegionPiece) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """For each word the kernel moves for ``piece`` (block row ``bi`` of its buffers, then
+    word ``i`` of that buffer's ``count * heads * head_words``), the buffer it is in, its
+    index in the region and its index in that buffer; mirrors the kernel line by line,
+    reading the piece from its row of the piece table as the kernel does."""
+    head_lo, heads, buffer_lo, nbuffers, by_token, rows, row_first, offset = (int(v) for v in piece_table([piece]))
+    rows = rows if rows else count
+    hw = wg.head_words
+    per_head, per_token = count * hw, heads * hw
+    bi = np.repeat(np.arange(nbuffers, dtype=np.int64), count * per_token)
+    i = np.tile(np.arange(count * per_token, dtype=np.int64), nbuffers)
+    if by_token:  # i walks [count][heads][words]
+        t = i // per_token
+        r = i - t * per_token
+        j = r // hw
+        w = r - j * hw
+        in_region = ((bi * rows + row_first + t) * heads + j) * hw + w
+    else:  # i walks [heads][count][words]: the region's rows in order
+        j = i // per_head
+        r = i - j * per_head
+        t = r // hw
+        w = r - t * hw
+        in_region = ((j * nbuffers + bi) * rows + row_first + t) * hw + w
     u = first + t
-    page, off = pages[u // wg.page_size], u % wg.page_size
+    q = u // wg.page_size
+    off = u - q * wg.page_size
+    page = np.asarray(pages, dtype=np.int64)[q]
     h = head_lo + j
-    if wg.hnd:
-        return ((page * wg.heads + h) * wg.page_size + off) * wg.head_words + w
-    return ((page * wg.page_size + off) * wg.heads + h) * wg.head_words + w
+    return buffer_lo + bi, offset // wg.word + in_region, _slot(wg, page, off, h, w)
 
 
 def divider(d: int) -> tuple[int, int]:
@@ -85,11 +116,12 @@ def divide(n: np.ndarray, multiplier: int, shift: int) -> np.ndarray:
 
 def place_index(src: WordGeometry, dst: WordGeometry, src_pages: np.ndarray, src_first: int, dst_pages: np.ndarray,
                 dst_first: int, count: int, src_lo: int, dst_lo: int, heads: int) -> tuple[np.ndarray, np.ndarray]:
-    """For each word of one buffer's part of a direct write (``count * heads * head_words``
+    """For each word of one buffer's part of a page-to-page copy (``count * heads * head_words``
     words, token by token, head by head), its index in the source's KV buffer and in the
     destination's: source head ``src_lo + j`` of token ``src_first + t`` of ``src_pages``
-    goes to destination head ``dst_lo + j`` of token ``dst_first + t`` of ``dst_pages``.
-    Mirrors the direct-write kernel (``cuda_place``) line by line, its divisions included."""
+    goes to destination head ``dst_lo + j`` of token ``dst_first + t`` of ``dst_pages``
+    (each side's pages from the one holding its first token). Mirrors the read kernel
+    (``cuda_ipc``) line by line, its divisions included."""
     if src.head_words != dst.head_words:
         raise ValueError(f"head_words differ: source {src.head_words}, destination {dst.head_words}")
     hw = src.head_words

@@ -1,16 +1,20 @@
 """The transport contract: move bytes between registered regions of two peers.
 
 A transport knows nothing of KV, heads or TP. It registers memory, exchanges
-opaque metadata with peers, writes local spans into a peer's registered spans
-with a notification that arrives after the data, reports completion, and
-hands over notifications it received.
+opaque metadata with peers, reads a peer's registered spans into local ones,
+writes local spans into a peer's registered spans with a notification that
+arrives after the data, reports completion, and hands over notifications it
+received.
 
-One-sided transports (NIXL) write into any registered span. Two-sided ones
-(UCX tag messages) can only land bytes where the receiver posted a receive:
-the receiving side calls ``expect(peer, spans)`` before the peer writes there,
-and hands the ticket it returns to the writer (the request protocol carries it
-in the grant); the writer passes it to ``write``. For a one-sided transport
-``expect`` checks nothing, posts nothing and returns an empty ticket.
+Reads are how the decode side moves the bytes: a source makes its bytes
+available (registered memory; for a two-sided transport also ``offer``) and
+from then on its process may be stopped or busy while the reader completes.
+
+One-sided transports (nixl, cma) read and write any registered span. Two-sided
+ones (UCX tag messages) move bytes only where the other side posted the
+matching operation: a writer needs the receiver's ``expect`` ticket, a reader
+the sender's ``offer`` ticket, each carried by the request protocol. For a
+one-sided transport both are no-ops returning an empty ticket.
 """
 
 from __future__ import annotations
@@ -20,6 +24,8 @@ import enum
 from dataclasses import dataclass
 
 import numpy as np
+
+from kvstage.errors import TransportError
 
 
 @dataclass(frozen=True)
@@ -93,8 +99,20 @@ class Spans:
 
 
 class WriteState(enum.Enum):
+    """The state of a write, a read or an offer (``Transport.poll``)."""
+
     PENDING = "pending"
     DONE = "done"
+
+
+class Failed:
+    """A transfer that was accepted but failed before it could start (the peer gone): ``poll`` raises
+    ``cause``, so a caller learns of every failure in one place."""
+
+    __slots__ = ("cause",)
+
+    def __init__(self, cause: str):
+        self.cause = cause
 
 
 class ReadyWrite:
@@ -112,15 +130,17 @@ class Transport(abc.ABC):
     #: True: ``write`` may target any registered span (``expect`` is a no-op).
     #: False: only spans the receiver ``expect``-ed, with the ticket it returned.
     one_sided: bool = True
-    #: True: a write of many local spans costs about what one span of their bytes costs (the
-    #: transport walks them in the copy itself), so a writer need not gather them into one first
-    gathers: bool = False
+    #: True: ``read`` needs the peer's ``offer`` of the spans first, and its ticket (two-sided: ucx)
+    reads_offered: bool = False
     #: True: host memory only (``register`` refuses device memory)
     host_only: bool = False
     #: seconds one span of a write costs whatever its size, by memory ("cuda", "cpu"): what the direct
     #: path's page runs are charged (``protocol.route``). NIXL posts one UCX request per span: ~12 us
     #: over cuda_ipc on one H200, ~3.6 us over cma on the 2-core CPU machine (512-byte spans)
     span_cost_s: dict = {"cuda": 12e-6, "cpu": 3.6e-6}
+    #: seconds one span of a read costs whatever its size, by memory: what the route charges a read of
+    #: many page runs (each transport sets its own)
+    read_span_cost_s: dict = {"cuda": 12e-6, "cpu": 3.6e-6}
 
     def expect(self, peer: str, spans: Spans) -> bytes:
         """Receiver side: ``peer`` will write into ``spans`` (registered here) in
@@ -128,9 +148,20 @@ class Transport(abc.ABC):
         that write must carry. One-sided transports: a no-op, ``b""``."""
         return b""
 
+    def offer(self, peer: str, local: Spans) -> tuple[bytes, object | None]:
+        """Make ``local`` (registered here) readable by ``peer``'s next ``read`` of the same spans; returns
+        (ticket, handle). One-sided transports: (b"", None), registered memory is readable as it is.
+        Two-sided (ucx): one tag send per span, receiver-driven (the reader pulls the bytes; this side's
+        progress is needed only to complete the handle); ``poll(handle)`` is DONE once the reader took them."""
+        try:
+            local.check("offered spans")
+        except ValueError as e:
+            raise TransportError(f"{self.name} offer to {peer}: {e}") from e
+        return b"", None
+
     @abc.abstractmethod
     def register(self, tensor) -> Region:
-        """Register a contiguous tensor for remote writes; keep it alive while registered."""
+        """Register a contiguous tensor for remote reads and writes; keep it alive while registered."""
 
     @abc.abstractmethod
     def metadata(self) -> bytes:
@@ -138,16 +169,24 @@ class Transport(abc.ABC):
 
     @abc.abstractmethod
     def connect(self, peer_metadata: bytes) -> str:
-        """Load a peer's metadata; return the peer's id for ``write``."""
+        """Load a peer's metadata; return the peer's id for ``read`` and ``write``."""
 
     @abc.abstractmethod
     def disconnect(self, peer: str) -> None:
-        """Forget a peer (its metadata and connection)."""
+        """Forget a peer (its metadata and connection); its reads, writes and offers not done fail."""
 
     @property
     @abc.abstractmethod
     def id(self) -> str:
         """This endpoint's id as peers see it (``connect``'s result, notification sender)."""
+
+    @abc.abstractmethod
+    def read(self, peer: str, local: Spans, remote: Spans, ticket: bytes = b"") -> object:
+        """Start reading each remote span of ``peer`` (registered there) into the matching local span
+        (registered here); ``ticket``: the peer's ``offer`` (two-sided). A handle for ``poll``/``release``;
+        DONE means every byte is in ``local``; a failure raises TransportError from ``poll``. Spans that
+        do not pair up, or lie outside what the peer registered (two-sided: outside their regions; the
+        source's ``offer`` checked its own), raise TransportError here, before anything moves."""
 
     @abc.abstractmethod
     def write(self, peer: str, local: Spans, remote: Spans, notification: bytes, ticket: bytes = b"") -> object:
@@ -164,24 +203,18 @@ class Transport(abc.ABC):
         return ReadyWrite(lambda: self.write(peer, local, remote, notification, ticket))
 
     @abc.abstractmethod
-    def prepare(self, peer: str | None, spans: Spans) -> object:
-        """Prepare spans once (``peer=None``: local spans) so that
-        ``write_prepared`` can pick from them by index without re-validating."""
-
-    @abc.abstractmethod
-    def write_prepared(
-        self, peer: str, local: object, local_index: np.ndarray, remote: object, remote_index: np.ndarray, notification: bytes,
-        ticket: bytes = b"",
-    ) -> object:
-        """Like ``write``, for spans chosen by index from two prepared lists."""
-
-    @abc.abstractmethod
     def poll(self, handle: object) -> WriteState:
-        """State of a write; raises ``TransportError`` if it failed."""
+        """State of a write, read or offer; raises ``TransportError`` if it failed."""
+
+    @abc.abstractmethod
+    def abandon(self, handle: object) -> bool:
+        """Give up a read or an offer not DONE: cancel what can be cancelled. True when nothing of it can
+        land (or be taken) any more, False when bytes may still arrive (the caller keeps that memory out of
+        use until ``poll`` says it is over). Either way ``release`` it once it is over."""
 
     @abc.abstractmethod
     def release(self, handle: object) -> None:
-        """Free a finished write's resources."""
+        """Free a finished transfer's resources."""
 
     @abc.abstractmethod
     def notifications(self) -> list[tuple[str, bytes]]:

@@ -1,24 +1,27 @@
-"""Same-host transport over cross-memory attach (``process_vm_writev``).
+"""Same-host transport over cross-memory attach (``process_vm_readv``/``process_vm_writev``).
 
-Why it exists: a NIXL write posts one UCX request per descriptor (~3 µs each
+Why it exists: a NIXL transfer posts one UCX request per descriptor (~3 µs each
 on the CPU machine), so a list of page rows costs far more than one span of
-the same bytes, and a source must first gather its rows into one span (a
-second pass over every byte). ``process_vm_writev`` takes up to ``IOV_MAX``
-spans a side in one system call and walks them at about the speed of one
-contiguous copy: UCX's ``cma`` transport makes the same call, one span at a
-time. Here a write of any span list is a few calls, so ``gathers`` is True:
-a source can write straight from its pages.
+the same bytes. ``process_vm_readv``/``writev`` take up to ``IOV_MAX`` spans a
+side in one system call and walk them at about the speed of one contiguous
+copy: UCX's ``cma`` transport makes the same calls, one span at a time. Here a
+read or a write of any span list is a few calls, so a reader can take a
+source's page rows as they lie.
+
+A read needs nothing from the peer's process: the kernel copies out of its
+memory while it runs, sleeps or is stopped (SIGSTOP); the peer's metadata
+names its pid and the regions it registered, and nothing else is read.
 
 What it asks of the host: both processes on one kernel, in one PID and one
-network namespace (notifications go over an abstract Unix socket), and the
-writer allowed to ptrace the receiver (same user; under Yama's ptrace_scope 1
-an endpoint of this transport allows any process of its user, and says so).
-Host memory only. A write is complete when ``write`` returns; its notification
-is sent after the last byte landed, on a stream the writer opened at
-``connect`` (datagrams would do, but Linux queues only ``max_dgram_qlen``,
-often 10, of them). The receiver accepts a stream only from a process of its
-own user, and its first frame, the writer's id, must name that process (the
-kernel says who connected).
+network namespace (notifications go over an abstract Unix socket), and each
+allowed to ptrace the other (same user; under Yama's ptrace_scope 1 an
+endpoint of this transport allows any process of its user, and says so).
+Host memory only. A read or a write is complete when its call returns; a
+write's notification is sent after the last byte landed, on a stream the
+writer opened at ``connect`` (datagrams would do, but Linux queues only
+``max_dgram_qlen``, often 10, of them). The receiver accepts a stream only
+from a process of its own user, and its first frame, the writer's id, must
+name that process (the kernel says who connected).
 """
 
 from __future__ import annotations
@@ -32,16 +35,19 @@ import select
 import socket
 import struct
 import uuid
-from typing import NamedTuple
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
 
 from kvstage.errors import TransportError
-from kvstage.transports.base import ReadyWrite, Region, Spans, Transport, WriteState
+from kvstage.transports.base import Failed, ReadyWrite, Region, Spans, Transport, WriteState
 
 log = logging.getLogger(__name__)
 
-IOV_MAX = 1024  # Linux UIO_MAXIOV: spans per side in one process_vm_writev call
+IOV_MAX = 1024  # Linux UIO_MAXIOV: spans per side in one process_vm_readv/writev call
+#: threads a reader's process_vm_readv calls run on: one per core, at most four (a destination reads every
+#: source rank's pieces itself; on the 2-core CPU machine two threads read 4 -> 1 in about half the time of one)
+READ_THREADS = max(1, min(4, os.cpu_count() or 1))
 MAX_CALL_BYTES = 1 << 30  # per call: Linux moves at most MAX_RW_COUNT (2 GiB - 4 KiB) and says so only by a short count
 _PR_SET_PTRACER = 0x59616D61
 _PR_SET_PTRACER_ANY = ctypes.c_ulong(-1)
@@ -50,11 +56,12 @@ _SEND_TIMEOUT_S = 5.0  # a receiver that reads no notification this long is stuc
 _FORMAT = 1
 
 _libc = ctypes.CDLL(None, use_errno=True)
-_writev = _libc.process_vm_writev
-_writev.restype = ctypes.c_ssize_t
-_writev.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_ulong, ctypes.c_void_p, ctypes.c_ulong, ctypes.c_ulong]
+_writev, _readv = _libc.process_vm_writev, _libc.process_vm_readv
+for _call in (_writev, _readv):
+    _call.restype = ctypes.c_ssize_t
+    _call.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_ulong, ctypes.c_void_p, ctypes.c_ulong, ctypes.c_ulong]
 _WHY = {errno.ESRCH: "its process has exited",
-        errno.EPERM: "not allowed to write into it (another user, or Yama ptrace_scope 2-3)",
+        errno.EPERM: "not allowed into its memory (another user, or Yama ptrace_scope 2-3)",
         errno.EFAULT: "a span is not mapped on one side"}
 
 
@@ -102,7 +109,7 @@ def _split_long(la: np.ndarray, ra: np.ndarray, ln: np.ndarray):
 
 
 def plan_calls(local_addr, remote_addr, lengths) -> list[tuple[np.ndarray, np.ndarray, int]]:
-    """The system calls that write span ``i`` of ``local_addr`` to span ``i`` of ``remote_addr``:
+    """The system calls that copy between span ``i`` of ``local_addr`` and span ``i`` of ``remote_addr``:
     ``(local iovecs, remote iovecs, bytes)`` each, adjacent spans merged, at most ``IOV_MAX`` a side
     and ``MAX_CALL_BYTES`` a call."""
     la, ra, ln = _split_long(np.asarray(local_addr, dtype=np.uint64), np.asarray(remote_addr, dtype=np.uint64),
@@ -128,7 +135,7 @@ def _frame(payload: bytes) -> bytes:
 
 
 class _Peer:
-    """A receiver this side writes to: its process, its regions, the stream for notifications."""
+    """A peer this side reads from and writes to: its process, its regions, the stream for notifications."""
 
     def __init__(self, md: dict, me: bytes):
         self.id, self.pid = str(md["id"]), int(md["pid"])
@@ -182,15 +189,8 @@ class _Inbound:
         return out
 
 
-class _Prepared(NamedTuple):
-    """Spans made ready once (``prepare``): their addresses and lengths."""
-
-    addresses: np.ndarray
-    lengths: np.ndarray
-
-
-class _Write:
-    """A finished write: ``process_vm_writev`` returns once the bytes are in place."""
+class _Done:
+    """A finished read or write: ``process_vm_readv``/``writev`` return once the bytes are in place."""
 
     __slots__ = ("nbytes",)
 
@@ -200,10 +200,11 @@ class _Write:
 
 class CmaTransport(Transport):
     name = "cma"
-    gathers = True
     host_only = True
     #: process_vm_writev walks up to 1,024 spans per call: 512-byte spans move at ~1.1 GB/s, ~0.5 us each
     span_cost_s = {"cpu": 0.5e-6}
+    #: process_vm_readv likewise: 512-byte spans are read at ~0.6 us each
+    read_span_cost_s = {"cpu": 0.6e-6}
 
     def __init__(self, label: str = "kvstage"):
         self._identity = _host_identity()
@@ -222,6 +223,7 @@ class CmaTransport(Transport):
             log.info("cma: Yama ptrace_scope is 1: this process lets any process of its user write into it "
                      "(PR_SET_PTRACER_ANY), as cma peers must")
         self._inbound: list[_Inbound] = []
+        self._pool: ThreadPoolExecutor | None = None  # the reads' threads, made at the first read
         self._regions: list[tuple[int, int]] = []
         self._keep: list = []
         self._peers: dict[str, _Peer] = {}
@@ -269,74 +271,82 @@ class CmaTransport(Transport):
     def id(self) -> str:
         return self._id
 
-    def _peer(self, peer: str) -> _Peer:
+    def _peer(self, peer: str, op: str) -> _Peer:
         p = self._peers.get(peer)
         if p is None:
-            raise TransportError(f"cma: write to {peer}: not connected")
+            raise TransportError(f"cma: {op} {peer}: not connected")
         return p
 
-    def _checked(self, peer: str, remote: Spans) -> _Peer:
-        p = self._peer(peer)
-        stray = next((r for r in remote.regions if not p.holds(r)), None)
-        if stray is not None:
-            raise TransportError(f"cma write to {peer}: remote region at {stray.addr:#x} ({stray.nbytes} bytes) "
-                                 "is not one the peer registered before its metadata was taken")
-        return p
-
-    def _calls(self, peer: str, local: Spans, remote: Spans):
+    def _calls(self, peer: str, local: Spans, remote: Spans, op: str):
+        """The peer and the planned calls of a read or a write; TransportError, before anything moves,
+        for spans that do not pair up or lie outside what the peer registered."""
         try:
             Spans.check_pair(local, remote)
             if local.device[0] != "cpu" or remote.device[0] != "cpu":
                 raise ValueError("cma moves host memory only")
         except ValueError as e:
-            raise TransportError(f"cma write to {peer}: {e}") from e
-        return self._checked(peer, remote), plan_calls(local.addresses(), remote.addresses(), local.lengths)
+            raise TransportError(f"cma {op} {peer}: {e}") from e
+        p = self._peer(peer, op)
+        stray = next((r for r in remote.regions if not p.holds(r)), None)
+        if stray is not None:
+            raise TransportError(f"cma {op} {peer}: remote region at {stray.addr:#x} ({stray.nbytes} bytes) "
+                                 "is not one the peer registered before its metadata was taken")
+        return p, plan_calls(local.addresses(), remote.addresses(), local.lengths)
 
-    def _send(self, p: _Peer, calls, notification: bytes) -> _Write:
-        if len(notification) > _MAX_NOTIFICATION:
-            raise TransportError(f"cma: a notification of {len(notification)} bytes; at most {_MAX_NOTIFICATION}")
+    @staticmethod
+    def _copy(p: _Peer, calls, call, op: str) -> int:
+        """Run the planned calls of ``call`` (``_readv`` or ``_writev``) on the peer's process; the bytes
+        moved, or TransportError naming the cause."""
         if p.gone():
-            raise TransportError(f"cma write to {p.id}: its process {p.pid} has exited")
+            raise TransportError(f"cma {op} {p.id}: its process {p.pid} has exited")
         total = 0
         for liov, riov, nbytes in calls:
-            n = _writev(p.pid, liov.ctypes.data, len(liov), riov.ctypes.data, len(riov), 0)
+            n = call(p.pid, liov.ctypes.data, len(liov), riov.ctypes.data, len(riov), 0)
             if n != nbytes:
                 err = ctypes.get_errno() if n < 0 else 0
-                cause = _WHY.get(err, os.strerror(err)) if n < 0 else f"wrote {n} of {nbytes} bytes (a span not mapped)"
-                raise TransportError(f"cma write to {p.id} (process {p.pid}) failed after {total} bytes: {cause}")
+                cause = _WHY.get(err, os.strerror(err)) if n < 0 else f"moved {n} of {nbytes} bytes (a span not mapped)"
+                raise TransportError(f"cma {op} {p.id} (process {p.pid}) failed after {total} bytes: {cause}")
             total += n
+        return total
+
+    def _send(self, p: _Peer, calls, notification: bytes) -> _Done:
+        if len(notification) > _MAX_NOTIFICATION:
+            raise TransportError(f"cma: a notification of {len(notification)} bytes; at most {_MAX_NOTIFICATION}")
+        total = self._copy(p, calls, _writev, "write to")
         try:
             p.notes.sendall(_frame(notification))
         except OSError as e:  # a timeout: it stopped reading; EPIPE: it closed
             raise TransportError(f"cma: notification to {p.id} not sent: {e}") from e
-        return _Write(total)
+        return _Done(total)
 
     def write(self, peer, local, remote, notification, ticket=b""):
-        p, calls = self._calls(peer, local, remote)
+        p, calls = self._calls(peer, local, remote, "write to")
         return self._send(p, calls, notification)
 
     def prepare_write(self, peer, local, remote, notification, ticket=b""):
-        p, calls = self._calls(peer, local, remote)  # the iovecs are built now, the copy at post
+        p, calls = self._calls(peer, local, remote, "write to")  # the iovecs are built now, the copy at post
         return ReadyWrite(lambda: self._send(p, calls, notification))
 
-    def prepare(self, peer, spans):
-        try:
-            spans.check("prepared spans")
-        except ValueError as e:
-            raise TransportError(f"cma: {e}") from e
-        if peer is not None:
-            self._checked(peer, spans)
-        return _Prepared(spans.addresses(), spans.lengths)  # the addresses once, not at every write
-
-    def write_prepared(self, peer, local, local_index, remote, remote_index, notification, ticket=b""):
-        li, ri = np.asarray(local_index, dtype=np.int64), np.asarray(remote_index, dtype=np.int64)
-        if len(li) != len(ri) or np.any(local.lengths[li] != remote.lengths[ri]):
-            raise TransportError(f"cma write to {peer}: prepared spans differ in count or lengths")
-        calls = plan_calls(local.addresses[li], remote.addresses[ri], local.lengths[li])
-        return self._send(self._peer(peer), calls, notification)
+    def read(self, peer, local, remote, ticket=b""):
+        """The read runs on one of this transport's threads (``READ_THREADS``; the call releases the GIL),
+        so a reader of several peers copies from them in parallel, and its caller goes on meanwhile."""
+        p, calls = self._calls(peer, local, remote, "read from")
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(READ_THREADS, thread_name_prefix="kvstage-cma-read")
+        return self._pool.submit(self._copy, p, calls, _readv, "read from")
 
     def poll(self, handle) -> WriteState:
+        if isinstance(handle, Failed):
+            raise TransportError(handle.cause)
+        if isinstance(handle, Future):
+            if not handle.done():
+                return WriteState.PENDING
+            handle.result()  # the peer's fault, raised here as TransportError
         return WriteState.DONE
+
+    def abandon(self, handle) -> bool:
+        """A read not started is cancelled; one whose call runs ends with it (True once it returned)."""
+        return not isinstance(handle, Future) or handle.cancel() or handle.done()
 
     def release(self, handle) -> None:
         pass
@@ -394,6 +404,8 @@ class CmaTransport(Transport):
         for w in self._inbound:
             w.conn.close()
         self._inbound.clear()
+        if self._pool is not None:  # reads still running end first: they copy into memory freed after this
+            self._pool.shutdown(wait=True, cancel_futures=True)
         self._regions.clear()
         self._keep.clear()
         self._listener.close()

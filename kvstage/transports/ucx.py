@@ -6,25 +6,42 @@ predecessor ucx-py is archived. kvstage uses UCXX's synchronous layer
 send/receive, ``worker.progress()``) and drives progress from the endpoint's
 own loop thread, like NIXL: no progress thread, no asyncio.
 
-Two-sided, so a byte lands only where the receiver posted a receive:
+Two-sided, so a byte moves only where both sides posted the matching message:
 
-- the receiver calls ``expect(peer, spans)`` when it grants memory; that posts
-  one tag receive per span, with tags ``base .. base+n-1`` from a counter that
-  never repeats in this process, and returns the ticket ``(base, n)``;
-- the writer's ``write(peer, local, remote, notification, ticket)`` sends span
-  ``i`` with tag ``base+i``, then a notification message (tag ``_NOTIF_TAG``)
-  naming the ticket and the writer;
-- the receiver hands the notification out of ``notifications()`` only when
-  every receive of that ticket has completed: the same guarantee as a NIXL
-  notification (it arrives after the bytes).
+- a write: the receiver calls ``expect(peer, spans)`` when it grants memory;
+  that posts one tag receive per span, with tags ``base .. base+n-1`` from a
+  counter that never repeats in this process, and returns the ticket
+  ``(base, n)``; the writer's ``write(..., ticket)`` sends span ``i`` with tag
+  ``base+i``, then a notification message (tag ``_NOTIF_TAG``) naming the
+  ticket and the writer, which the receiver hands out of ``notifications()``
+  only once every receive of that ticket has completed (it arrives after the
+  bytes, as with NIXL);
+- a read, the same reversed: the source's ``offer(peer, spans)`` posts one tag
+  send per span, tags from the same counter marked ``_OFFER_BIT`` and carrying
+  this endpoint's random offer key (in its metadata: a reader refuses a ticket
+  without its source's key, and two sources' offers share no tag unless their
+  keys and counters both collide), and returns the ticket; the reader's
+  ``read(..., ticket)`` posts the matching receives into its spans.
 
-Tags never repeat, so a stale message can never match a later grant's
-receive. The UCX context runs with ``RNDV_THRESH=0`` (every message uses the
-rendezvous protocol): a send then completes only once the receiver matched it
-and the bytes moved, so a completed write means landed bytes, as it does with
-NIXL, and the protocol's "no write of mine is in flight" (abort_ack) stays true.
-``RNDV_SCHEME=put_zcopy`` (unless ``UCX_RNDV_SCHEME`` is set) makes each sender
-write its own bytes, as NIXL's writers do.
+Tags never repeat, so a stale message can never match a later receive. The UCX
+context runs with ``RNDV_THRESH=0`` (every message uses the rendezvous
+protocol): a send then completes only once the receiver matched it and the
+bytes moved, so a completed write means landed bytes, as it does with NIXL,
+and the protocol's "no write of mine is in flight" (abort_ack) stays true.
+
+``RNDV_SCHEME=get_zcopy`` (unless ``UCX_RNDV_SCHEME`` is set): the receiver
+fetches each message's bytes from the sender's memory (cma, cuda_ipc, RDMA
+get) once it matched the sender's rendezvous request, so a read completes
+while the source's process is stopped or busy; its progress only completes
+the offer's handle. ``put_zcopy`` (the sender writes, as NIXL's writers do)
+needs the sender's process for every byte. Writes work the same under
+get_zcopy, with the receiver now doing every writer's copy. Two conditions
+for a stopped source: its endpoint resolved the peer's once (``connect`` sends
+a hello message for that: a first rendezvous otherwise waits for a wireup
+reply the stopped process never reads), and every rendezvous request of the
+offer left this process, which a shared-memory receive FIFO caps at its size:
+``MM_FIFO_SIZE`` below (UCX's default, 256, held 254 requests; the rest wait
+in this side's queue for its next progress).
 """
 
 from __future__ import annotations
@@ -39,31 +56,47 @@ import threading
 import uuid
 import weakref
 
-import numpy as np
-
 from kvstage.errors import TransportError
 from kvstage.transports.base import Region, Spans, Transport, WriteState
 
 log = logging.getLogger(__name__)
 
-_MD_MAGIC = b"KVSTAGE-UCX1\n"
+_MD_MAGIC = b"KVSTAGE-UCX2\n"
 _NOTIF_MAGIC = b"KVN1"
+_HELLO_MAGIC = b"KVH1"  # a notification message that only resolves the endpoint (``connect``)
 _NOTIF_TAG = (1 << 63) | 0x4B5653  # data tags stay below 1 << 62
+_TAG_BITS = 41  # counter bits of a data tag: expect's tags are the counter itself
+_OFFER_BIT = 1 << 62  # offer tags: this bit, the offering endpoint's key, the counter
+_KEY_BITS = 62 - _TAG_BITS
 _NOTIF_MAX = 4096  # bytes of one notification message, header included
 _NOTIF_POSTED = 16  # notification receives kept posted
 _MAX_DISCARD = 1 << 16  # messages of one stray write received and thrown away
 _TICKET = struct.Struct("!QI")  # first tag, number of spans
 _HEAD = struct.Struct("!4sI12sH")  # magic, total length, ticket, sender id length
 _U16 = struct.Struct("!H")
+_U32 = struct.Struct("!I")
 #: environment variables ``import ucxx`` sets for Dask-style use; kvstage puts back what was there
 _UCXX_ENV = ("UCX_MEMTYPE_CACHE", "UCX_RNDV_THRESH", "UCX_RNDV_FRAG_MEM_TYPE", "UCX_CUDA_COPY_MAX_REG_RATIO")
 #: UCX options of kvstage's context (see the module docstring); always applied
 UCX_OPTIONS = {"RNDV_THRESH": "0"}
-#: applied unless the environment sets them (``UCX_<name>``): the sender writes into the
-#: receiver's buffer (cma, cuda_ipc, RDMA put), so every source rank copies its own bytes in
-#: parallel; the default lets the receiver read, and one destination then does every writer's
-#: copy itself (CPU, 4->1: bulk 4.3 GB/s vs 13.1 with put_zcopy, NIXL 12.6)
-UCX_DEFAULTS = {"RNDV_SCHEME": "put_zcopy"}
+#: applied unless the environment sets them (``UCX_<name>``): the receiver fetches the bytes (reads
+#: complete while the source is stopped); a shared-memory receive FIFO holds the rendezvous requests
+#: of an offer of that many spans (128 bytes each, per interface); and the shared-memory transports
+#: claim what UCX's error handling asks of them (``ERROR_HANDLING``): posix/sysv the support UCX 1.21
+#: keeps off by default (their keepalive checks the peer's pid), cma the memory invalidation it asks
+#: of a rendezvous lane (a dead peer's process holds nothing that could be written later)
+UCX_DEFAULTS = {"RNDV_SCHEME": "get_zcopy", "MM_FIFO_SIZE": "8192", "MM_ERROR_HANDLING": "y",
+                "CMA_MEMORY_INVALIDATE": "y"}
+#: added to ``UCX_DEFAULTS`` where this process sees a GPU (UCX refuses an option of a component it did
+#: not load): cuda_ipc's get, which UCX turns off where it sees no NVLink (one GPU, PCIe), so a fetch
+#: of device memory on one host would go over tcp (``nixl.UCX_ENGINE_CONFIG``)
+UCX_CUDA_DEFAULTS = {"CUDA_IPC_ENABLE_GET_ZCOPY": "on"}
+
+
+def _defaults() -> dict:
+    import torch
+
+    return UCX_DEFAULTS | (UCX_CUDA_DEFAULTS if torch.cuda.is_available() else {})
 
 
 def load_ucxx():
@@ -114,11 +147,13 @@ class _Expected:
         self.peer, self.base, self.count, self.requests, self.buffers = peer, base, count, requests, buffers
 
 
-class _Write:
-    __slots__ = ("peer", "requests", "buffers", "failed", "__weakref__")
+class _Transfer:
+    """A write, an offer or a read: its requests, and the buffers UCX reads or fills until they end."""
 
-    def __init__(self, peer, requests, buffers):
-        self.peer, self.requests, self.buffers, self.failed = peer, requests, buffers, None
+    __slots__ = ("peer", "what", "requests", "buffers", "failed", "__weakref__")
+
+    def __init__(self, peer, what, requests, buffers):
+        self.peer, self.what, self.requests, self.buffers, self.failed = peer, what, requests, buffers, None
 
 
 def _error_of(request) -> str | None:
@@ -129,23 +164,40 @@ def _error_of(request) -> str | None:
     return None
 
 
-#: UCX's peer-failure handling on endpoints stays off: with it UCX 1.21 moves host-to-host bytes of one
-#: host over tcp/lo (about 7x slower) and may finish a send eagerly before the bytes landed, which the
-#: protocol's completion relies on; without it ``disconnect`` (called when a peer's control connection
-#: closes) fails a dead peer's writes, which is all kvstage needs
-ERROR_HANDLING = False
+def _canceller():
+    """UCXX 0.52's Python requests have no ``cancel``; its C++ ``ucxx::Request::cancel`` (exported by
+    libucxx, which ``import ucxx`` loaded) calls ``ucp_request_cancel``, which ends a tag receive that
+    no message has matched yet (and nothing else). None where the symbol is not there."""
+    try:
+        fn = ctypes.CDLL("libucxx.so")._ZN4ucxx7Request6cancelEv
+    except (OSError, AttributeError):
+        return None
+    fn.restype, fn.argtypes = None, [ctypes.c_void_p]
+    return fn
+
+
+#: UCX's peer-failure handling on endpoints is on: without it a receiver fetching from a process that
+#: died (cma's process_vm_readv failing with ESRCH) is aborted by UCX, and with get_zcopy every read and
+#: write fetches. UCX 1.21 uses cma and shared memory with it only given ``UCX_DEFAULTS``' last two;
+#: without them it moved host bytes over tcp/lo (about 7x slower), eagerly, a send done before the
+#: bytes landed
+ERROR_HANDLING = True
 
 
 class UcxTransport(Transport):
     name = "ucx"
     one_sided = False
+    reads_offered = True
+    #: one rendezvous message per span: ~9-12 us each on the CPU machine (512 B and 4 KiB alike); on CUDA
+    #: not measured, charged NIXL's 12 us per cuda_ipc descriptor as the least it can be
+    read_span_cost_s = {"cuda": 12e-6, "cpu": 10e-6}
 
     def __init__(self, label: str = "kvstage"):
         self._api, self._Array = load_ucxx()
         api = self._api
         self._id = f"{label}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         try:
-            options = {k: v for k, v in UCX_DEFAULTS.items() if f"UCX_{k}" not in os.environ} | UCX_OPTIONS
+            options = {k: v for k, v in _defaults().items() if f"UCX_{k}" not in os.environ} | UCX_OPTIONS
             self._ctx = api.UCXContext(options, feature_flags=(api.Feature.TAG,))
             self._worker = api.UCXWorker(self._ctx, enable_delayed_submission=False, enable_python_future=False)
         except Exception as e:
@@ -155,12 +207,16 @@ class UcxTransport(Transport):
         self._registered: list = []
         self._cuda_devices: set[int] = set()
         self._thread_cuda = threading.local()
-        self._next_tag = random.randrange(1, 1 << 40)
+        self._next_tag = random.randrange(1, 1 << (_TAG_BITS - 2))
+        self._offer_key = random.randrange(1 << _KEY_BITS)
+        self._peer_keys: dict[str, int] = {}  # peer -> the key its offers' tags carry
+        self._hellos: list = []  # (request, buffer) of each connect's hello until it completed
+        self._cancel = _canceller()
         self._expected: dict[int, _Expected] = {}
         self._held: list[tuple[str, int, int, bytes]] = []  # (sender, base, count, notification)
         self._discards: list = []  # (request, 1-byte buffer) receiving stray messages
-        self._writes: dict[str, weakref.WeakSet] = {}  # peer -> its writes not yet released
-        self._orphans: list = []  # buffers of writes failed while UCX still held them
+        self._transfers: dict[str, weakref.WeakSet] = {}  # peer -> its writes, offers, reads not yet released
+        self._orphans: list = []  # buffers of transfers failed while UCX still held them
         self._closed_eps: list = []  # endpoints closed by disconnect, kept alive until close()
         self._notif = [self._post_notif(bytearray(_NOTIF_MAX)) for _ in range(_NOTIF_POSTED)]
 
@@ -230,38 +286,56 @@ class UcxTransport(Transport):
 
     def metadata(self) -> bytes:
         ident = self._id.encode()
-        return _MD_MAGIC + _U16.pack(len(ident)) + ident + self._address
+        return _MD_MAGIC + _U16.pack(len(ident)) + ident + _U32.pack(self._offer_key) + self._address
 
     def connect(self, peer_metadata: bytes) -> str:
         md = bytes(peer_metadata)
         if not md.startswith(_MD_MAGIC):
             raise TransportError(
-                "ucx: the peer's metadata is not from a kvstage UCX transport (is the peer running "
-                "transport=nixl? both sides must use the same KVSTAGE_TRANSPORT)"
+                "ucx: the peer's metadata is not from a kvstage UCX transport of this version (is the peer "
+                "running transport=nixl? both sides must use the same KVSTAGE_TRANSPORT)"
             )
         at = len(_MD_MAGIC)
         (n,) = _U16.unpack_from(md, at)
         peer = md[at + 2 : at + 2 + n].decode()
-        address = md[at + 2 + n :]
+        (key,) = _U32.unpack_from(md, at + 2 + n)
+        address = md[at + 6 + n :]
         if peer in self._eps:
             return peer
         try:
             addr = self._api.UCXAddress.create_from_buffer(bytearray(address))
-            self._eps[peer] = self._worker.create_endpoint_from_worker_address(addr, ERROR_HANDLING)
+            ep = self._worker.create_endpoint_from_worker_address(addr, ERROR_HANDLING)
         except Exception as e:
             raise TransportError(f"ucx: could not reach peer {peer} from its worker address: {type(e).__name__}: {e}") from e
+        self._eps[peer], self._peer_keys[peer] = ep, key
+        self._hello(peer, ep)
         return peer
 
+    def _hello(self, peer: str, ep) -> None:
+        """A small message the peer's notification receives take and drop: its rendezvous makes UCX
+        resolve the peer's endpoint now, while both processes run, so that no later offer waits on it."""
+        ident = self._id.encode()
+        total = _HEAD.size + len(ident)
+        buf = bytearray(_HEAD.pack(_HELLO_MAGIC, total, bytes(_TICKET.size), len(ident)) + ident)
+        try:
+            self._hellos.append((ep.tag_send(self._Array(buf), self._api.UCXXTag(_NOTIF_TAG)), buf))
+        except Exception as e:  # the first offer or write then resolves it
+            log.debug("ucx: hello to %s not sent: %s", peer, e)
+
     def disconnect(self, peer: str) -> None:
-        for w in self._writes.pop(peer, ()):  # without UCX error handling nothing else ever ends them
-            if not all(r.completed for r in w.requests):
-                w.failed = f"peer {peer} disconnected before the write completed"
+        for t in self._transfers.pop(peer, ()):  # a live peer's never end, nor a read's receives ever
+            if not all(r.completed for r in t.requests):
+                if t.what == "read from":
+                    self._cancel_receives(t)
+                t.failed = f"peer {peer} disconnected before the {t.what.split()[0]} completed"
+        self._peer_keys.pop(peer, None)
         ep = self._eps.pop(peer, None)
         if ep is not None:
             # non-blocking: a blocking close of an endpoint whose peer died crashed UCXX 0.52 (segfault);
             # the endpoint object lives until the worker goes, so the close never outlives it
             try:
-                ep.close()
+                if ep.alive:  # a failed endpoint's close() returns a null request that segfaults when freed
+                    ep.close()
             except Exception as e:  # already gone is fine
                 log.debug("ucx: closing the endpoint to %s: %s", peer, e)
             self._closed_eps.append(ep)
@@ -270,16 +344,25 @@ class UcxTransport(Transport):
     def id(self) -> str:
         return self._id
 
+    def _tags(self, n: int) -> int:
+        """``n`` tags never used before in this process: the first of them."""
+        base = self._next_tag
+        if base + n >= 1 << _TAG_BITS:
+            raise TransportError(f"ucx: tags exhausted (2**{_TAG_BITS} messages matched by this process)")
+        self._next_tag += n
+        return base
+
+    def _track(self, t: _Transfer) -> _Transfer:
+        self._transfers.setdefault(t.peer, weakref.WeakSet()).add(t)
+        return t
+
     def expect(self, peer: str, spans: Spans) -> bytes:
         try:
             spans.check("expected spans")
         except ValueError as e:
             raise TransportError(f"ucx expect from {peer}: {e}") from e
         n = len(spans)
-        base = self._next_tag
-        self._next_tag += n
-        if self._next_tag >= 1 << 62:
-            raise TransportError("ucx: receive tags exhausted (2**62 receives posted by this process)")
+        base = self._tags(n)
         buffers = self._buffers(spans)
         tag = self._api.UCXXTag
         try:
@@ -318,39 +401,91 @@ class UcxTransport(Transport):
             requests.append(ep.tag_send(self._Array(note), tag(_NOTIF_TAG)))
         except Exception as e:
             raise TransportError(f"ucx write to {peer} could not be posted: {type(e).__name__}: {e}") from e
-        w = _Write(peer, requests, buffers)
-        self._writes.setdefault(peer, weakref.WeakSet()).add(w)
-        return w
+        return self._track(_Transfer(peer, "write to", requests, buffers))
 
-    def prepare(self, peer, spans):
+    def offer(self, peer, local):
         try:
-            spans.check("prepared spans")
+            local.check("offered spans")
         except ValueError as e:
-            raise TransportError(f"ucx could not prepare {len(spans)} spans for {peer or 'local'}: {e}") from e
-        return spans
+            raise TransportError(f"ucx offer to {peer}: {e}") from e
+        ep = self._eps.get(peer)
+        if ep is None:
+            raise TransportError(f"ucx offer to {peer}: peer not connected")
+        n = len(local)
+        base = _OFFER_BIT | (self._offer_key << _TAG_BITS) | self._tags(n)
+        buffers = self._buffers(local)
+        tag = self._api.UCXXTag
+        try:
+            requests = [ep.tag_send(self._Array(b), tag(base + i)) for i, b in enumerate(buffers)]
+        except Exception as e:
+            raise TransportError(f"ucx offer to {peer} could not be posted: {type(e).__name__}: {e}") from e
+        return _TICKET.pack(base, n), self._track(_Transfer(peer, "offer to", requests, buffers))
 
-    def write_prepared(self, peer, local, local_index, remote, remote_index, notification, ticket=b""):
-        def pick(s: Spans, idx) -> Spans:
-            idx = np.asarray(idx, dtype=np.int64)
-            return Spans(s.regions, s.index[idx], s.offsets[idx], s.lengths[idx])
-
-        return self.write(peer, pick(local, local_index), pick(remote, remote_index), notification, ticket)
+    def read(self, peer, local, remote, ticket=b""):
+        try:
+            Spans.check_pair(local, remote)
+        except ValueError as e:
+            raise TransportError(f"ucx read from {peer}: {e}") from e
+        key = self._peer_keys.get(peer)
+        if key is None:
+            raise TransportError(f"ucx read from {peer}: peer not connected")
+        if len(ticket) != _TICKET.size:
+            raise TransportError(
+                f"ucx read from {peer}: ticket={bytes(ticket)!r} is not a ticket from the peer's offer(); "
+                "UCX is two-sided, the peer must post sends of these spans first"
+            )
+        base, count = _TICKET.unpack(ticket)
+        if not base & _OFFER_BIT or (base >> _TAG_BITS) & ((1 << _KEY_BITS) - 1) != key:
+            raise TransportError(f"ucx read from {peer}: the ticket is not one of {peer}'s offers")
+        if count != len(local):
+            raise TransportError(f"ucx read from {peer}: {len(local)} spans, but the peer offered {count}")
+        buffers = self._buffers(local)
+        tag = self._api.UCXXTag
+        try:
+            requests = [self._worker.tag_recv(self._Array(b), tag(base + i)) for i, b in enumerate(buffers)]
+        except Exception as e:
+            raise TransportError(f"ucx: posting {count} receives for {peer} failed: {type(e).__name__}: {e}") from e
+        return self._track(_Transfer(peer, "read from", requests, buffers))
 
     def poll(self, handle) -> WriteState:
         if handle.failed:
-            raise TransportError(f"UCX write to {handle.peer} failed: {handle.failed}")
+            raise TransportError(f"UCX {handle.what} {handle.peer} failed: {handle.failed}")
         self._progress()
         if not all(r.completed for r in handle.requests):
+            ep = self._eps.get(handle.peer)
+            if handle.what == "read from" and ep is not None and not ep.alive:
+                # UCX fails the endpoint's own sends; receives are the worker's and would wait forever
+                self._cancel_receives(handle)
+                handle.failed = f"UCX found peer {handle.peer} gone"
+                raise TransportError(f"UCX read from {handle.peer} failed: {handle.failed}")
             return WriteState.PENDING
         for r in handle.requests:
             err = _error_of(r)
             if err:
-                raise TransportError(f"UCX write to {handle.peer} failed: {err}")
+                raise TransportError(f"UCX {handle.what} {handle.peer} failed: {err}")
         return WriteState.DONE
 
+    def abandon(self, handle) -> bool:
+        """A read's receives that no message matched yet are cancelled (nothing can land in them
+        later); matched ones are fetching and end by themselves. An offer's sends cannot be
+        cancelled (UCX cancels receives only): it ends when the reader took it, or fails at
+        ``disconnect``, after which a live reader holding its ticket could still take the bytes."""
+        self._progress()
+        if handle.what == "read from":
+            self._cancel_receives(handle)
+        return all(r.completed for r in handle.requests)
+
+    def _cancel_receives(self, t: _Transfer) -> None:
+        if self._cancel is None:
+            return
+        for r in t.requests:
+            if not r.completed:
+                self._cancel(r.ucxx_ptr)
+        self._progress()  # cancelled receives complete (UCS_ERR_CANCELED) in the next progress
+
     def release(self, handle) -> None:
-        self._writes.get(handle.peer, set()).discard(handle)
-        if handle.failed:  # UCX may still hold the buffers: keep them alive with the transport
+        self._transfers.get(handle.peer, set()).discard(handle)
+        if not all(r.completed for r in handle.requests):  # UCX may still hold the buffers: keep them alive
             self._orphans.append(handle.buffers)
         handle.requests, handle.buffers = [], []
 
@@ -366,6 +501,7 @@ class UcxTransport(Transport):
                 self._take_notif(buf)
             self._notif[i] = self._post_notif(buf)
         self._discards = [(r, b) for r, b in self._discards if not r.completed]
+        self._hellos = [(r, b) for r, b in self._hellos if not r.completed]
         out, still = [], []
         for sender, base, count, note in self._held:
             exp = self._expected.get(base)
@@ -398,8 +534,10 @@ class UcxTransport(Transport):
     def _take_notif(self, buf: bytearray) -> None:
         try:
             magic, total, ticket, n = _HEAD.unpack_from(buf, 0)
-            if magic != _NOTIF_MAGIC or not _HEAD.size + n <= total <= _NOTIF_MAX:
+            if magic not in (_NOTIF_MAGIC, _HELLO_MAGIC) or not _HEAD.size + n <= total <= _NOTIF_MAX:
                 raise ValueError("bad header")
+            if magic == _HELLO_MAGIC:  # its work was done when UCX matched it
+                return
             sender = bytes(buf[_HEAD.size : _HEAD.size + n]).decode()
             note = bytes(buf[_HEAD.size + n : total])
             base, count = _TICKET.unpack(ticket)
@@ -420,6 +558,7 @@ class UcxTransport(Transport):
         for _ in range(10):
             self._progress()
         self._closed_eps.clear()
+        self._hellos.clear()
         self._expected.clear()
         self._held.clear()
         self._discards.clear()

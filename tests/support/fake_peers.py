@@ -1,13 +1,21 @@
 """Peers that speak the control protocol by hand, around a real NIXL agent:
 ``FakeSource`` talks to a real ``Destination``, ``FakeDestination`` to a real
-``Source``. Tests use them to send what a real peer never would (hostile
-notices and grants) and to hold a protocol step still (grants not yet written).
+``Source``. Both run the real handshake (hello with a nonce, welcome with its
+proof, offer, the destination's first read, opened); tests use them to send
+what a real peer never would (hostile ``ready``, ``chunk``, ``read``, ``done``
+and ``abort`` messages) and to hold a protocol step still (a chunk not
+announced, a read not reported).
+
+Bytes are the reference cache's (``bench.reference``): a fake source writes
+a chunk's reference bytes into its arena by plain indexing, not through the
+copiers under test, and a fake destination checks what it reads against them.
 """
 
 from __future__ import annotations
 
-import base64
-import json
+import os
+import secrets
+import select
 import socket
 import threading
 import time
@@ -16,159 +24,279 @@ import numpy as np
 import torch
 
 from support import fault_ranks as fr
-from kvstage.bench.reference import fill_shard
+from kvstage.bench.reference import fill_shard, full_buffer
 from kvstage.config import Settings
+from kvstage.errors import ProtocolError
 from kvstage.layout import PageLayout, pages_needed
-from kvstage.protocol.handshake import md_from_wire, md_to_wire, spec_from_wire, spec_to_wire
+from kvstage.protocol.handshake import proof, spec_from_wire, spec_to_wire
+from kvstage.protocol.messages import (PROTOCOL_VERSION, Hello, Message, Offer, Opened, Welcome, decode)
 from kvstage.protocol.source import Source
-from kvstage.protocol.wire import PROTOCOL_VERSION, Connection, encode_notice
+from kvstage.protocol.wire import Connection
 from kvstage.staging.cache import RankCache
-from kvstage.staging.copy import TokenIndex, gather
 from kvstage.tp import SideSpec, plan
 from kvstage.transports.base import Region, Spans, WriteState
 from kvstage.transports.nixl import NixlTransport
 
-def expect_reversed(dst, req: str, tokens: int, first_page: int):
-    """``dst.expect`` of ``tokens`` into pages ``first_page..`` in reverse order (not a trivial mapping)."""
-    ids = np.arange(first_page, first_page + pages_needed(tokens, 4))[::-1].copy()
-    return dst.expect(req, ids, tokens), ids
+TOKEN = "s3cret"
+#: a fake source's arena: four 16 KiB slots of chunks (32 tokens of a TP-1 shard of ``fr.GEO``)
+ARENA_BYTES = 1 << 16
 
 
-class FakeSource:
-    """Source rank 0 of TP 1 speaking the protocol by hand (``spec``: another TP 1
-    layout, e.g. the destination's own paging for the direct path)."""
+def reference_chunk(seed: int, spec: SideSpec, start: int, count: int, order: str = "tokens",
+                    rank: int = 0) -> torch.Tensor:
+    """The bytes of tokens ``start .. start + count`` of rank ``rank``'s whole shard of the reference cache, as a
+    read-path chunk holds them (``staging.region``): ``tokens`` [buffers][rows][heads][head bytes], ``heads``
+    [heads][buffers][rows][head bytes]. Plain indexing of ``bench.reference``, independent of the copiers."""
+    g, rank_heads = spec.geometry, spec.heads_of(rank)
+    cols = torch.stack([full_buffer(seed, b, start + count, rank_heads.stop, g.head_bytes(), rank_heads.start)[start:]
+                        for b in range(g.buffers)])  # [buffers][rows][heads][head bytes]
+    if order == "heads":
+        cols = cols.permute(2, 0, 1, 3)
+    return cols.contiguous().reshape(-1)
 
-    def __init__(self, address, token: str, spec=None):
-        self.spec = spec or fr.src_spec(1)
-        self.cache = RankCache.allocate(self.spec, 0, 64)
-        self.agent = NixlTransport("hostile-src")
-        self.buf = torch.zeros(1 << 16, dtype=torch.uint8)
-        self.local = self.agent.register(self.buf)
-        self.conn = Connection(socket.create_connection(address, timeout=10), "destination")
-        self.conn.send({"type": "hello", "version": PROTOCOL_VERSION, "token": token, "engine": "", "spec": spec_to_wire(self.spec),
-                        "rank": 0, "agent": self.agent.id, "metadata": md_to_wire(self.agent.metadata()),
-                        "slot_bytes": 16384})
-        welcome = self.conn.recv()
-        assert welcome["type"] == "welcome", welcome
-        self.welcome = welcome
-        self.peer = self.agent.connect(md_from_wire(welcome["metadata"]))
-        self.arena = Region.from_wire(welcome["arena"])
-        p = plan(self.spec, spec_from_wire(welcome["spec"]))
-        (self.piece,) = p.targets_of(0)
-        self.token_bytes = p.piece_token_bytes(self.piece)
-        self.stash: list[dict] = []
-        self.pages: dict[str, np.ndarray] = {}
-        self.next_page = 0
 
-    def announce(self, req: str, tokens: int, seed: int, say: bool = True) -> None:
-        """Fill the request's pages and (``say``) send its ``ready``."""
-        n = pages_needed(tokens, self.spec.page.page_size)
-        self.pages[req] = np.arange(self.next_page, self.next_page + n)
-        self.next_page = (self.next_page + n) % (self.cache.pages - n)
-        fill_shard(self.cache, seed, self.pages[req], tokens)
-        if say:
-            self.conn.send({"type": "ready", "req": req, "tokens": tokens})
+def _wait_read(agent, handle, what: str, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while agent.poll(handle) is not WriteState.DONE:
+        assert time.monotonic() < deadline, f"{what} did not complete"
+    agent.release(handle)
 
-    def ping(self) -> None:
-        """A ping saying this source's loop just turned, as a running source's pinger sends each second."""
-        self.conn.send({"type": "ping", "loop_s": 0.0})
 
-    def message(self, match, timeout: float = 10) -> dict:
-        """The first control message ``match`` accepts within ``timeout`` seconds
-        (``TimeoutError`` after); others are kept for later."""
-        for m in self.stash:
-            if match(m):
-                self.stash.remove(m)
-                return m
+class _Peer:
+    """A raw control connection and a NIXL agent: messages in and out, by hand."""
+
+    conn: Connection
+    agent: NixlTransport
+
+    def send(self, msg) -> None:
+        """Send a typed message or a raw dict (what a real peer never would)."""
+        self.conn.send(msg.to_wire() if isinstance(msg, Message) else msg)
+
+    def message(self, match=lambda m: True, timeout: float = 10.0) -> dict:
+        """The first control message ``match`` accepts within ``timeout`` seconds (pings are skipped;
+        ``TimeoutError`` after), as the raw dict the peer sent. The agent is driven meanwhile, as a
+        real endpoint's loop drives its transport (a peer's first read of this agent needs it)."""
         deadline = time.monotonic() + timeout
-        while True:  # a deadline, not a per-read timeout: the destination's pings never stop
-            self.conn.sock.settimeout(max(deadline - time.monotonic(), 1e-3))
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(f"no matching message within {timeout} s")
+            if not select.select([self.conn.sock], [], [], min(left, 0.001))[0]:
+                self.agent.notifications()
+                continue
+            self.conn.sock.settimeout(max(left, 1e-3))
             m = self.conn.recv()
-            if match(m):
+            if m["type"] != "ping" and match(m):
                 return m
-            self.stash.append(m)
 
-    def grant(self, req: str, chunk: int, timeout: float = 10) -> dict:
-        return self.message(lambda m: m["type"] == "grant" and m["req"] == req and m["chunk"] == chunk, timeout)
+    def about(self, req: str, timeout: float = 10.0) -> dict:
+        """The next message (an error, an abort, a read...) naming request ``req``."""
+        return self.message(lambda m: m.get("req") == req, timeout)
 
-    def error(self) -> str:
-        m = self.message(lambda m: m["type"] == "error" and m.get("about") == "landed")
-        return m["reason"]
+    def error(self, timeout: float = 10.0) -> dict:
+        return self.message(lambda m: m["type"] == "error", timeout)
 
-    def write(self, req: str, grant: dict, notice: bytes | None = None, *, offset: int | None = None,
-              nbytes: int | None = None, chunk: int | None = None) -> None:
-        """Gather the granted tokens and write them: at ``offset`` (default: the grant's),
-        ``nbytes`` of them (default: all), with ``notice`` (default: the honest one)."""
-        offset = grant["offset"] if offset is None else offset
-        nbytes = grant["count"] * self.token_bytes if nbytes is None else nbytes
-        idx = TokenIndex(self.cache, self.pages[req], grant["start"], grant["count"])
-        gather(self.cache, idx, self.piece.src_offset, self.piece.heads.count, self.buf[: grant["count"] * self.token_bytes])
-        if notice is None:
-            notice = encode_notice(req, grant["chunk"] if chunk is None else chunk, 0, offset, nbytes)
-        h = self.agent.write(self.peer, Spans.single(self.local, [0], [nbytes]), Spans.single(self.arena, [offset], [nbytes]), notice)
-        deadline = time.monotonic() + 10
-        while self.agent.poll(h) is not WriteState.DONE:
-            assert time.monotonic() < deadline, "write did not complete"
-        self.agent.release(h)
+    def quiet(self, seconds: float = 0.3) -> list:
+        """Every message but pings that arrives within ``seconds``."""
+        got = []
+        end = time.monotonic() + seconds
+        while time.monotonic() < end:
+            try:
+                got.append(self.message(timeout=max(end - time.monotonic(), 1e-3)))
+            except TimeoutError:
+                break
+        return got
+
+
+class OneWelcome:
+    """A listener that answers one source's hello with ``welcome(hello)`` (a wire dict) and then, with
+    ``opened``, its offer with an ``opened`` (else it stays silent); ``after`` lists the types of the
+    messages that came after the welcome, until the source closed the connection."""
+
+    def __init__(self, welcome, opened: bool = False):
+        self.server = socket.create_server(("127.0.0.1", 0))
+        self.address = self.server.getsockname()
+        self.after: list = []
+        self.hello: dict | None = None
+        self._done = threading.Event()
+        threading.Thread(target=self._serve, args=(welcome, opened), daemon=True).start()
+
+    def _serve(self, welcome, opened: bool) -> None:
+        try:
+            sock, _ = self.server.accept()
+        except OSError:  # closed before any source came
+            self._done.set()
+            return
+        conn = Connection(sock, "source")
+        sock.settimeout(30)
+        try:
+            self.hello = conn.recv()
+            conn.send(welcome(self.hello))
+            while True:
+                kind = conn.recv()["type"]
+                self.after.append(kind)
+                if kind == "offer" and opened:
+                    conn.send(Opened(False, "").to_wire())
+        except (ConnectionError, OSError, ProtocolError):
+            pass
+        finally:
+            conn.close()
+            self._done.set()
+
+    def closed(self, timeout: float = 10.0) -> bool:
+        """Whether the source closed the connection within ``timeout``."""
+        return self._done.wait(timeout)
 
     def close(self) -> None:
-        self.conn.close()
+        self.server.close()
+
+
+def welcome_of(spec: SideSpec, hello: dict, token: str = TOKEN, **over) -> dict:
+    """A destination's welcome (rank 0 of ``spec``, transport nixl, the read path) to ``hello``, with its proof
+    of ``token``; ``over``: wire fields replaced."""
+    w = Welcome(PROTOCOL_VERSION, "", "", spec_to_wire(spec), 0, "nixl", b"", 16384, {}, ["read"], True,
+                proof(token, hello["nonce"]) if token else None).to_wire()
+    return {**w, **over}
+
+
+class FakeSource(_Peer):
+    """Source rank ``rank`` of ``spec`` (default TP 1, page size 16) of prefill engine ``engine``, spoken
+    by hand to a real destination at ``address``: a real NIXL agent whose arena (``ARENA_BYTES``) and KV
+    buffers (``offer_kv``) it offers, and which the destination reads; ``facts``: its hello's, as it likes."""
+
+    def __init__(self, address, *, token: str = TOKEN, spec: SideSpec | None = None, rank: int = 0,
+                 engine: str = "hostile", paths=("read", "pages", "direct"), offer_kv: bool = True, pages: int = 64,
+                 facts: dict | None = None):
+        self.spec = spec or fr.src_spec(1)
+        self.cache = RankCache.allocate(self.spec, rank, pages)
+        self.agent = NixlTransport(f"fake-src-{engine}{rank}")
+        try:
+            self.arena = torch.zeros(ARENA_BYTES, dtype=torch.uint8)
+            self.arena_region = self.agent.register(self.arena)
+            self.kv = [self.agent.register(b) for b in self.cache.buffers] if offer_kv else []
+            self.conn = Connection(socket.create_connection(address, timeout=10), "destination")
+            nonce = secrets.token_hex(16)
+            self.send(Hello(PROTOCOL_VERSION, token, engine, "", os.getuid(), spec_to_wire(self.spec), rank,
+                            self.agent.id, "nixl", self.agent.metadata(), 16384, facts or {}, {}, list(paths), nonce))
+            welcome = decode(self.message(timeout=10))
+            assert isinstance(welcome, Welcome), welcome
+            assert welcome.proof == (proof(token, nonce) if token else None), "the destination's proof is wrong"
+            self.welcome = welcome  # NIXL is one-sided: the destination reads, the source never loads its metadata
+            self.send(Offer(self.arena_region.to_wire(), [r.to_wire() for r in self.kv], None))
+            self.opened = self.message(lambda m: m["type"] in ("opened", "error"), timeout=10)
+            assert self.opened["type"] == "opened", self.opened
+        except BaseException:
+            self.close()
+            raise
+        self.dst = spec_from_wire(welcome.spec)
+        (self.piece,) = [p for p in plan(self.spec, self.dst).writers_of(welcome.rank) if p.src_rank == rank]
+
+    @property
+    def paths(self) -> list:
+        """The paths the destination allows this source (its welcome's)."""
+        return self.welcome.paths
+
+    def fill(self, seed: int, tokens: int, first_page: int = 0) -> list[int]:
+        """Write ``tokens`` tokens of the reference cache into consecutive pages from ``first_page`` of
+        this rank's cache (what the pages path reads); their ids."""
+        ids = np.arange(first_page, first_page + pages_needed(tokens, self.spec.page.page_size))
+        fill_shard(self.cache, seed, ids, tokens)
+        return ids.tolist()
+
+    def stage(self, seed: int, start: int, count: int, offset: int, order: str = "tokens") -> int:
+        """Write the reference bytes of tokens ``start .. start + count`` into this rank's arena at
+        ``offset``, as a gathered chunk; their size."""
+        data = reference_chunk(seed, self.spec, start, count, order, self.cache.rank)
+        self.arena[offset: offset + len(data)] = data
+        return len(data)
+
+    def ready(self, req: str, tokens: int, path: str, **fields) -> None:
+        self.send({"type": "ready", "req": req, "tokens": tokens, "path": path, **fields})
+
+    def chunk(self, req: str, index: int, offset: int, **fields) -> None:
+        self.send({"type": "chunk", "req": req, "index": index, "offset": offset, **fields})
+
+    def close(self) -> None:
+        if getattr(self, "conn", None) is not None:
+            self.conn.close()
         self.agent.close()
 
 
-class FakeDestination:
-    """Destination rank 0 of TP 1 spoken by hand: a real NIXL agent and arena
-    behind a raw control socket, with a real ``Source`` (rank 0 of ``src_spec``) connected to it."""
+class FakeDestination(_Peer):
+    """Destination rank 0 of TP 1 with page size 1 (never the direct path), spoken by hand: a real NIXL
+    agent behind a raw control socket, with a real ``Source`` (rank 0 of ``src_spec``, its pages filled
+    with the reference cache of ``seed``, ``path`` read by default) connected to it."""
 
-    def __init__(self, src_spec: SideSpec, **settings):
-        dst_spec = SideSpec(src_spec.geometry, 1, PageLayout(1))  # different paging: the staged path
+    def __init__(self, src_spec: SideSpec | None = None, *, token: str = TOKEN, seed: int = 7, paths=("read",),
+                 **settings):
+        src_spec = src_spec or fr.src_spec(1)
+        self.seed, self.spec = seed, SideSpec(src_spec.geometry, 1, PageLayout(1))
         self.agent = NixlTransport("fake-dst")
-        self.arena = torch.zeros(1 << 16, dtype=torch.uint8)
-        region = self.agent.register(self.arena)
+        self.buf = torch.zeros(ARENA_BYTES, dtype=torch.uint8)
+        self.region = self.agent.register(self.buf)
         self.server = socket.create_server(("127.0.0.1", 0))
-        box = {}
+        box: dict = {}
 
         def serve():
-            sock, _ = self.server.accept()
-            c = Connection(sock, "fake")
-            box["hello"] = c.recv()
-            c.send({"type": "welcome", "version": PROTOCOL_VERSION, "engine": "", "spec": spec_to_wire(dst_spec), "rank": 0,
-                    "metadata": base64.b64encode(self.agent.metadata()).decode(), "arena": region.to_wire(), "kv": [],
-                    "facts": {}})
-            box["conn"] = c
+            try:
+                sock, _ = self.server.accept()
+                self.conn = Connection(sock, "source")
+                sock.settimeout(10)
+                hello = decode(self.conn.recv())
+                self.hello = hello
+                self.send(Welcome(PROTOCOL_VERSION, "", "", spec_to_wire(self.spec), 0, "nixl", self.agent.metadata(),
+                                  16384, {}, list(paths), True, proof(token, hello.nonce) if token else None))
+                offer = decode(self.conn.recv())
+                self.offer = offer
+                self.peer = self.agent.connect(hello.metadata)
+                self.arena = Region.from_wire(offer.arena)
+                # the first read, as a real destination's: the source drives its transport until ``opened``
+                h = self.agent.read(self.peer, Spans.single(self.region, [0], [16]), Spans.single(self.arena, [0], [16]))
+                _wait_read(self.agent, h, "the first read of the source's arena")
+                self.send(Opened(False, "a fake destination opens nothing"))
+            except BaseException as e:  # handed to the constructor's thread
+                box["error"] = e
 
-        t = threading.Thread(target=serve)
+        t = threading.Thread(target=serve, daemon=True)
         t.start()
-        # peer_timeout_s: this fake destination does not ping like a real one
-        self.src = Source(RankCache.allocate(src_spec, 0, 32, fill=7),
-                          Settings(**({"arena_mb": 0.25, "peer_timeout_s": 600} | settings)))
-        self.src.connect([self.server.getsockname()])
-        t.join(5)
-        self.conn = box["conn"]
+        base = {"arena_mb": 0.25, "auth_token": token, "path": "read", "peer_timeout_s": 600}
+        try:
+            self.src = Source(RankCache.allocate(src_spec, 0, 32), Settings(**(base | settings)))
+        except BaseException:
+            self.server.close()
+            self.agent.close()
+            raise
+        try:
+            self.src.connect([self.server.getsockname()])
+            t.join(10)
+            assert "error" not in box, box.get("error")
+        except BaseException:
+            self.close()
+            raise
+        (self.piece,) = plan(src_spec, self.spec).targets_of(0)
 
-    def recv(self) -> dict:
-        """The next message that is not the source's once-a-second ping."""
-        while (m := self.conn.recv())["type"] == "ping":
-            pass
-        return m
+    def send_request(self, req: str, tokens: int, first_page: int = 0):
+        """``Source.send`` of ``tokens`` tokens of the reference cache (written into consecutive pages from
+        ``first_page`` first): the source's handle."""
+        ids = np.arange(first_page, first_page + pages_needed(tokens, self.src.spec.page.page_size))
+        fill_shard(self.src.cache, self.seed, ids, tokens)
+        return self.src.send(req, ids, tokens)
 
-    def landed(self, n: int) -> list[int]:
-        """The chunks of the next ``n`` landing notices."""
-        deadline = time.monotonic() + 10
-        got = []
-        while len(got) < n and time.monotonic() < deadline:
-            got += self.agent.notifications()
-        return sorted(json.loads(m)["chunk"] for _, m in got)
-
-    def held(self, want: int | None = None) -> int:
-        """Grants the source holds; with ``want``, once it holds that many (messages take a moment)."""
-        deadline = time.monotonic() + 5
-        while (n := self.src.stats().held_grants) != want and want is not None:
-            assert time.monotonic() < deadline, f"source holds {n} grants, not {want}"
-            time.sleep(0.01)
-        return n
+    def read_chunk(self, index: int, offset: int, ready: dict) -> bool:
+        """Read chunk ``index`` (at ``offset`` of the source's arena) of a read-path ``ready`` and say
+        whether its bytes are the reference's."""
+        start = index * ready["chunk_tokens"]
+        want = reference_chunk(self.seed, self.src.spec, start, min(ready["chunk_tokens"], ready["tokens"] - start),
+                               ready["order"])
+        h = self.agent.read(self.peer, Spans.single(self.region, [0], [len(want)]),
+                            Spans.single(self.arena, [offset], [len(want)]))
+        _wait_read(self.agent, h, f"the read of chunk {index}")
+        return bool(torch.equal(self.buf[: len(want)], want))
 
     def close(self) -> None:
-        self.src.close()
+        if getattr(self, "src", None) is not None:
+            self.src.close()
+        if getattr(self, "conn", None) is not None:
+            self.conn.close()
         self.server.close()
         self.agent.close()

@@ -1,7 +1,18 @@
-"""Rank processes for the fault suite (imported by spawned children)."""
+"""Rank processes for the fault suite (imported by spawned children).
+
+A rank process here is one endpoint (a ``Source`` or a ``Destination``) in a
+spawned process, driven by the test over a pipe (``Rank``): it answers each
+command once, and can stop itself right after a command (``send`` then
+SIGSTOP: a prefill rank that stops right after ``Source.send`` returned).
+Every request's bytes are the reference cache of a seed (``fill_shard``), so
+the test checks every byte it receives (``check``).
+"""
 
 from __future__ import annotations
 
+import multiprocessing as mp
+import os
+import signal
 import time
 
 import numpy as np
@@ -14,14 +25,15 @@ from kvstage.tp import SideSpec
 
 GEO = KVGeometry(2, 4, 16, "bfloat16")
 SETTINGS = dict(arena_mb=1 / 16, stall_timeout_s=5.0)  # 4 slots of 16 KiB: 32 tokens at TP 1
+CTX = mp.get_context("spawn")
 
 
-def src_spec(tp: int) -> SideSpec:
-    return SideSpec(GEO, tp, PageLayout(16))
+def src_spec(tp: int, geo: KVGeometry = GEO, page: int = 16) -> SideSpec:
+    return SideSpec(geo, tp, PageLayout(page))
 
 
-def dst_spec() -> SideSpec:
-    return SideSpec(GEO, 1, PageLayout(4))
+def dst_spec(tp: int = 1, geo: KVGeometry = GEO, page: int = 4) -> SideSpec:
+    return SideSpec(geo, tp, PageLayout(page))
 
 
 def until(cond, limit: float = 10.0) -> None:
@@ -52,6 +64,226 @@ class PagePool:
     def give(self, ids) -> None:
         self.free.extend(int(x) for x in ids)
         self.rng.shuffle(self.free)
+
+
+def check(cache, seed: int, ids, tokens: int) -> list[str]:
+    return check_shard(cache, seed, ids, tokens, untouched_fill=None)
+
+
+def free(st) -> bool:
+    """An endpoint's stats say nothing is held: every slot free, no request in flight, no late read."""
+    return st.slots_free == st.slots_total and st.requests == 0 and st.late_holds == 0
+
+
+def free_dict(st: dict) -> bool:
+    """``free`` of a rank process's stats (``stats_dict``)."""
+    return st["slots_free"] == st["slots_total"] and st["requests"] == 0 and st["late_holds"] == 0
+
+
+def stats_dict(st) -> dict:
+    return {"slots_free": st.slots_free, "slots_total": st.slots_total, "requests": st.requests, "peers": st.peers,
+            "engines": st.engines, "late_holds": st.late_holds}
+
+
+# -- a rank process driven over a pipe ------------------------------------------------------------
+
+class Rank:
+    """The test's side of a rank process (``source_rank`` or ``destination_rank``): ``call`` sends one
+    command and returns the answer; an ``error`` answer fails the test with the child's message."""
+
+    def __init__(self, target, *args):
+        self.conn, child = CTX.Pipe()
+        self.proc = CTX.Process(target=target, args=(child, *args), daemon=True)
+        self.proc.start()
+        child.close()
+        self.pid = self.proc.pid
+        self.recv(120, "start")
+
+    def call(self, *msg, timeout: float = 60.0):
+        self.conn.send(msg)
+        return self.recv(timeout, msg[0])
+
+    def post(self, *msg) -> None:
+        """Send a command whose answer ``recv`` takes later."""
+        self.conn.send(msg)
+
+    def recv(self, timeout: float = 60.0, what: str = "an answer"):
+        if not self.conn.poll(timeout):
+            raise AssertionError(f"rank process {self.pid} gave no answer to {what} within {timeout} s "
+                                 f"(exit code {self.proc.exitcode})")
+        got = self.conn.recv()
+        if got[0] == "error":
+            raise AssertionError(f"rank process {self.pid} failed at {what}: {got[1]}")
+        return got[1] if len(got) == 2 else got[1:]
+
+    def state(self) -> str:
+        """The process's state letter (R, S, T: stopped, Z, ...)."""
+        try:
+            with open(f"/proc/{self.pid}/stat") as f:
+                return f.read().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            return "gone"
+
+    def wait_stopped(self, timeout: float = 10.0) -> None:
+        until(lambda: self.state() == "T", timeout)
+
+    def stop(self) -> None:
+        os.kill(self.pid, signal.SIGSTOP)
+        self.wait_stopped()
+
+    def resume(self) -> None:
+        os.kill(self.pid, signal.SIGCONT)
+
+    def kill(self) -> float:
+        """SIGKILL; the monotonic time it was sent."""
+        t = time.monotonic()
+        os.kill(self.pid, signal.SIGKILL)
+        return t
+
+    def close(self) -> None:
+        if self.proc.is_alive():
+            try:
+                os.kill(self.pid, signal.SIGCONT)
+                self.conn.send(("close",))
+                self.conn.poll(30)
+            except OSError:
+                pass
+        self.proc.join(20)
+        if self.proc.is_alive():
+            self.proc.kill()
+            self.proc.join(5)
+        self.conn.close()
+
+
+class _Answered:
+    """A handler's result when it answered on the pipe itself (before stopping its process)."""
+
+
+_ANSWERED = _Answered()
+
+
+def _serve(conn, commands: dict) -> None:
+    """A rank process's command loop: each command's handler answers it (an exception is its error), unless
+    it answered on the pipe itself (``_ANSWERED``: before it stopped its process)."""
+    conn.send(("up", os.getpid()))
+    while True:
+        try:
+            cmd, *args = conn.recv()
+        except EOFError:
+            return
+        try:
+            if cmd == "close":
+                commands["close"]()
+                conn.send(("closed", None))
+                return
+            got = commands[cmd](*args)
+            if got is not _ANSWERED:
+                conn.send((cmd, got))
+        except Exception as e:
+            conn.send(("error", f"{type(e).__name__}: {e}"))
+
+
+def source_rank(conn, tp: int, rank: int, pages: int, settings: dict, engine: str = "", geo=GEO,
+                page: int = 16) -> None:
+    """Child: source rank ``rank`` of TP ``tp`` (engine ``engine``) in this process. Commands:
+
+    - ``connect`` [addresses] -> the destination ranks it sends to;
+    - ``send`` [(req, tokens, seed)], then, dst_engine -> {req: the route's path}: every request's pages filled,
+      then sent back to back; with ``then="stop"`` this process stops itself (SIGSTOP) right after the last
+      ``send`` returned, its answer already on the pipe;
+    - ``wait`` timeout -> {req: (state, error text or None)} of every request sent and not reported yet;
+    - ``stats`` -> its endpoint's stats; ``close``."""
+    from kvstage.protocol.request import State
+    from kvstage.protocol.source import Source
+
+    cache = RankCache.allocate(src_spec(tp, geo, page), rank, pages)
+    src = Source(cache, Settings(**settings), engine=engine)
+    pool = PagePool(cache.pages, 1000 + rank)
+    handles: dict = {}
+
+    def send(reqs, then=None, dst_engine=""):
+        taken = []
+        for req, tokens, seed in reqs:
+            ids = pool.take(pages_needed(tokens, page))
+            assert ids is not None, f"source rank {rank}: no free pages for {req}"
+            fill_shard(cache, seed, ids, tokens)
+            taken.append((req, tokens, ids))
+        paths = {}
+        for req, tokens, ids in taken:
+            h = src.send(req, ids, tokens, engine=dst_engine)
+            handles[req] = (h, ids)
+            paths[req] = h.path
+        if then == "stop":
+            conn.send(("send", paths))
+            os.kill(os.getpid(), signal.SIGSTOP)
+            return _ANSWERED
+        return paths
+
+    def wait(timeout):
+        out, deadline = {}, time.monotonic() + timeout
+        for req, (h, ids) in list(handles.items()):
+            try:
+                h.wait(max(0.0, deadline - time.monotonic()))
+            except TimeoutError:
+                out[req] = (h.state.value, "not final")
+                continue
+            except Exception:
+                pass
+            out[req] = (h.state.value, None if h.state is State.DONE else str(h.error))
+            del handles[req]
+            pool.give(ids)
+        return out
+
+    commands = {"connect": lambda addresses: src.connect([tuple(a) for a in addresses]), "send": send, "wait": wait,
+                "stats": lambda: stats_dict(src.stats()), "close": src.close}
+    _serve(conn, commands)
+
+
+def destination_rank(conn, tp: int, rank: int, pages: int, settings: dict, engine: str = "", geo=GEO,
+                     page: int = 4) -> None:
+    """Child: destination rank ``rank`` of TP ``tp`` in this process. Commands: ``address``; ``expect``
+    [(req, tokens, seed)], src_engine -> None; ``reading`` timeout -> once a request is being read (every
+    writer ready and a chunk holding a slot, or its page-run reads posted); ``wait`` timeout ->
+    {req: (state, error, corrupt)}; ``stats``; ``close``."""
+    from kvstage.protocol.destination import Destination
+    from kvstage.protocol.request import State
+
+    cache = RankCache.allocate(dst_spec(tp, geo, page), rank, pages)
+    dst = Destination(cache, Settings(**settings), engine=engine)
+    pool = PagePool(cache.pages, 2000 + rank)
+    handles: dict = {}
+
+    def expect(reqs, src_engine=""):
+        for req, tokens, seed in reqs:
+            ids = pool.take(pages_needed(tokens, page))
+            assert ids is not None, f"destination rank {rank}: no free pages for {req}"
+            handles[req] = (dst.expect(req, ids, tokens, engine=src_engine), ids, tokens, seed)
+
+    def reading(timeout):
+        def now_reading():
+            st = dst.stats()
+            return any(h.state is State.TRANSFERRING for h, *_ in handles.values()) and st.slots_free < st.slots_total
+        until(now_reading, timeout)
+
+    def wait(timeout):
+        out, deadline = {}, time.monotonic() + timeout
+        for req, (h, ids, tokens, seed) in list(handles.items()):
+            try:
+                h.wait(max(0.0, deadline - time.monotonic()))
+            except TimeoutError:
+                out[req] = (h.state.value, "not final", [])
+                continue
+            except Exception:
+                pass
+            ok = h.state is State.DONE
+            out[req] = (h.state.value, None if ok else str(h.error), check(cache, seed, ids, tokens) if ok else [])
+            del handles[req]
+            pool.give(ids)
+        return out
+
+    commands = {"address": lambda: list(dst.address), "expect": expect, "reading": reading, "wait": wait,
+                "stats": lambda: stats_dict(dst.stats()), "close": dst.close}
+    _serve(conn, commands)
 
 
 def send_one(address, rank: int, tp: int, tokens: int, seed: int, report, over: dict | None = None) -> None:
@@ -107,15 +339,17 @@ def receive_cuda(tokens: int, seed: int, report, commands) -> None:
     dst.close()
 
 
-def load_source(address, rank: int, tp: int, n: int, most: int, conc: int, seed: int, report) -> None:
-    """Send requests 0..n-1 (sizes from the shared schedule), ``conc`` in flight at most."""
+def load_source(address, rank: int, tp: int, n: int, most: int, conc: int, seed: int, report,
+                over: dict | None = None) -> None:
+    """Send requests 0..n-1 (sizes from the shared schedule), ``conc`` in flight at most; report how many were
+    sent, the failures, the requests left in flight, the endpoint's stats at the end and the paths taken."""
     from kvstage.protocol.source import Source
 
     cache = RankCache.allocate(src_spec(tp), rank, conc * pages_needed(most, 16) + 8)
     pool = PagePool(cache.pages, seed + 100 + rank)
-    src = Source(cache, Settings(**SETTINGS))
+    src = Source(cache, Settings(**(SETTINGS | (over or {}))))
     src.connect([tuple(address)])
-    inflight, failed, i = {}, [], 0
+    inflight, failed, i, paths = {}, [], 0, {}
     deadline = time.monotonic() + 600
     while (i < n or inflight) and time.monotonic() < deadline:
         for k, (h, ids) in list(inflight.items()):
@@ -130,10 +364,15 @@ def load_source(address, rank: int, tp: int, n: int, most: int, conc: int, seed:
             if ids is not None:
                 fill_shard(cache, seed * 100_000 + i, ids, tokens)
                 inflight[i] = (src.send(f"q{i}", ids, tokens), ids)
+                paths[inflight[i][0].path] = paths.get(inflight[i][0].path, 0) + 1
                 i += 1
                 continue
         time.sleep(0.0005)
-    report.put(("load", rank, i, failed, len(inflight)))
+    # every request final here: what the source still holds once the destination's last messages are in
+    settle = time.monotonic() + 10
+    while not free(src.stats()) and time.monotonic() < settle:
+        time.sleep(0.01)
+    report.put(("load", rank, i, failed, len(inflight), stats_dict(src.stats()), paths))
     time.sleep(0.5)
     src.close()
 
@@ -163,30 +402,29 @@ def two_to_one(settings: Settings, n: int, tokens: int, seed: int, content: int)
     return dst, srcs, dpages, spages
 
 
-def check(cache, seed: int, ids, tokens: int) -> list[str]:
-    return check_shard(cache, seed, ids, tokens, untouched_fill=None)
-
-
 def send_holding_the_gil(address, tokens: int, seed: int, hold_s: int, report) -> None:
-    """Send one request ``r{seed}`` as source rank 0 of TP 1 and, once its first chunk is written,
-    hold this process's GIL for ``hold_s`` seconds (a C call made through ``ctypes.PyDLL``, which
-    keeps the GIL): what a busy engine does to its endpoint's loop. Reports the outcome."""
+    """Send one request ``r{seed}`` as source rank 0 of TP 1 on the read path, larger than this rank's arena:
+    its later chunks are gathered by this process's loop as the destination's reads free slots. Once the
+    destination has read one, hold this process's GIL for ``hold_s`` seconds (a C call made through
+    ``ctypes.PyDLL``, which keeps the GIL): what a busy engine does to its endpoint's loop. Reports the
+    outcome."""
     import ctypes
 
+    from kvstage.protocol.request import State
     from kvstage.protocol.source import Source
 
     cache = RankCache.allocate(src_spec(1), 0, pages_needed(tokens, 16) + 3)
     pages = np.random.default_rng(seed).permutation(cache.pages)[: pages_needed(tokens, 16)]
     fill_shard(cache, seed, pages, tokens)
-    src = Source(cache, Settings(**SETTINGS))
+    src = Source(cache, Settings(**(SETTINGS | {"path": "read"})))
     src.connect([tuple(address)])
     h = src.send(f"r{seed}", pages, tokens)
-    until(lambda: h.bytes > 0, 60)
-    report.put(("holding", hold_s))
+    until(lambda: h.state is not State.PENDING, 60)  # the destination said ``read`` for a chunk
+    report.put(("holding", hold_s, time.monotonic()))  # sent by the queue's thread only once the hold is over
     ctypes.PyDLL(None).sleep(hold_s)  # no Python thread of this process runs meanwhile
     try:
         h.wait(120)
-        report.put(("done", 0, None))
+        report.put(("done", 0, h.path))
     except Exception as e:
         report.put(("failed", 0, str(e)))
     time.sleep(0.5)

@@ -7,9 +7,11 @@ ranks through their standard streams. Times are ``time.monotonic()``, one
 clock for every process of the machine (network namespaces do not change it).
 
 Commands (stdin, one JSON object a line): ``expect``/``send`` {req, tokens, seed}, ``connect``,
-``slots``, ``quit``. Events (stdout, lines starting with ``PREFIX``): ``ready``, ``progress`` (first bytes of
-a request moved), ``final`` {req, state, error: {peer, stage, cause}, t,
-corrupt}, ``slots`` {free, total, requests, held}, ``connected`` / ``connect_failed``.
+``slots``, ``quit``. Events (stdout, lines starting with ``PREFIX``): ``ready``, ``progress`` (the
+destination reads the request: every writer ready, a chunk holding a slot), ``final`` {req, state, path,
+error: {peer, stage, cause}, t, corrupt}, ``slots`` {free, total, requests, held: reads of failed requests
+that may still land}, ``connected`` / ``connect_failed``. Settings come from the environment
+(``KVSTAGE_PATH``, ...), with an arena of 4 slots of 16 KiB.
 """
 
 from __future__ import annotations
@@ -39,21 +41,25 @@ def emit(**ev) -> None:
         sys.stdout.flush()
 
 
-def watch(h, req: str, on_done=None, on_final=None) -> None:
-    """Report a request's first moved bytes and its final state."""
+def watch(h, req: str, on_done=None, on_final=None, reading=None) -> None:
+    """Report when a request is being read (``reading()``, a destination's) and its final state."""
+    from kvstage.protocol.request import State
 
     def run():
-        while not h.done() and h.bytes == 0:
+        while reading is not None and not h.done() and not (h.state is State.TRANSFERRING and reading()):
             time.sleep(0.001)
-        if h.bytes:
-            emit(ev="progress", req=req, bytes=h.bytes, t=time.monotonic())
-        h._done.wait()
+        if reading is not None and not h.done():
+            emit(ev="progress", req=req, t=time.monotonic())
+        try:
+            h.wait()
+        except Exception:
+            pass
         t = time.monotonic()
         err = h.error
         corrupt = on_done() if on_done and err is None else []
         if on_final:
             on_final()
-        emit(ev="final", req=req, state=h.state.value, t=t, corrupt=corrupt[:5],
+        emit(ev="final", req=req, state=h.state.value, t=t, corrupt=corrupt[:5], path=h.path,
              error=None if err is None else {"peer": err.peer, "stage": err.stage, "cause": err.cause, "text": str(err)})
 
     threading.Thread(target=run, daemon=True).start()
@@ -62,7 +68,7 @@ def watch(h, req: str, on_done=None, on_final=None) -> None:
 def main() -> None:
     role, ip, port, pages = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr, format="%(asctime)s %(name)s %(message)s")
-    settings = Settings(arena_mb=1 / 16, )  # 4 slots of 16 KiB; every timeout at its default
+    settings = Settings(arena_mb=1 / 16)  # 4 slots of 16 KiB; every timeout at its default
     if role == "dst":
         from kvstage.protocol.destination import Destination
 
@@ -112,7 +118,12 @@ def main() -> None:
                     continue
                 watch(h, req, on_final=give)
             else:
-                watch(ep.expect(req, ids, tokens), req, lambda ids=ids, seed=seed, tokens=tokens: fr.check(ep.cache, seed, ids, tokens), give)
+                def reading():
+                    st = ep.stats()
+                    return st.slots_free < st.slots_total
+
+                watch(ep.expect(req, ids, tokens), req,
+                      lambda ids=ids, seed=seed, tokens=tokens: fr.check(ep.cache, seed, ids, tokens), give, reading)
     ep.close()
     emit(ev="closed")
 

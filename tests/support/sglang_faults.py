@@ -6,7 +6,9 @@ imported, its ``KVStageManager.add_transfer_request`` is wrapped: on prefill
 rank 0, at a request's last chunk (its forward is done, kvstage has not sent a
 byte), a file in the folder arms one fault for the next such request:
 
-- ``die-next``: the rank SIGKILLs itself, so the prefill server dies mid-request;
+- ``die-next``: the rank sleeps as many seconds as the file says (0 when it is empty: the other
+  requests sent meanwhile reach both servers and wait), then SIGKILLs itself, so the prefill server
+  dies with requests in flight;
 - ``stall-next``: the rank sleeps as many seconds as the file says (a slow
   forward), so a client can give up on the request while it is in flight;
 - ``corrupt-next``: one byte of the request's KV changes in the prefill's pool
@@ -16,7 +18,8 @@ byte), a file in the folder arms one fault for the next such request:
   decode computing from that KV must show.
 
 The hook removes the file it acts on and writes ``<fault>.fired`` with the
-room, so the test knows the control really ran.
+room and the wall-clock time it acted at (for ``die-next``: right before the
+kill), so the test knows the control really ran, and when.
 """
 
 from __future__ import annotations
@@ -74,21 +77,27 @@ def _patch(conn, folder: str) -> None:
     def add_transfer_request(self, bootstrap_room, kv_indices, index_slice, is_last_chunk, *args, **kwargs):
         if is_last_chunk and self.disaggregation_mode == DisaggregationMode.PREFILL and self.attn_tp_rank == 0:
             fault, text = _claim(folder)
-            if fault is not None:
-                with open(os.path.join(folder, fault + ".fired"), "w") as f:
-                    f.write(str(bootstrap_room))
-                if fault == "die-next":
-                    log.warning("test fault: prefill rank 0 kills itself before sending room %s", bootstrap_room)
-                    os.kill(os.getpid(), signal.SIGKILL)
-                elif fault == "stall-next":
-                    log.warning("test fault: prefill rank 0 stalls %s s before sending room %s", text, bootstrap_room)
-                    time.sleep(float(text))
-                else:
-                    _corrupt_one_byte(self.kv_args, int(kv_indices[0]))
-                    log.warning("test fault: one KV byte of room %s corrupted on prefill rank 0", bootstrap_room)
+            if fault == "die-next":
+                time.sleep(float(text or 0))
+                _fired(folder, fault, bootstrap_room)
+                log.warning("test fault: prefill rank 0 kills itself before sending room %s", bootstrap_room)
+                os.kill(os.getpid(), signal.SIGKILL)
+            elif fault == "stall-next":
+                _fired(folder, fault, bootstrap_room)
+                log.warning("test fault: prefill rank 0 stalls %s s before sending room %s", text, bootstrap_room)
+                time.sleep(float(text))
+            elif fault == "corrupt-next":
+                _fired(folder, fault, bootstrap_room)
+                _corrupt_one_byte(self.kv_args, int(kv_indices[0]))
+                log.warning("test fault: one KV byte of room %s corrupted on prefill rank 0", bootstrap_room)
         return original(self, bootstrap_room, kv_indices, index_slice, is_last_chunk, *args, **kwargs)
 
     conn.KVStageManager.add_transfer_request = add_transfer_request
+
+
+def _fired(folder: str, fault: str, room) -> None:
+    with open(os.path.join(folder, fault + ".fired"), "w") as f:
+        f.write(f"{room} {time.time()!r}")
 
 
 def _claim(folder: str) -> tuple:

@@ -132,23 +132,29 @@ def build_model(path: str, layers: int = LAYERS, hidden: int = HIDDEN, heads: in
     return path
 
 
-def free_port() -> int:
-    """A free port below the kernel's ephemeral range (a server binds it later; an ephemeral port
-    could be taken meanwhile by one of the many outgoing connections here)."""
+def free_port(count: int = 1) -> int:
+    """The first of ``count`` consecutive free ports below the kernel's ephemeral range (a server
+    binds them later; an ephemeral port could be taken meanwhile by one of the many outgoing
+    connections here). ``count`` > 1: kvstage's metrics, served on ``metrics_port + rank``."""
     lo, hi = map(int, open("/proc/sys/net/ipv4/ip_local_port_range").read().split())
     low, high = (20000, lo) if lo > 21000 else (hi + 1, 65536)
     rng = random.Random()
     while True:
-        port = rng.randrange(low, high)
-        if port in _PICKED:
+        first = rng.randrange(low, high - count)
+        ports = range(first, first + count)
+        if any(p in _PICKED or not _bindable(p) for p in ports):
             continue
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-        _PICKED.add(port)
-        return port
+        _PICKED.update(ports)
+        return first
+
+
+def _bindable(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
 
 
 _PICKED: set = set()
@@ -245,6 +251,21 @@ def router(name: str, prefill: Proc, bootstrap_port: int, decode: Proc, port: in
     argv = router_argv(sys.executable, prefill.port, bootstrap_port, decode.port, port, metrics_port)
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     return Proc(name, argv, os.path.join(log_dir, f"{name}.log"), port, env=env)
+
+
+def kvstage_failures(metrics_url: str) -> dict:
+    """``kvstage_failures_total`` of one process's kvstage metrics (``KVSTAGE_METRICS_PORT``): {cause: count}."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(metrics_url + "/metrics", timeout=10) as r:
+        text = r.read().decode()
+    out: dict = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == "kvstage_failures_total":
+                cause = sample.labels["cause"]
+                out[cause] = out.get(cause, 0) + int(sample.value)
+    return out
 
 
 def generate(url: str, input_ids: list, max_new_tokens: int, timeout: float = 300.0) -> tuple[int, dict | str]:

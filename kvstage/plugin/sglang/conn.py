@@ -287,9 +287,9 @@ class KVStageManager(CommonKVManager):
             self._start_heartbeat_checker_thread()
 
     def _registered(self, ep):
-        """``ep`` with the KV pool registered now where the direct path may need it (equal TP), so
-        the first request of a peer engine does not wait for the registration."""
-        if self.settings.direct:
+        """``ep`` with the KV pool registered now where a page path may read it (host memory, or equal TP),
+        so the first request of a peer engine does not wait for the registration."""
+        if self.settings.offers_pages and ep.transport.one_sided:
             ep.kv_regions()
         return ep
 

@@ -1,10 +1,13 @@
 """vLLM KV connector: ``kv_connector="KVStageConnector"``, ``kv_connector_module_path="kvstage.plugin.vllm"``.
 
-- ``connector``: ``KVStageConnector`` (scheduler and worker sides; imports vLLM);
+- ``connector``: ``KVStageConnector``, the facade vLLM loads (imports vLLM);
+- ``scheduler``, ``worker``: its two roles; ``meta``: what they share;
 - ``layout``: vLLM's per-layer KV caches described with kvstage's types;
-- ``pull``: the decode's "send me request R" to the prefill ranks.
+- ``pull``: a decode rank's "connect to me" to a prefill rank not connected yet;
+- ``stats``: kvstage's figures in vLLM's connector stats.
 
-The connector is imported on first use, so ``layout`` and ``pull`` load without vLLM.
+The connector is imported on first use, so ``layout`` and ``pull`` load without vLLM
+(README.md here gives the reading path).
 """
 
 _CONNECTOR = ("KVStageConnector", "KVStageMeta")

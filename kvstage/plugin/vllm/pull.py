@@ -1,19 +1,17 @@
-"""The decode engine's request to a prefill rank: "send request R to my ranks".
+"""A decode rank's "connect to me" to a prefill rank, where the two are not connected yet.
 
-kvstage's protocol is push: the source (prefill) rank connects to the
-destination (decode) ranks and writes. In vLLM's disaggregated flow the
-decode engine learns about a prefilled request (from the prefill's
-``kv_transfer_params``) and must start that push. Each prefill rank listens
-on one TCP port for these pulls; the reply comes once the prefill rank has
-connected to the decode ranks and announced the request to them, or says why
-it cannot.
+kvstage's sources connect to destinations: a prefill rank's ``Source`` connects to a
+decode rank's ``Destination``. In vLLM's disaggregated flow the prefill learns of a
+decode only when that decode reads a request of it, so each prefill rank listens on
+one TCP port where a decode rank that is not connected to it asks it to connect
+(the decode's first request from that prefill engine, or after a rank came back).
+The prefill connects, sends the requests it holds for any engine, and the decode
+reads them. Once connected, nothing crosses this port for a request.
 
 Messages are kvstage's framed JSON (``kvstage.protocol.wire``):
 
-- ``{"type": "pull", "token", "req", "kvreq", "skip", "blocks", "engine", "ranks"}``
-  -> ``{"type": "ok"}`` or ``{"type": "error", "reason"}``
-- ``{"type": "release", "token", "req"}`` -> ``{"type": "ok"}``: the decode will
-  not pull ``req`` (a local cache hit, an abort); its blocks can be freed.
+- ``{"type": "connect", "token", "address": [host, port], "engine", "rank"}`` -> ``{"type": "ok"}``
+  once the prefill rank is connected to that address, or ``{"type": "error", "reason"}``.
 """
 
 from __future__ import annotations
@@ -31,11 +29,11 @@ log = logging.getLogger("kvstage.vllm")
 
 
 class PullError(KVStageError):
-    """A pull was refused or the prefill rank could not be reached."""
+    """A connect request was refused or the prefill rank could not be reached."""
 
 
 class PullServer:
-    """Answers pulls with ``handler(msg) -> reply``; one thread per connection."""
+    """Answers connect requests with ``handler(msg) -> reply``; one thread per connection."""
 
     def __init__(self, host: str, handler: Callable[[dict], dict], token: str = "", port: int = 0):
         self._handler, self._token = handler, token
@@ -66,7 +64,7 @@ class PullServer:
                     except KVStageError as e:
                         reply = {"type": "error", "reason": str(e)}
                     except Exception as e:  # a bug must answer, not leave the decode waiting
-                        log.exception("kvstage pull handler failed on %s", msg.get("type"))
+                        log.exception("kvstage connect port: the handler failed on %s", msg.get("type"))
                         reply = {"type": "error", "reason": f"{type(e).__name__}: {e}"}
                 conn.send(reply)
         except (ConnectionError, OSError, ProtocolError):

@@ -1,0 +1,63 @@
+"""The one-host read kernel alone (``cuda_ipc.IpcReadCopier``), timed with CUDA events beside a
+torch device-to-device copy of the same bytes: every source rank's buffers (in this process here,
+opened over CUDA IPC in the endpoints) read into one destination rank's pages in one launch, random
+page order, ids uploaded once as the endpoints do. Best of 10 after a warm-up; one JSON line per case.
+
+    python benchmarks/ipc_kernel.py
+"""
+import json
+
+import numpy as np
+import torch
+
+from kvstage.layout import KVGeometry, PageLayout, pages_needed
+from kvstage.staging import cuda_ipc
+from kvstage.staging.cache import RankCache
+from kvstage.staging.copy import TokenIndex, upload_pages
+from kvstage.staging.shared_buffers import tensor_spans
+from kvstage.tp import SideSpec, plan
+
+
+def timed(fn, reps=10):
+    fn()
+    torch.cuda.synchronize()
+    best = float("inf")
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        best = min(best, a.elapsed_time(b) / 1e3)
+    return best
+
+
+out = []
+dev = torch.device("cuda", 0)
+rng = np.random.default_rng(0)
+CASES = [(4, 1, 8192, 16, "nhd", 8, 128), (1, 4, 8192, 16, "nhd", 8, 128), (1, 1, 8192, 1, "hnd", 8, 128),
+         (4, 1, 32768, 16, "nhd", 8, 128), (4, 1, 8192, 16, "nhd", 1, 576), (4, 1, 128, 16, "nhd", 8, 128)]
+for s, d, tokens, dps, dlay, heads, hd in CASES:
+    mla = heads == 1
+    geo = KVGeometry(32 if not mla else 61, heads, hd, "bfloat16", mla)
+    p = plan(SideSpec(geo, s, PageLayout(16)), SideSpec(geo, d, PageLayout(dps, dlay)))
+    sp_n, dp_n = pages_needed(tokens, 16), pages_needed(tokens, dps)
+    src = [RankCache.allocate(p.src, r, sp_n + 1, dev) for r in range(s)]
+    dst = RankCache.allocate(p.dst, 0, dp_n + 1, dev)
+    copier = cuda_ipc.IpcReadCopier(dst, p.src)
+    sources = [copier.source(tensor_spans(c.buffers)) for c in src]
+    sp = [rng.permutation(sp_n + 1)[:sp_n] for _ in range(s)]
+    dp = rng.permutation(dp_n + 1)[:dp_n]
+    kp = upload_pages(dst, dp)
+    reads = [cuda_ipc.IpcRead(sources[pc.src_rank], pc, sp[pc.src_rank], 0) for pc in p.writers_of(0)]
+    idx = TokenIndex(dst, dp, 0, tokens, kp)
+    t = timed(lambda: copier.launch(idx, reads))
+    nbytes = p.dst_token_bytes() * tokens
+    a = torch.empty(nbytes, dtype=torch.uint8, device=dev)
+    b = torch.empty_like(a)
+    tc = timed(lambda: b.copy_(a))
+    row = {"case": f"{s}->{d} {tokens} tok dst page {dps} {dlay} heads {heads}x{hd}", "kernel_gbps": nbytes / t / 1e9, "copy_gbps": nbytes / tc / 1e9, "kernel_us": t * 1e6,
+           "vs_copy": tc / t}
+    print(json.dumps(row), flush=True)
+    del src, dst, copier, sources, a, b
+    torch.cuda.empty_cache()

@@ -1,0 +1,201 @@
+"""A destination's view of its peers and of one expected request.
+
+``Writer`` is one connected source rank: what its offer made readable (its
+arena, its KV buffers, on one host its pages and ready event). ``Ready`` is
+what that writer said of one request, checked against the writer and this
+rank before anything is read (``check_ready``). ``Incoming`` is the request:
+its pages here, the readies it waits for and the moves that read it.
+"""
+
+from __future__ import annotations
+
+import collections
+
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from kvstage.errors import ProtocolError
+from kvstage.layout import buffer_shape, pages_needed
+from kvstage.protocol.endpoint import rank_name
+from kvstage.protocol.messages import Ready as ReadyMessage
+from kvstage.protocol.request import TransferHandle
+from kvstage.protocol.route import Path
+from kvstage.protocol.wire import Connection
+from kvstage.staging.region import Order
+from kvstage.tp import Piece, SideSpec, TransferPlan
+from kvstage.transports.base import Region
+
+
+#: messages one handshaking writer may have waiting for it (``Writer.held``)
+MAX_HELD = 1024
+
+
+@dataclass
+class Writer:
+    """One connected source rank of a prefill engine."""
+
+    engine: str
+    rank: int
+    conn: Connection
+    agent: str
+    piece: Piece  # what it sends this rank
+    spec: SideSpec  # its engine's spec
+    paths: frozenset  # the paths both sides' settings allow
+    arena: Region | None = None  # its arena (the read path reads its chunks there)
+    kv: list = field(default_factory=list)  # its KV buffers' regions (the direct and pages paths read them)
+    ipc: object = None  # its pages as this rank's kernel reads them (``cuda_ipc.SourcePages``), opened over CUDA IPC
+    opened: object = None  # the ``OpenedBuffers`` behind ``ipc``, closed with the connection
+    event: object = None  # its ready event opened here (``shared_buffers.OpenedEvent``)
+    offered: bool = False  # its ``offer`` arrived: what it offers is known
+    local: bool = False  # it runs on this host, as this user (the ipc path may open its pages)
+    warm: object = None  # (read handle, deadline) of the first read of its arena, until it completes
+    why_not_ipc: str = ""  # why its pages were not opened here, told in ``opened``
+    #: messages for it while its handshake runs (the source reads only ``opened`` then), sent after ``opened``;
+    #: bounded: an older abort dropped here leaves the source's own ready timeout to free that request
+    held: collections.deque = field(default_factory=lambda: collections.deque(maxlen=MAX_HELD))
+
+    @property
+    def name(self) -> str:
+        return rank_name(self.engine, "source", self.rank)
+
+    def buffer_pages(self) -> int | None:
+        """Pages each of its KV buffers holds, from what it offered (None: it offered none)."""
+        if self.ipc is not None:
+            return self.ipc.pages
+        if self.kv:
+            return self.kv[0].nbytes // page_bytes(self.spec)
+        return None
+
+
+def page_bytes(spec: SideSpec) -> int:
+    """Bytes of one page of one of a rank's buffers."""
+    g = spec.geometry
+    return int(np.prod(buffer_shape(g, spec.page, spec.local_heads(), 1))) * g.itemsize
+
+
+@dataclass
+class SourceEngine:
+    """One prefill engine's ranks as this destination sees them: its plan, fixed by its first
+    hello, and its connected writers by source rank."""
+
+    name: str
+    plan: TransferPlan
+    writers: dict = field(default_factory=dict)  # source rank -> Writer
+    lost: dict = field(default_factory=dict)  # source rank that left and has not come back -> why
+    ipc_copier: object = None  # the kernel reading this engine's pages (``cuda_ipc.IpcReadCopier``), made once
+
+    def pieces(self, rank: int) -> tuple[Piece, ...]:
+        """The pieces that land on destination rank ``rank``."""
+        return self.plan.writers_of(rank)
+
+
+@dataclass
+class Ready:
+    """One writer's ``ready`` for a request, checked: its path, its page ids (the page paths) or its
+    chunking and the chunks gathered so far (the read path: index -> (arena offset, ticket))."""
+
+    path: Path
+    tokens: int
+    pages: np.ndarray | None = None
+    chunk_tokens: int = 0
+    chunks: int = 0
+    gathered: dict = field(default_factory=dict)
+    order: Order = Order.HEADS  # the read path: how each chunk's piece is laid out in the source's arena
+
+
+def check_ready(msg: ReadyMessage, writer: Writer, allowed: frozenset, piece_bytes: int, direct: bool) -> Ready:
+    """A writer's ``ready``, refused (``ProtocolError``, naming what) where its path is not allowed or
+    not one its offer or the plan can carry (``direct``: the plan's pieces are whole shards with equal
+    paging), or its pages or chunks lie outside what it offered."""
+    try:
+        path = Path(msg.path)
+    except ValueError:
+        raise ProtocolError(f"ready for {msg.req!r}: path {msg.path!r} is none of {', '.join(p.value for p in Path)}") from None
+    if path not in allowed:
+        raise ProtocolError(f"ready for {msg.req!r}: path {path} is not allowed here (this rank's path setting "
+                            f"allows {', '.join(sorted(p.value for p in allowed))})")
+    if path not in writer.paths:
+        raise ProtocolError(f"ready for {msg.req!r}: path {path} is not allowed here (the handshake with this "
+                            f"source agreed {', '.join(sorted(p.value for p in writer.paths)) or 'none'})")
+    if path is Path.READ:
+        if writer.arena is None or msg.chunk_tokens is None or msg.chunks is None:
+            raise ProtocolError(f"ready for {msg.req!r}: the read path needs an arena, chunk_tokens and chunks")
+        if msg.chunks != -(-msg.tokens // msg.chunk_tokens):
+            raise ProtocolError(f"ready for {msg.req!r}: {msg.chunks} chunks of {msg.chunk_tokens} tokens do not "
+                                f"cut {msg.tokens} tokens")
+        try:
+            order = Order(msg.order or "heads")
+        except ValueError:
+            raise ProtocolError(f"ready for {msg.req!r}: order {msg.order!r} is none of heads, tokens") from None
+        ready = Ready(path, msg.tokens, None, msg.chunk_tokens, msg.chunks, order=order)
+        for entry in msg.gathered or []:
+            add_chunk(ready, writer, msg.req, entry, piece_bytes)
+        return ready
+    if path is Path.DIRECT and not direct:
+        raise ProtocolError(f"ready for {msg.req!r}: path direct, but the pieces are not whole shards with equal "
+                            "paging")
+    if path is Path.IPC and writer.ipc is None:
+        raise ProtocolError(f"ready for {msg.req!r}: path ipc, but this rank did not open the source's pages")
+    if path in (Path.DIRECT, Path.PAGES) and not writer.kv:
+        raise ProtocolError(f"ready for {msg.req!r}: path {path}, but the source offered no KV buffers")
+    if msg.pages is None:
+        raise ProtocolError(f"ready for {msg.req!r}: path {path} needs the source's page ids")
+    need = pages_needed(msg.tokens, writer.spec.page.page_size)
+    if len(msg.pages) != need:
+        raise ProtocolError(f"ready for {msg.req!r}: {len(msg.pages)} page ids for {msg.tokens} tokens of page size "
+                            f"{writer.spec.page.page_size}; they need {need}")
+    pages = np.asarray(msg.pages, dtype=np.int64)
+    most = writer.buffer_pages()
+    if most is not None and len(pages) and int(pages.max()) >= most:
+        raise ProtocolError(f"ready for {msg.req!r}: page id {int(pages.max())} is past the {most} pages the source "
+                            "offered")
+    if len(set(msg.pages)) != len(msg.pages):
+        raise ProtocolError(f"ready for {msg.req!r}: a page id appears twice")
+    return Ready(path, msg.tokens, pages)
+
+
+def add_chunk(ready: Ready, writer: Writer, req: str, entry, piece_bytes: int) -> None:
+    """One gathered chunk of a read request: [index, arena offset, ticket], inside the writer's arena."""
+    if not (isinstance(entry, (list, tuple)) and len(entry) == 3 and type(entry[0]) is int
+            and type(entry[1]) is int and isinstance(entry[2], str)):
+        raise ProtocolError(f"ready for {req!r}: a gathered chunk must be [index, offset, ticket]")
+    index, offset, ticket = entry
+    if not 0 <= index < ready.chunks:
+        raise ProtocolError(f"chunk {index} of {req!r} is out of range: the request has {ready.chunks} chunks")
+    if index in ready.gathered:
+        raise ProtocolError(f"chunk {index} of {req!r} announced twice")
+    count = min(ready.chunk_tokens, ready.tokens - index * ready.chunk_tokens)
+    nbytes = piece_bytes * count
+    if offset < 0 or offset + nbytes > writer.arena.nbytes:
+        raise ProtocolError(f"chunk {index} of {req!r}: {nbytes} bytes at offset {offset} lie outside the source's "
+                            f"arena of {writer.arena.nbytes} bytes")
+    import base64
+
+    try:
+        ready.gathered[index] = (offset, base64.b64decode(ticket, validate=True) if ticket else b"")
+    except ValueError:
+        raise ProtocolError(f"chunk {index} of {req!r}: its ticket is not base64") from None
+
+
+@dataclass
+class Incoming:
+    """One expected request on a destination rank."""
+
+    handle: TransferHandle
+    pages: np.ndarray
+    engine: str  # the prefill engine whose ranks send it
+    first: int = 0  # the first token of the source's request this rank receives
+    readies: dict = field(default_factory=dict)  # source rank -> Ready
+    moves: list = field(default_factory=list)  # the reads under way (``reads``), once every writer is ready
+    kernel_pages: object = None  # this rank's page ids where its GPU copies read them, once
+    stage: str = "waiting for writers"
+    touched: float = field(default_factory=time.monotonic)  # expected, or a writer's last news
+    announced: float | None = None  # when the last writer said ready
+    slow: bool = False
+    leftover: list = field(default_factory=list)  # reads of a failed request that may still land (``reads.Leftover``)
+
+    @property
+    def key(self) -> tuple[str, str]:
+        return self.engine, self.handle.req
