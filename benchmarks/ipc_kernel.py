@@ -17,20 +17,7 @@ from kvstage.staging.copy import TokenIndex, upload_pages
 from kvstage.staging.shared_buffers import tensor_spans
 from kvstage.tp import SideSpec, plan
 
-
-def timed(fn, reps=10):
-    fn()
-    torch.cuda.synchronize()
-    best = float("inf")
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        best = min(best, a.elapsed_time(b) / 1e3)
-    return best
-
+from gpu_kernels import timed  # beside this script (run as python benchmarks/ipc_kernel.py)
 
 out = []
 dev = torch.device("cuda", 0)
@@ -51,11 +38,11 @@ for s, d, tokens, dps, dlay, heads, hd in CASES:
     kp = upload_pages(dst, dp)
     reads = [cuda_ipc.IpcRead(sources[pc.src_rank], pc, sp[pc.src_rank], 0) for pc in p.writers_of(0)]
     idx = TokenIndex(dst, dp, 0, tokens, kp)
-    t = timed(lambda: copier.launch(idx, reads))
+    t, _ = timed(lambda: copier.launch(idx, reads), reps=10)
     nbytes = p.dst_token_bytes() * tokens
     a = torch.empty(nbytes, dtype=torch.uint8, device=dev)
     b = torch.empty_like(a)
-    tc = timed(lambda: b.copy_(a))
+    tc, _ = timed(lambda: b.copy_(a), reps=10)
     row = {"case": f"{s}->{d} {tokens} tok dst page {dps} {dlay} heads {heads}x{hd}", "kernel_gbps": nbytes / t / 1e9, "copy_gbps": nbytes / tc / 1e9, "kernel_us": t * 1e6,
            "vs_copy": tc / t}
     print(json.dumps(row), flush=True)

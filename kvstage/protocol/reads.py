@@ -86,6 +86,27 @@ def _poll(transport, handle) -> bool:
     return transport.poll(handle) is not WriteState.PENDING
 
 
+def _reap(dst, inc: Incoming, reads: list, done) -> list | None:
+    """Poll each ``(writer, read handle)`` of ``reads``: release the finished ones (``done(writer)`` for each)
+    and return those still running. None where one failed: the failed read is released, ``reads`` keeps only
+    the reads still to give up, and the request is failed (``dst._fail``, whose ``Move.stop`` gives them up)."""
+    still = []
+    for i, (w, h) in enumerate(reads):
+        try:
+            over = _poll(dst.transport, h)
+        except KVStageError as e:
+            dst.transport.release(h)
+            reads[:] = still + reads[i + 1:]
+            dst._fail(inc.key, w.name, "read", str(e), tell=True)
+            return None
+        if over:
+            dst.transport.release(h)
+            done(w)
+        else:
+            still.append((w, h))
+    return still
+
+
 def _give_up(transport, handles: list, slot: int | None = None) -> list:
     """Abandon these reads: those that cannot be cancelled come back as leftovers."""
     left = []
@@ -192,21 +213,13 @@ class DirectMove(Move):
         self.progress(dst)  # a host read is often over when posted: the request may be done in this same turn
 
     def progress(self, dst) -> None:
-        still = []
-        for w, h in self._reads:
-            try:
-                over = _poll(dst.transport, h)
-            except KVStageError as e:
-                dst.transport.release(h)
-                self._reads = [x for x in self._reads if x[1] is not h]
-                return dst._fail(self.inc.key, w.name, "read", str(e), tell=True)
-            if over:
-                dst.transport.release(h)
-                self._over += 1
-                self.inc.touched = time.monotonic()
-            else:
-                still.append((w, h))
-        self._reads = still
+        still = _reap(dst, self.inc, self._reads, self._read_over)
+        if still is not None:
+            self._reads = still
+
+    def _read_over(self, _writer) -> None:
+        self._over += 1
+        self.inc.touched = time.monotonic()
 
     def done(self) -> bool:
         return self._over == len(self.writers)
@@ -381,20 +394,10 @@ class ArenaMove(Move):
             if c.fence is None:
                 if len(c.posted) < len(self.writers):
                     self._post(dst, c)
-                still = []
-                for w, h in c.reads:
-                    try:
-                        over = _poll(dst.transport, h)
-                    except KVStageError as e:
-                        dst.transport.release(h)
-                        c.reads = [x for x in c.reads if x[1] is not h]
-                        return dst._fail(inc.key, w.name, "read", str(e), tell=True)
-                    if over:
-                        dst.transport.release(h)
-                        log.debug("dst %d: %s chunk %d read from source rank %d", dst.rank, inc.handle.req, c.index,
-                                  w.rank)
-                    else:
-                        still.append((w, h))
+                still = _reap(dst, inc, c.reads, lambda w, c=c: log.debug(
+                    "dst %d: %s chunk %d read from source rank %d", dst.rank, inc.handle.req, c.index, w.rank))
+                if still is None:
+                    return
                 c.reads = still
                 if c.reads or len(c.posted) < len(self.writers):
                     continue
