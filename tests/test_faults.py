@@ -92,6 +92,13 @@ def _failed_fast(h, t_kill: float) -> tuple[TransferFailed, float]:
     return err.value, detect
 
 
+def _report(transport: str, path: str, what: str, figures: list) -> None:
+    """The figures of a kill test's runs, (detected after, slots free after, the error) each, for -s."""
+    print(f"\n{transport} {path}: {what}: failed within {max(d for d, _, _ in figures) * 1e3:.0f} ms (runs: "
+          f"{', '.join(f'{d * 1e3:.0f}' for d, _, _ in figures)} ms), slots free "
+          f"{max(h for _, h, _ in figures) * 1e3:.0f} ms after; {figures[-1][2]}")
+
+
 @pytest.mark.parametrize("transport,path", CASES)
 def test_a_source_killed_after_ready_before_the_read_fails_fast_and_a_rejoined_source_is_read(transport, path):
     """The source says ready, is killed, and only then does the destination expect the request: it fails within
@@ -114,9 +121,7 @@ def test_a_source_killed_after_ready_before_the_read_fails_fast_and_a_rejoined_s
             src.close()
             src = _source(dec, settings)  # rejoins under the same identity
         _transfer(dec, src, "last", SMALL, 99, path)
-        print(f"\n{transport} {path}: source killed after ready, before the read: failed within "
-              f"{max(d for d, _, _ in figures) * 1e3:.0f} ms (runs: {', '.join(f'{d * 1e3:.0f}' for d, _, _ in figures)} "
-              f"ms), slots free {max(h for _, h, _ in figures) * 1e3:.0f} ms after; {figures[-1][2]}")
+        _report(transport, path, "source killed after ready, before the read", figures)
     finally:
         src.close()
         dec.dst.close()
@@ -145,9 +150,7 @@ def test_a_source_killed_during_the_read_fails_fast_and_leaks_nothing(transport,
             src.close()
             src = _source(dec, settings)
             _transfer(dec, src, f"after{run}", SMALL, 40 + run, path)
-        print(f"\n{transport} {path}: source killed during the read: failed within "
-              f"{max(d for d, _, _ in figures) * 1e3:.0f} ms (runs: {', '.join(f'{d * 1e3:.0f}' for d, _, _ in figures)} "
-              f"ms), slots free {max(h for _, h, _ in figures) * 1e3:.0f} ms after; {figures[-1][2]}")
+        _report(transport, path, "source killed during the read", figures)
     finally:
         src.close()
         dec.dst.close()

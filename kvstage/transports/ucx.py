@@ -363,12 +363,7 @@ class UcxTransport(Transport):
             raise TransportError(f"ucx expect from {peer}: {e}") from e
         n = len(spans)
         base = self._tags(n)
-        buffers = self._buffers(spans)
-        tag = self._api.UCXXTag
-        try:
-            requests = [self._worker.tag_recv(self._Array(b), tag(base + i)) for i, b in enumerate(buffers)]
-        except Exception as e:
-            raise TransportError(f"ucx: posting {n} receives for {peer} failed: {type(e).__name__}: {e}") from e
+        requests, buffers = self._receive(peer, base, spans)
         self._expected[base] = _Expected(peer, base, n, requests, buffers)
         return _TICKET.pack(base, n)
 
@@ -439,13 +434,19 @@ class UcxTransport(Transport):
             raise TransportError(f"ucx read from {peer}: the ticket is not one of {peer}'s offers")
         if count != len(local):
             raise TransportError(f"ucx read from {peer}: {len(local)} spans, but the peer offered {count}")
-        buffers = self._buffers(local)
+        requests, buffers = self._receive(peer, base, local)
+        return self._track(_Transfer(peer, "read from", requests, buffers))
+
+    def _receive(self, peer: str, base: int, spans: Spans) -> tuple[list, list]:
+        """One tag receive per span, tags ``base``, ``base + 1``, ...: (their requests, their buffers)."""
+        buffers = self._buffers(spans)
         tag = self._api.UCXXTag
         try:
             requests = [self._worker.tag_recv(self._Array(b), tag(base + i)) for i, b in enumerate(buffers)]
         except Exception as e:
-            raise TransportError(f"ucx: posting {count} receives for {peer} failed: {type(e).__name__}: {e}") from e
-        return self._track(_Transfer(peer, "read from", requests, buffers))
+            raise TransportError(f"ucx: posting {len(buffers)} receives for {peer} failed: {type(e).__name__}: {e}") \
+                from e
+        return requests, buffers
 
     def poll(self, handle) -> WriteState:
         if handle.failed:
