@@ -62,7 +62,14 @@ def trace_config(root: str, label: str) -> str:
     return path
 
 
-def start(connector: str, model: str, root: str, kv_mb: int, port0: int, extra: dict, trace: bool = False) -> dict:
+#: a label of ``--connectors`` -> (the connector, its extra config beyond the token): ``kvstage-streamed`` is
+#: kvstage sending prompts of 512 tokens or more in layer groups during the forward (``stream_layers``)
+VARIANTS = {"kvstage": ("kvstage", {}), "kvstage-streamed": ("kvstage", {"stream_layers": True}), "nixl": ("nixl", {})}
+
+
+def start(label: str, model: str, root: str, kv_mb: int, port0: int, extra: dict, trace: bool = False) -> dict:
+    connector, more = VARIANTS[label]
+    extra = {**extra, **more} if connector == "kvstage" else {}
     common = ["--model", model, "--connector", connector, "--max-len", str(MODEL["max_len"]), "--kv-mb", str(kv_mb)]
     if extra:
         common += ["--extra", json.dumps(extra)]
@@ -70,11 +77,11 @@ def start(connector: str, model: str, root: str, kv_mb: int, port0: int, extra: 
     for i, (name, tp) in enumerate([*PREFILL.items(), ("D", 1)]):
         env = dict(SHARED_CORES)
         if trace:
-            env["VLLM_LOGGING_CONFIG_PATH"] = trace_config(root, f"{connector}-{name}")
+            env["VLLM_LOGGING_CONFIG_PATH"] = trace_config(root, f"{label}-{name}")
         if connector == "nixl":
             env.update(VLLM_NIXL_SIDE_CHANNEL_HOST="127.0.0.1", VLLM_NIXL_SIDE_CHANNEL_PORT=str(port0 + 10 * i))
         role = "kv_consumer" if name == "D" else "kv_producer"
-        engines[name] = EngineProcess(f"{connector}-{name}", os.path.join(root, f"{connector}-{name}.log"), *common,
+        engines[name] = EngineProcess(f"{label}-{name}", os.path.join(root, f"{label}-{name}.log"), *common,
                                       "--tp", str(tp), "--role", role, "--policy", "fail", env=env)
     return engines
 
@@ -263,7 +270,7 @@ def main() -> None:
     ap.add_argument("--min-len", type=int, default=64)
     ap.add_argument("--max-len", type=int, default=1500)
     ap.add_argument("--max-tokens", type=int, default=8, help="tokens each decode generates")
-    ap.add_argument("--connectors", default="kvstage,nixl")
+    ap.add_argument("--connectors", default="kvstage,nixl", help=f"a comma list of {', '.join(VARIANTS)}")
     ap.add_argument("--kv-mb", type=int, default=512)
     ap.add_argument("--seed", type=int, default=7)
     ap.add_argument("--json", help="write every request's record here")
@@ -282,8 +289,7 @@ def main() -> None:
     rng.shuffle(lengths)
     ps = prompts(lengths + [(args.min_len + args.max_len) // 2] * 2, seed=args.seed)
     extra = {"auth_token": secrets.token_hex(16)}
-    stacks = {c: start(c, model, root, args.kv_mb, 5600 + 100 * i, extra if c == "kvstage" else {}, args.trace)
-              for i, c in enumerate(conns)}
+    stacks = {c: start(c, model, root, args.kv_mb, 5600 + 100 * i, extra, args.trace) for i, c in enumerate(conns)}
     res = {c: {"first": [], "load": []} for c in conns}
     snaps = {}
     try:

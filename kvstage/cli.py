@@ -17,65 +17,150 @@ EXIT_FAILED, EXIT_USAGE = 1, 2
 def _bench_args(p: argparse.ArgumentParser) -> None:
     from kvstage.bench.scenario import PRESETS
 
-    p.add_argument("--scenario", metavar="FILE", help="read flags from a TOML or JSON file (see benchmarks/); flags given here win")
-    p.add_argument("--model", choices=sorted(PRESETS), default="llama3-8b", help="geometry preset (flags below override)")
-    p.add_argument("--src-tp", default=None, metavar="N[,N...]",
-                   help="source TP size, or a comma list to sweep (4 or 1,2,4; default 4)")
-    p.add_argument("--dst-tp", default=None, metavar="N[,N...]", help="destination TP size, or a comma list to sweep (default 1)")
-    p.add_argument("--src-engines", default=None, metavar="N,N[,...]",
-                   help="several source (prefill) engines at once, one per TP size listed (2,4: one at TP 2 and one "
-                        "at TP 4; 2,2: two at TP 2), each sending to every destination engine; instead of --src-tp. "
-                        "One result per engine pair; staged only")
-    p.add_argument("--dst-engines", default=None, metavar="N,N[,...]",
-                   help="several destination (decode) engines at once, one per TP size listed; instead of --dst-tp")
+    p.add_argument(
+        "--scenario", metavar="FILE", help="read flags from a TOML or JSON file (see benchmarks/); flags given here win"
+    )
+    p.add_argument(
+        "--model", choices=sorted(PRESETS), default="llama3-8b", help="geometry preset (flags below override)"
+    )
+    p.add_argument(
+        "--src-tp",
+        default=None,
+        metavar="N[,N...]",
+        help="source TP size, or a comma list to sweep (4 or 1,2,4; default 4)",
+    )
+    p.add_argument(
+        "--dst-tp", default=None, metavar="N[,N...]", help="destination TP size, or a comma list to sweep (default 1)"
+    )
+    p.add_argument(
+        "--src-engines",
+        default=None,
+        metavar="N,N[,...]",
+        help="several source (prefill) engines at once, one per TP size listed (2,4: one at TP 2 and one "
+        "at TP 4; 2,2: two at TP 2), each sending to every destination engine; instead of --src-tp. "
+        "One result per engine pair; staged only",
+    )
+    p.add_argument(
+        "--dst-engines",
+        default=None,
+        metavar="N,N[,...]",
+        help="several destination (decode) engines at once, one per TP size listed; instead of --dst-tp",
+    )
     p.add_argument("--kv-heads", type=int)
     p.add_argument("--head-dim", type=int)
     p.add_argument("--layers", type=int)
     p.add_argument("--mla", action=argparse.BooleanOptionalAction, default=None)
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--tokens", default="2048", metavar="N[,N...]", help="tokens per request, or a comma list to sweep")
-    p.add_argument("--concurrency", default="1", metavar="N[,N...]", help="requests in flight at once, or a comma list to sweep")
-    p.add_argument("--skip-invalid", action="store_true", help="in a sweep, run the valid TP pairs and list the others (default: refuse)")
+    p.add_argument(
+        "--concurrency", default="1", metavar="N[,N...]", help="requests in flight at once, or a comma list to sweep"
+    )
+    p.add_argument(
+        "--skip-invalid",
+        action="store_true",
+        help="in a sweep, run the valid TP pairs and list the others (default: refuse)",
+    )
     p.add_argument("--page-size", type=int, default=16, help="source page size")
     p.add_argument("--dst-page-size", type=int, help="destination page size (default: --page-size)")
     p.add_argument("--layout", choices=("nhd", "hnd"), default="nhd", help="source layout")
     p.add_argument("--dst-layout", choices=("nhd", "hnd"), help="destination layout (default: --layout)")
-    p.add_argument("--arena-mb", type=float, default=None,
-                   help="staging memory per rank in MiB (default: sized from the model and the device)")
-    p.add_argument("--copier", choices=("cuda", "native", "torch"), default=None,
-                   help="force how caches copy (a diagnostic; default: the rule's choice, logged by each rank)")
-    p.add_argument("--log-level", choices=("DEBUG", "INFO", "WARNING", "ERROR"), default="WARNING",
-                   help="log level of the rank processes on stderr (DEBUG: one line per request or chunk event, "
-                        "for benchmarks/timeline.py)")
-    p.add_argument("--clock-sync", action="store_true",
-                   help="measure each rank's clock offset even on this host's kernel (other hosts always do)")
+    p.add_argument(
+        "--arena-mb",
+        type=float,
+        default=None,
+        help="staging memory per rank in MiB (default: sized from the model and the device)",
+    )
+    p.add_argument(
+        "--copier",
+        choices=("cuda", "native", "torch"),
+        default=None,
+        help="force how caches copy (a diagnostic; default: the rule's choice, logged by each rank)",
+    )
+    p.add_argument(
+        "--log-level",
+        choices=("DEBUG", "INFO", "WARNING", "ERROR"),
+        default="WARNING",
+        help="log level of the rank processes on stderr (DEBUG: one line per request or chunk event, "
+        "for benchmarks/timeline.py)",
+    )
+    p.add_argument(
+        "--clock-sync",
+        action="store_true",
+        help="measure each rank's clock offset even on this host's kernel (other hosts always do)",
+    )
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     p.add_argument("--src-gpu", type=int, default=0, help="CUDA device of the source ranks (--device cuda)")
     p.add_argument("--dst-gpu", type=int, default=0, help="CUDA device of the destination ranks (--device cuda)")
-    p.add_argument("--transport", choices=("nixl", "ucx", "cma"), default=None,
-                   help="nixl (one-sided writes), ucx (UCXX tag messages, two-sided) or cma (one host, host memory: "
-                        "process_vm_writev); default: KVSTAGE_TRANSPORT, else nixl")
-    p.add_argument("--mode", default=None,
-                   help="staged, bulk, per-slice, a comma list, or all (default: all; staged with --src-engines or --dst-engines)")
+    p.add_argument(
+        "--transport",
+        choices=("nixl", "ucx", "cma"),
+        default=None,
+        help="nixl (one-sided writes), ucx (UCXX tag messages, two-sided) or cma (one host, host memory: "
+        "process_vm_writev); default: KVSTAGE_TRANSPORT, else nixl",
+    )
+    p.add_argument(
+        "--mode",
+        default=None,
+        help="staged, bulk, per-slice, streamed, a comma list, or all (staged,bulk,per-slice; the default; "
+        "staged with --src-engines or --dst-engines). streamed: each layer group is sent as the "
+        "forward writes it (Source.stream); compare it with staged under --prefill-ms",
+    )
+    p.add_argument(
+        "--prefill-ms",
+        type=float,
+        default=0.0,
+        metavar="MS",
+        help="simulate a prefill forward whose layers finish evenly over MS milliseconds before each step's "
+        "transfer (streamed: under it), on a GPU as kernels on the source ranks' streams, on a CPU as "
+        "waits; exposed_s (every result) runs from its end to the last byte in (default 0: no forward)",
+    )
     p.add_argument("--iters", type=int, default=3)
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--verify", action=argparse.BooleanOptionalAction, default=True)
-    p.add_argument("--json", metavar="PATH", help="write config and results as JSON (- for stdout, instead of the table)")
+    p.add_argument(
+        "--json", metavar="PATH", help="write config and results as JSON (- for stdout, instead of the table)"
+    )
     p.add_argument("--csv", metavar="PATH", help="write one CSV row per result")
-    p.add_argument("--plot", metavar="PATH", help="write a chart of GB/s against tokens (.png, .svg or .pdf; needs matplotlib)")
+    p.add_argument(
+        "--plot", metavar="PATH", help="write a chart of GB/s against tokens (.png, .svg or .pdf; needs matplotlib)"
+    )
     p.add_argument("--markdown", metavar="PATH", help="write the table as GitHub markdown (for docs/benchmarks.md)")
     p.add_argument("--title", help="a line above the table and the plot (scenario files set it)")
-    p.add_argument("--metrics", metavar="FILE",
-                   help="write every rank's Prometheus metrics (exposition text, one block per rank) at the end of the "
-                        "run; needs prometheus_client (pip install 'kvstage[metrics]')")
-    p.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
-                   help="progress bar on stderr (default: on a terminal, once a run passes 2 s)")
-    p.add_argument("--role", choices=("local", "dst", "src"), default="local",
-                   help="local: every rank on this host; dst/src: the two sides on different hosts")
-    p.add_argument("--listen", metavar="HOST:PORT", help="--role dst: where source hosts connect (HOST: an address they reach, or 0.0.0.0)")
-    p.add_argument("--connect", metavar="HOST:PORT", help="--role src: the --listen of the dst side (everything else comes from there)")
-    p.add_argument("--src-hosts", type=int, default=1, help="--role dst: source hosts to wait for; source ranks are split among them")
+    p.add_argument(
+        "--metrics",
+        metavar="FILE",
+        help="write every rank's Prometheus metrics (exposition text, one block per rank) at the end of the "
+        "run; needs prometheus_client (pip install 'kvstage[metrics]')",
+    )
+    p.add_argument(
+        "--progress",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="progress bar on stderr (default: on a terminal, once a run passes 2 s)",
+    )
+    p.add_argument(
+        "--role",
+        choices=("local", "dst", "src"),
+        default="local",
+        help="local: every rank on this host; dst/src: the two sides on different hosts",
+    )
+    p.add_argument(
+        "--listen",
+        metavar="HOST:PORT",
+        help="--role dst: where source hosts connect (HOST: an address they reach, or 0.0.0.0)",
+    )
+    p.add_argument(
+        "--connect",
+        metavar="HOST:PORT",
+        help="--role src: the --listen of the dst side (everything else comes from there)",
+    )
+    p.add_argument(
+        "--src-hosts",
+        type=int,
+        default=1,
+        help="--role dst: source hosts to wait for; source ranks are split among them",
+    )
 
 
 #: scenario-file keys that are not flags
@@ -101,7 +186,9 @@ def load_scenario_file(path: str) -> dict:
                 try:
                     import tomli as tomllib
                 except ImportError:
-                    raise ConfigError(f"scenario={path!r}: TOML needs Python 3.11 or `pip install tomli`; or use JSON") from None
+                    raise ConfigError(
+                        f"scenario={path!r}: TOML needs Python 3.11 or `pip install tomli`; or use JSON"
+                    ) from None
             data = tomllib.loads(raw.decode())
     except (ValueError, UnicodeDecodeError) as e:
         raise ConfigError(f"scenario={path!r}: not valid {'JSON' if path.endswith('.json') else 'TOML'}: {e}") from None
@@ -121,18 +208,22 @@ def _apply_scenario_file(parser: argparse.ArgumentParser, argv: list[str]) -> No
         return
     data = load_scenario_file(known.scenario)
     dests = {a.dest: a for a in parser._actions if a.dest not in ("help", "scenario")}
-    values = {}
+    values: dict[str, object] = {}
     for key, v in data.items():
         dest = key.replace("-", "_")
         if dest in _FILE_ONLY:
             continue
         if dest not in dests:
-            raise ConfigError(f"scenario={known.scenario!r}: unknown key {key!r} (keys are the flag names, like src_tp)")
+            raise ConfigError(
+                f"scenario={known.scenario!r}: unknown key {key!r} (keys are the flag names, like src_tp)"
+            )
         if isinstance(v, list):
             v = ",".join(str(x) for x in v)
         action = dests[dest]
         if action.choices is not None and v not in action.choices:
-            raise ConfigError(f"scenario={known.scenario!r}: {key}={v!r}: must be one of {', '.join(map(str, action.choices))}")
+            raise ConfigError(
+                f"scenario={known.scenario!r}: {key}={v!r}: must be one of {', '.join(map(str, action.choices))}"
+            )
         if isinstance(v, bool) or v is None:
             values[dest] = v
         else:
@@ -143,7 +234,7 @@ def _apply_scenario_file(parser: argparse.ArgumentParser, argv: list[str]) -> No
 
 
 def sweep_from_args(a: argparse.Namespace):
-    from kvstage.bench.scenario import MODES, PRESETS, Sweep, parse_int_list
+    from kvstage.bench.scenario import ALL_MODES, PRESETS, Sweep, parse_int_list
     from kvstage.errors import ConfigError
     from kvstage.layout import KVGeometry, PageLayout
 
@@ -160,22 +251,38 @@ def sweep_from_args(a: argparse.Namespace):
         listed, tp = getattr(a, f"{side}_engines"), getattr(a, f"{side}_tp")
         engines[side] = parse_int_list(f"{side}_engines", listed, duplicates=True) if listed is not None else []
         if engines[side] and tp is not None:
-            raise ConfigError(f"{side}_tp={tp} with {side}_engines={listed}: {side}_engines gives each "
-                              f"{'source' if side == 'src' else 'destination'} engine's TP size; give one or the other "
-                              f"(a list of the other side's TP sizes still sweeps)")
+            raise ConfigError(
+                f"{side}_tp={tp} with {side}_engines={listed}: {side}_engines gives each "
+                f"{'source' if side == 'src' else 'destination'} engine's TP size; give one or the other "
+                f"(a list of the other side's TP sizes still sweeps)"
+            )
         tps[side] = engines[side][:1] or parse_int_list(f"{side}_tp", tp if tp is not None else default)
     multi = bool(engines["src"] or engines["dst"])
     mode = a.mode or ("staged" if multi else "all")
-    modes = MODES if mode == "all" else tuple(m.strip() for m in mode.split(",") if m.strip())
+    modes = ALL_MODES if mode == "all" else tuple(m.strip() for m in mode.split(",") if m.strip())
     return Sweep.build(
-        tps["src"], tps["dst"], parse_int_list("tokens", a.tokens),
-        parse_int_list("concurrency", a.concurrency), skip_invalid=a.skip_invalid,
-        src_engines=tuple(engines["src"]), dst_engines=tuple(engines["dst"]),
-        geometry=geo, src_page=PageLayout(a.page_size, a.layout),
+        tps["src"],
+        tps["dst"],
+        parse_int_list("tokens", a.tokens),
+        parse_int_list("concurrency", a.concurrency),
+        skip_invalid=a.skip_invalid,
+        src_engines=tuple(engines["src"]),
+        dst_engines=tuple(engines["dst"]),
+        geometry=geo,
+        src_page=PageLayout(a.page_size, a.layout),
         dst_page=PageLayout(a.dst_page_size or a.page_size, a.dst_layout or a.layout),
-        modes=modes, device=a.device, iters=a.iters, warmup=a.warmup, seed=a.seed, verify=a.verify,
-        arena_mb=a.arena_mb, copier=a.copier, src_gpu=a.src_gpu, dst_gpu=a.dst_gpu,
+        modes=modes,
+        device=a.device,
+        iters=a.iters,
+        warmup=a.warmup,
+        seed=a.seed,
+        verify=a.verify,
+        arena_mb=a.arena_mb,
+        copier=a.copier,
+        src_gpu=a.src_gpu,
+        dst_gpu=a.dst_gpu,
         transport=a.transport or _env_transport(),
+        prefill_ms=a.prefill_ms,
     )
 
 
@@ -183,16 +290,6 @@ def _env_transport() -> str:
     import os
 
     return os.environ.get("KVSTAGE_TRANSPORT") or "nixl"  # Scenario checks the value
-
-
-def scenario_from_args(a: argparse.Namespace):
-    """The single point of ``a`` (raises ConfigError if ``a`` describes a sweep)."""
-    from kvstage.errors import ConfigError
-
-    pts = sweep_from_args(a).points
-    if len(pts) != 1:
-        raise ConfigError(f"these flags describe {len(pts)} points, not one")
-    return pts[0]
 
 
 def render_table(result: dict) -> str:
@@ -247,8 +344,9 @@ def _check_memory(sweep, roles) -> None:
     if need > 0.9 * avail:
         big = max(g.points, key=lambda p: p.tokens * p.concurrency)
         raise ConfigError(
-            f"memory: TP {g.label} at {big.tokens} tokens x {big.concurrency} in flight needs about {need / 2**30:.1f} GiB "
-            f"of buffers on this host, {avail / 2**30:.1f} GiB is available; lower --tokens, --concurrency or --arena-mb"
+            f"memory: TP {g.label} at {big.tokens} tokens x {big.concurrency} in flight needs about "
+            f"{need / 2**30:.1f} GiB of buffers on this host, {avail / 2**30:.1f} GiB is available; "
+            "lower --tokens, --concurrency or --arena-mb"
         )
 
 
@@ -278,8 +376,17 @@ def _command_line(a: argparse.Namespace) -> str:
     """How to rerun this run: the command line without its output flags."""
     import shlex
 
-    drop = {"--json", "--csv", "--plot", "--markdown", "--metrics", "--title", "--progress", "--no-progress",
-            "--log-level"}
+    drop = {
+        "--json",
+        "--csv",
+        "--plot",
+        "--markdown",
+        "--metrics",
+        "--title",
+        "--progress",
+        "--no-progress",
+        "--log-level",
+    }
     argv, out, skip = sys.argv[1:], [], False
     for x in argv:
         if skip:
@@ -320,13 +427,19 @@ def cmd_bench(a: argparse.Namespace) -> int:
         if not a.connect:
             raise ConfigError("connect: --role src needs --connect HOST:PORT (the --listen of the dst side)")
         _terminate_cleanly()
+
         def joined(kind, msg):
             sw = msg.get("sweep", {})
-            print(f"kvstage bench: joined the run at {a.connect} as source host {msg.get('index', 0) + 1} "
-                  f"({sw.get('groups')} TP pairs, {sw.get('points')} points)", file=sys.stderr, flush=True)
+            print(
+                f"kvstage bench: joined the run at {a.connect} as source host {msg.get('index', 0) + 1} "
+                f"({sw.get('groups')} TP pairs, {sw.get('points')} points)",
+                file=sys.stderr,
+                flush=True,
+            )
 
-        result = run_source_host(parse_hostport(a.connect, "connect"), on_event=joined, log_level=a.log_level,
-                                 clock_sync=a.clock_sync)
+        result = run_source_host(
+            parse_hostport(a.connect, "connect"), on_event=joined, log_level=a.log_level, clock_sync=a.clock_sync
+        )
     else:
         if a.role == "dst" and not a.listen:
             raise ConfigError("listen: --role dst needs --listen HOST:PORT")
@@ -342,23 +455,42 @@ def cmd_bench(a: argparse.Namespace) -> int:
 
         def announce(addr):
             host = "HOST" if addr[0] in ("0.0.0.0", "::", "") else addr[0]
-            print(f"kvstage bench: listening on {addr[0]}:{addr[1]}; waiting for {a.src_hosts} source host(s) to run: "
-                  f"kvstage bench --role src --connect {host}:{addr[1]}", file=sys.stderr, flush=True)
+            print(
+                f"kvstage bench: listening on {addr[0]}:{addr[1]}; waiting for {a.src_hosts} source host(s) to run: "
+                f"kvstage bench --role src --connect {host}:{addr[1]}",
+                file=sys.stderr,
+                flush=True,
+            )
 
         progress = report.Progress(a.progress)
         _terminate_cleanly()
         try:
-            result = run_sweep(sweep, progress=progress, role=a.role, listen=listen, src_hosts=a.src_hosts,
-                               on_listen=announce, log_level=a.log_level, clock_sync=a.clock_sync, metrics=a.metrics)
+            result = run_sweep(
+                sweep,
+                progress=progress,
+                role=a.role,
+                listen=listen,
+                src_hosts=a.src_hosts,
+                on_listen=announce,
+                log_level=a.log_level,
+                clock_sync=a.clock_sync,
+                metrics=a.metrics,
+            )
         finally:
             progress.close()
     _emit(result, a, a.title)
     bad = [r for r in result["results"] if r["verified"] is False]
     for r in bad:
-        pair = (f"{r['src_engine']} (TP {r['src_tp']}) -> {r['dst_engine']} (TP {r['dst_tp']})" if "src_engine" in r
-                else f"{r['src_tp']}->{r['dst_tp']}")
-        print(f"VERIFICATION FAILED in mode {r['mode']} ({pair}, {r['tokens']} tokens): "
-              + "; ".join(r.get("errors", [])), file=sys.stderr)
+        pair = (
+            f"{r['src_engine']} (TP {r['src_tp']}) -> {r['dst_engine']} (TP {r['dst_tp']})"
+            if "src_engine" in r
+            else f"{r['src_tp']}->{r['dst_tp']}"
+        )
+        print(
+            f"VERIFICATION FAILED in mode {r['mode']} ({pair}, {r['tokens']} tokens): "
+            + "; ".join(r.get("errors", [])),
+            file=sys.stderr,
+        )
     return EXIT_FAILED if bad else 0
 
 
@@ -373,7 +505,7 @@ def main(argv: list[str] | None = None) -> int:
 
         probe_cli.add_arguments(probe)
     except ImportError:
-        probe_cli = None
+        probe_cli = None  # type: ignore[assignment]  # said at "kvstage probe" below
     argv = sys.argv[1:] if argv is None else list(argv)
     try:
         if argv[:1] == ["bench"]:

@@ -49,7 +49,8 @@ class Settings:
 
     #: nixl (one-sided NIXL reads), ucx (two-sided UCX through UCXX), cma (one host, host memory)
     transport: str = field(default_factory=lambda: _env("KVSTAGE_TRANSPORT", "nixl", str))
-    #: the shared secret every source presents in its hello; empty: none
+    #: the deployment's shared secret every source presents in its hello; empty: each destination makes a secret
+    #: of its own and hands it out in its address (``protocol.address``)
     auth_token: str = field(default_factory=lambda: _env("KVSTAGE_AUTH_TOKEN", "", str))
     #: staging memory per rank, in MiB. None: sized from the model and the device (``staging.arena.arena_size``)
     arena_mb: float | None = field(default_factory=lambda: _env("KVSTAGE_ARENA_MB", None, float))
@@ -67,8 +68,8 @@ class Settings:
     stall_timeout_s: float = field(default_factory=lambda: _env("KVSTAGE_STALL_TIMEOUT_S", 30.0, float))
     #: a peer silent (no ping) this long is taken for stopped or hung, and its requests fail
     peer_timeout_s: float = field(default_factory=lambda: _env("KVSTAGE_PEER_TIMEOUT_S", 30.0, float))
-    #: a destination with no ``auth_token`` may listen on an address other than loopback, open to anyone
-    #: who reaches it (who then may read staging slots, not KV pages: the page paths need the token)
+    #: the opt-out of authentication, by name: a destination with no ``auth_token`` makes no secret and admits
+    #: anyone who reaches it (who then may read staging slots, not KV pages: the page paths need the token)
     allow_unauthenticated: bool = field(default_factory=lambda: _env("KVSTAGE_ALLOW_UNAUTHENTICATED", False, bool))
     #: serve this process's Prometheus metrics over HTTP on this port plus the endpoint's rank (``metrics.serve``);
     #: None: no port of kvstage's own (an engine's /metrics may still show them, docs/metrics.md)
@@ -79,9 +80,13 @@ class Settings:
             v = getattr(self, f.name)
             if f.name.endswith("_s") and not (_is_number(v) and v > 0):
                 raise ConfigError(f"{f.name}={v!r}: must be a number of seconds > 0")
-        if self.arena_mb is not None and not (_is_number(self.arena_mb) and self.arena_mb * (1 << 20) >= MIN_ARENA_BYTES):
-            raise ConfigError(f"arena_mb={self.arena_mb!r}: must be at least 4 KiB (0.00390625 MiB), or unset to size "
-                              "the arena from the model and the device")
+        if self.arena_mb is not None and not (
+            _is_number(self.arena_mb) and self.arena_mb * (1 << 20) >= MIN_ARENA_BYTES
+        ):
+            raise ConfigError(
+                f"arena_mb={self.arena_mb!r}: must be at least 4 KiB (0.00390625 MiB), or unset to size "
+                "the arena from the model and the device"
+            )
         if self.transport not in TRANSPORTS:
             raise ConfigError(f"transport={self.transport!r}: must be one of {', '.join(TRANSPORTS)}")
         if self.path not in PATHS:
@@ -93,8 +98,10 @@ class Settings:
                 "or KVSTAGE_TRANSPORT=nixl"
             )
         if self.peer_timeout_s < 2 * PING_INTERVAL_S:
-            raise ConfigError(f"peer_timeout_s={self.peer_timeout_s!r}: must be >= {2 * PING_INTERVAL_S:g} s "
-                              f"(peers ping every {PING_INTERVAL_S:g} s)")
+            raise ConfigError(
+                f"peer_timeout_s={self.peer_timeout_s!r}: must be >= {2 * PING_INTERVAL_S:g} s "
+                f"(peers ping every {PING_INTERVAL_S:g} s)"
+            )
         if self.arena not in ARENA_LOCATIONS:
             raise ConfigError(f"arena={self.arena!r}: must be one of {', '.join(ARENA_LOCATIONS)}")
         if not isinstance(self.allow_unauthenticated, bool):
@@ -102,12 +109,18 @@ class Settings:
         if not isinstance(self.auth_token, str):
             raise ConfigError(f"auth_token={self.auth_token!r}: must be a string")
         if self.metrics_port is not None:
-            if not (isinstance(self.metrics_port, int) and not isinstance(self.metrics_port, bool)
-                    and 1 <= self.metrics_port <= 65535):
+            if not (
+                isinstance(self.metrics_port, int)
+                and not isinstance(self.metrics_port, bool)
+                and 1 <= self.metrics_port <= 65535
+            ):
                 raise ConfigError(f"metrics_port={self.metrics_port!r}: must be a port number in 1..65535, or unset")
             if importlib.util.find_spec("prometheus_client") is None:
-                raise ConfigError(f"metrics_port={self.metrics_port}: needs prometheus_client; "
-                                  "pip install 'kvstage[metrics]', or unset metrics_port")
+                raise ConfigError(
+                    f"metrics_port={self.metrics_port}: needs prometheus_client; "
+                    "pip install 'kvstage[metrics]', or unset metrics_port"
+                )
+
     @property
     def offers_pages(self) -> bool:
         """Whether this rank's KV pages may be read by peers at all (a path other than read allowed, and a

@@ -45,8 +45,11 @@ def driver() -> ctypes.CDLL:
     lib.cuCtxPushCurrent_v2.argtypes = [p]
     lib.cuCtxPopCurrent_v2.argtypes = [ctypes.POINTER(p)]
     lib.cuDevicePrimaryCtxRelease_v2.argtypes = [ctypes.c_int]
-    lib.cuMemGetAddressRange_v2.argtypes = [ctypes.POINTER(ctypes.c_uint64), ctypes.POINTER(ctypes.c_size_t),
-                                            ctypes.c_uint64]
+    lib.cuMemGetAddressRange_v2.argtypes = [
+        ctypes.POINTER(ctypes.c_uint64),
+        ctypes.POINTER(ctypes.c_size_t),
+        ctypes.c_uint64,
+    ]
     for name in ("cuStreamWaitValue32", "cuStreamWriteValue32"):  # the v2 calls: on by default since CUDA 11.7
         fn = getattr(lib, name + "_v2", None) or getattr(lib, name, None)
         if fn is not None:  # bound as kvstage_<name>; absent from a driver without them

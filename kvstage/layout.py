@@ -54,9 +54,7 @@ class KVGeometry:
         _positive("kv_heads", self.kv_heads)
         _positive("head_dim", self.head_dim)
         if self.dtype not in DTYPE_SIZES:
-            raise ConfigError(
-                f"dtype={self.dtype!r}: must be one of {', '.join(DTYPE_SIZES)}"
-            )
+            raise ConfigError(f"dtype={self.dtype!r}: must be one of {', '.join(DTYPE_SIZES)}")
         if self.mla and self.kv_heads != 1:
             raise ConfigError(
                 f"kv_heads={self.kv_heads} with mla=True: MLA keeps one latent "
@@ -126,7 +124,7 @@ def token_positions(page_ids: np.ndarray, page_size: int, start: int, count: int
 
 
 def element_offsets(
-    geo: KVGeometry, page: PageLayout, heads: int, page_ids: np.ndarray, offsets: np.ndarray, head: int
+    geo: KVGeometry, page: PageLayout, heads: int, page_ids: np.ndarray, offsets: np.ndarray, head: int | np.ndarray
 ) -> np.ndarray:
     """Element offset, inside one buffer, of ``head`` of each token given by
     (page id, offset in page). The ``head_dim`` elements from there are contiguous."""

@@ -45,11 +45,32 @@ INSTALL = "pip install 'kvstage[metrics]'"
 SWITCH = "KVSTAGE_METRICS"
 
 #: the cause classes of ``kvstage_failures_total`` (``classify``); a small, closed set
-CAUSES = ("connection_lost", "peer_silent", "timeout", "aborted", "refused", "read_error", "copy_error", "mismatch",
-          "shutdown", "other")
+CAUSES = (
+    "connection_lost",
+    "peer_silent",
+    "timeout",
+    "aborted",
+    "refused",
+    "read_error",
+    "copy_error",
+    "mismatch",
+    "shutdown",
+    "other",
+)
 #: the stages a failure or a slow request is labelled with; any other is "other"
-FAILURE_STAGES = ("start", "route", "waiting_for_a_reader", "waiting_for_writers", "ready", "read", "gather",
-                  "scatter", "abort", "shutdown", "other")
+FAILURE_STAGES = (
+    "start",
+    "route",
+    "waiting_for_a_reader",
+    "waiting_for_writers",
+    "ready",
+    "read",
+    "gather",
+    "scatter",
+    "abort",
+    "shutdown",
+    "other",
+)
 #: the stages ``kvstage_stage_seconds`` times, per chunk
 STAGES = ("gather", "read", "scatter", "slot_wait")
 SEVERITIES = ("INFO", "WARNING", "ERROR")
@@ -77,8 +98,16 @@ _RULES = (  # (class, pattern), first match wins; the texts are the protocol's a
     ("aborted", re.compile(r"aborted by caller|request was aborted|finished while its kv was loading")),
     ("refused", re.compile(r"no allowed path|taken by engine|past the .* pages|lie outside|is not allowed here")),
 )
-_BY_STAGE = {"abort": "aborted", "read": "read_error", "gather": "copy_error", "scatter": "copy_error",
-             "shutdown": "shutdown", "start": "mismatch", "route": "refused", "ready": "refused"}
+_BY_STAGE = {
+    "abort": "aborted",
+    "read": "read_error",
+    "gather": "copy_error",
+    "scatter": "copy_error",
+    "shutdown": "shutdown",
+    "start": "mismatch",
+    "route": "refused",
+    "ready": "refused",
+}
 
 
 def classify(cause: str, stage: str = "") -> str:
@@ -146,35 +175,80 @@ class _Families:
     a registry of their own (``exposition``, ``serve``)."""
 
     def __init__(self):
-        from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, REGISTRY, values
+        from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram, values
 
         self.multiprocess = bool(getattr(values.ValueClass, "_multiprocess", False))
         ep = _ENDPOINT
-        self.requests = Counter("kvstage_requests", "Requests finished, by result (done or failed).",
-                                ep + ("peer", "result"), registry=None)
-        self.failures = Counter("kvstage_failures", "Failed requests, by the stage and the class of the cause.",
-                                ep + ("peer", "stage", "cause"), registry=None)
-        self.slow = Counter("kvstage_slow_requests", "Requests that waited long on a peer that is alive (busy, "
-                            "not dead), by stage.", ep + ("peer", "stage"), registry=None)
-        self.bytes = Counter("kvstage_transfer_bytes", "KV bytes moved (read into a destination, made "
-                             "readable by a source), failed requests' included.", ep + ("peer",), registry=None)
-        self.seconds = Histogram("kvstage_request_seconds", "Done requests: seconds from announce to done.",
-                                 ep + ("peer",), buckets=REQUEST_BUCKETS, registry=None)
-        self.stages = Histogram("kvstage_stage_seconds", "Seconds per chunk in each stage (gather, read, scatter, "
-                                "slot_wait).", ep + ("stage",), buckets=STAGE_BUCKETS, registry=None)
-        self.slots_free = Gauge("kvstage_slots_free", "Staging slots free now.", ep, registry=None,
-                                multiprocess_mode="livesum")
-        self.slots_total = Gauge("kvstage_slots_total", "Staging slots in the arena.", ep, registry=None,
-                                 multiprocess_mode="livesum")
-        self.in_flight = Gauge("kvstage_requests_in_flight", "Requests in flight now.", ep, registry=None,
-                               multiprocess_mode="livesum")
-        self.links = Gauge("kvstage_link_info", "The connect-time judgement of each peer's link: 1 for its current "
-                           "path and severity.", ep + ("peer", "path", "severity"), registry=None,
-                           multiprocess_mode="livemax")
-        self.recomputes = Counter("kvstage_recomputes", "Engine requests whose KV load failed and that the engine "
-                                  "recomputes instead.", ("engine",), registry=None)
-        self.all = (self.requests, self.failures, self.slow, self.bytes, self.seconds, self.stages, self.slots_free,
-                    self.slots_total, self.in_flight, self.links, self.recomputes)
+        self.requests = Counter(
+            "kvstage_requests", "Requests finished, by result (done or failed).", ep + ("peer", "result"), registry=None
+        )
+        self.failures = Counter(
+            "kvstage_failures",
+            "Failed requests, by the stage and the class of the cause.",
+            ep + ("peer", "stage", "cause"),
+            registry=None,
+        )
+        self.slow = Counter(
+            "kvstage_slow_requests",
+            "Requests that waited long on a peer that is alive (busy, not dead), by stage.",
+            ep + ("peer", "stage"),
+            registry=None,
+        )
+        self.bytes = Counter(
+            "kvstage_transfer_bytes",
+            "KV bytes moved (read into a destination, made readable by a source), failed requests' included.",
+            ep + ("peer",),
+            registry=None,
+        )
+        self.seconds = Histogram(
+            "kvstage_request_seconds",
+            "Done requests: seconds from announce to done.",
+            ep + ("peer",),
+            buckets=REQUEST_BUCKETS,
+            registry=None,
+        )
+        self.stages = Histogram(
+            "kvstage_stage_seconds",
+            "Seconds per chunk in each stage (gather, read, scatter, slot_wait).",
+            ep + ("stage",),
+            buckets=STAGE_BUCKETS,
+            registry=None,
+        )
+        self.slots_free = Gauge(
+            "kvstage_slots_free", "Staging slots free now.", ep, registry=None, multiprocess_mode="livesum"
+        )
+        self.slots_total = Gauge(
+            "kvstage_slots_total", "Staging slots in the arena.", ep, registry=None, multiprocess_mode="livesum"
+        )
+        self.in_flight = Gauge(
+            "kvstage_requests_in_flight", "Requests in flight now.", ep, registry=None, multiprocess_mode="livesum"
+        )
+        self.links = Gauge(
+            "kvstage_link_info",
+            "The connect-time judgement of each peer's link: 1 for its current path and severity.",
+            ep + ("peer", "path", "severity"),
+            registry=None,
+            multiprocess_mode="livemax",
+        )
+        self.recomputes = Counter(
+            "kvstage_recomputes",
+            "Engine requests whose KV load failed and that the engine recomputes instead.",
+            ("engine",),
+            registry=None,
+        )
+        self.all = (
+            self.requests,
+            self.failures,
+            self.slow,
+            self.bytes,
+            self.seconds,
+            self.stages,
+            self.slots_free,
+            self.slots_total,
+            self.in_flight,
+            self.links,
+            self.recomputes,
+        )
         self.registry = CollectorRegistry(auto_describe=True)
         clash = []
         for family in self.all:
@@ -184,8 +258,11 @@ class _Families:
             except ValueError:  # another copy of kvstage registered these names in this process
                 clash.append(family._name)
         if clash:
-            log.warning("kvstage metrics: prometheus_client's default registry already holds %s; this copy of "
-                        "kvstage exports them through metrics_port only", ", ".join(clash))
+            log.warning(
+                "kvstage metrics: prometheus_client's default registry already holds %s; this copy of "
+                "kvstage exports them through metrics_port only",
+                ", ".join(clash),
+            )
         self.groups: dict = {}  # (role, rank, engine) -> _Group
         self.peers: set = set()  # peer labels given out (``MAX_PEER_LABELS``)
         self.capped = False
@@ -202,11 +279,13 @@ class _Families:
                 return peer
             if not self.capped:
                 self.capped = True
-                log.info("kvstage metrics: more than %d peers seen in this process; later peers are labelled "
-                         "peer=\"other\"", MAX_PEER_LABELS)
+                log.info(
+                    'kvstage metrics: more than %d peers seen in this process; later peers are labelled peer="other"',
+                    MAX_PEER_LABELS,
+                )
         return "other"
 
-    def group(self, labels: tuple) -> "_Group":
+    def group(self, labels: tuple) -> _Group:
         with _lock:
             g = self.groups.get(labels)
             if g is None:
@@ -224,7 +303,7 @@ def _mark_dead() -> None:
         pass
 
 
-def _families() -> "_Families | None":
+def _families() -> _Families | None:
     """This process's families, made on first use; None when metrics are off (logged once)."""
     fam = _state.get("families")
     if fam is not None or _state.get("announced"):
@@ -237,11 +316,15 @@ def _families() -> "_Families | None":
             fam = _state["families"] = _Families()
             multiproc = os.environ.get("PROMETHEUS_MULTIPROC_DIR")
             if multiproc and not fam.multiprocess:
-                log.warning("kvstage metrics: PROMETHEUS_MULTIPROC_DIR is set but prometheus_client was imported "
-                            "before it was: this process's metrics stay in its memory (metrics_port), not in the "
-                            "directory the engine's /metrics reads")
-            log.info("kvstage metrics: on (prometheus_client; %s)", "multiprocess directory " + multiproc
-                     if fam.multiprocess else "this process's default registry")
+                log.warning(
+                    "kvstage metrics: PROMETHEUS_MULTIPROC_DIR is set but prometheus_client was imported "
+                    "before it was: this process's metrics stay in its memory (metrics_port), not in the "
+                    "directory the engine's /metrics reads"
+                )
+            log.info(
+                "kvstage metrics: on (prometheus_client; %s)",
+                f"multiprocess directory {multiproc}" if fam.multiprocess else "this process's default registry",
+            )
         else:
             log.info("kvstage metrics: off: %s; no kvstage_* metrics from this process", why)
         _state["announced"] = True
@@ -249,6 +332,7 @@ def _families() -> "_Families | None":
 
 
 # -- one endpoint's share ----------------------------------------------------------------------------
+
 
 class _Group:
     """The gauges of one (role, rank, engine): several endpoints of a process may share it (an
@@ -259,7 +343,7 @@ class _Group:
         self.lock = threading.Lock()
         self.values: dict = {}  # member -> [slots free, slots total, in flight]
         self.families = (fam.slots_free, fam.slots_total, fam.in_flight)
-        self.children = None  # their children for these labels, made on the first set
+        self.children: tuple | None = None  # their children for these labels, made on the first set
         self.links: dict = {}  # (peer label, path, severity) -> how many members hold it
 
     def set(self, member, index: int, value: int) -> None:
@@ -326,7 +410,8 @@ class EndpointMetrics:
         self._peers: dict = {}  # peer -> _Peer
         self._stages: dict = {}  # stage -> histogram child
         self._counted: dict = {}  # (peer, stage, cause) or (peer, stage) -> counter child
-        self._slots = self._flight = None  # last values given: a repeat sets nothing
+        self._slots: tuple[int, int] | None = None  # last values given: a repeat sets nothing
+        self._flight: int | None = None
         self._links: dict = {}  # (peer, kv) -> (peer label, path, severity)
         self._closed = False
 
@@ -460,7 +545,7 @@ class _NoMetrics:
 _OFF = _NoMetrics()
 
 
-def endpoint_metrics(role: str, rank: int, engine: str = "") -> EndpointMetrics:
+def endpoint_metrics(role: str, rank: int, engine: str = "") -> EndpointMetrics | _NoMetrics:
     """The metrics of one endpoint (``role`` src or dst, its ``rank``, its ``engine`` id), or an
     object that does nothing when this process exports none (said once, at INFO)."""
     fam = _families()
@@ -486,6 +571,7 @@ def exposition() -> bytes:
 
 # -- the standalone endpoint -----------------------------------------------------------------------------
 
+
 def serve(port: int, host: str = "127.0.0.1") -> tuple[str, int]:
     """Serve this process's kvstage metrics over HTTP on ``host:port`` (``/metrics``), once per
     process: a second call for the same address (or port 0) returns it; one for another raises."""
@@ -497,9 +583,11 @@ def serve(port: int, host: str = "127.0.0.1") -> tuple[str, int]:
         if served is not None:
             if port in (0, served[1]) and host == served[0]:
                 return served
-            raise ConfigError(f"metrics_port={port}: this process serves its metrics on {served[0]}:{served[1]} "
-                              f"already; one process serves them on one address (give every endpoint of a process "
-                              "the same metrics_port)")
+            raise ConfigError(
+                f"metrics_port={port}: this process serves its metrics on {served[0]}:{served[1]} "
+                f"already; one process serves them on one address (give every endpoint of a process "
+                "the same metrics_port)"
+            )
         from prometheus_client import start_http_server
 
         try:
@@ -532,6 +620,7 @@ def start_from_settings(settings, rank: int = 0, host: str = "127.0.0.1") -> tup
 
 # -- an engine plugin's summary line -------------------------------------------------------------------------
 
+
 class LoadSummary:
     """The rate-limited INFO summary of an engine plugin's KV loads: ``add`` each finished load,
     and ``due`` gives the line to log at most once per ``interval_s`` (None between, and when
@@ -543,7 +632,8 @@ class LoadSummary:
         self._reset()
 
     def _reset(self) -> None:
-        self.done, self.failed, self.bytes, self.seconds = 0, 0, 0, []
+        self.done, self.failed, self.bytes = 0, 0, 0
+        self.seconds: list[float] = []
 
     def add(self, ok: bool, seconds: float, nbytes: int) -> None:
         if ok:
@@ -558,8 +648,10 @@ class LoadSummary:
         elapsed = now - self.since
         if elapsed < self.interval_s or not (self.done or self.failed):
             return None
-        line = (f"{self.what}: {self.done + self.failed} KV loads in the last {elapsed:.0f} s: {self.done} done, "
-                f"{self.failed} failed, {self.bytes / 1e6:.1f} MB")
+        line = (
+            f"{self.what}: {self.done + self.failed} KV loads in the last {elapsed:.0f} s: {self.done} done, "
+            f"{self.failed} failed, {self.bytes / 1e6:.1f} MB"
+        )
         if self.seconds:
             s = sorted(self.seconds)
             line += f", p50 {s[(len(s) - 1) // 2] * 1e3:.1f} ms, max {s[-1] * 1e3:.1f} ms"

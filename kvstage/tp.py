@@ -25,6 +25,7 @@ the four prefill ranks (their links and memory in parallel), not all from one.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from kvstage.errors import IncompatibleGeometry
@@ -42,7 +43,7 @@ class HeadRange:
     def count(self) -> int:
         return self.stop - self.start
 
-    def intersect(self, other: "HeadRange") -> "HeadRange | None":
+    def intersect(self, other: HeadRange) -> HeadRange | None:
         lo, hi = max(self.start, other.start), min(self.stop, other.stop)
         return HeadRange(lo, hi) if lo < hi else None
 
@@ -54,8 +55,7 @@ def check_tp(geometry: KVGeometry, tp, side: str) -> None:
         raise IncompatibleGeometry(f"{side} tp={tp!r}: must be a positive integer")
     if not geometry.mla and heads % tp and tp % heads:
         raise IncompatibleGeometry(
-            f"{side} tp={tp} with kv_heads={heads}: tp must divide kv_heads "
-            "or be a multiple of it"
+            f"{side} tp={tp} with kv_heads={heads}: tp must divide kv_heads or be a multiple of it"
         )
 
 
@@ -71,7 +71,7 @@ class SideSpec:
         check_tp(self.geometry, self.tp, "spec")  # refused where it is made, not when a peer connects
 
     @classmethod
-    def of(cls, geometry: KVGeometry, tp: int, page: PageLayout, side: str) -> "SideSpec":
+    def of(cls, geometry: KVGeometry, tp: int, page: PageLayout, side: str) -> SideSpec:
         """A spec whose refusal names its ``side`` ("source", "destination")."""
         check_tp(geometry, tp, side)
         return cls(geometry, tp, page)
@@ -141,14 +141,13 @@ class TransferPlan:
         replicated heads on both sides); a piece may be a holder's share of the layers."""
         if self.src.page != self.dst.page:
             return False
-        return all(
-            p.heads == self.src.heads_of(p.src_rank) == self.dst.heads_of(p.dst_rank) for p in self.pieces
-        )
+        return all(p.heads == self.src.heads_of(p.src_rank) == self.dst.heads_of(p.dst_rank) for p in self.pieces)
 
     def writers_of(self, dst_rank: int) -> tuple[Piece, ...]:
         """Pieces landing on ``dst_rank``, in destination head order, then buffer order (the slot order)."""
-        return tuple(sorted((p for p in self.pieces if p.dst_rank == dst_rank),
-                            key=lambda p: (p.dst_offset, p.buffers.start)))
+        return tuple(
+            sorted((p for p in self.pieces if p.dst_rank == dst_rank), key=lambda p: (p.dst_offset, p.buffers.start))
+        )
 
     def targets_of(self, src_rank: int) -> tuple[Piece, ...]:
         """Pieces ``src_rank`` sends, one per destination rank at most."""
@@ -161,6 +160,11 @@ class TransferPlan:
     def dst_token_bytes(self) -> int:
         return token_bytes(self.geometry, self.dst.local_heads())
 
+    def layer_buffers(self, layers: range) -> range:
+        """The buffers of ``layers`` (each layer's planes are consecutive buffers)."""
+        planes = self.geometry.planes
+        return range(layers.start * planes, layers.stop * planes)
+
     def writer_offsets(self, dst_rank: int, tokens: int) -> dict[int, int]:
         """Byte offset of each writer's piece inside a slot holding ``tokens`` tokens."""
         out, at = {}, 0
@@ -168,6 +172,12 @@ class TransferPlan:
             out[p.src_rank] = at
             at += self.piece_token_bytes(p) * tokens
         return out
+
+
+def restrict(piece: Piece, buffers: range) -> Piece | None:
+    """``piece`` cut to the buffers of ``buffers`` (a streamed layer group), or None where it holds none of them."""
+    lo, hi = max(piece.buffers.start, buffers.start), min(piece.buffers.stop, buffers.stop)
+    return dataclasses.replace(piece, buffers=range(lo, hi)) if lo < hi else None
 
 
 def check_pair(src: SideSpec, dst: SideSpec) -> None:
@@ -204,13 +214,13 @@ def plan(src: SideSpec, dst: SideSpec) -> TransferPlan:
         wanting = [d for d in range(dst.tp) if dst.heads_of(d).intersect(shard) is not None]
         for j, d in enumerate(wanting):
             got = dst.heads_of(d).intersect(shard)
+            assert got is not None  # ``wanting`` holds only ranks that want some of ``shard``
             if len(wanting) >= len(holders):  # one holder each, round robin
                 mine = [(holders[j % len(holders)], every)]
             else:  # several holders each, a share of the layers from every one of them
-                mine = holders[j :: len(wanting)]
-                mine = [(s, layer_share(geo.layers, geo.planes, i, len(mine))) for i, s in enumerate(mine)]
+                share = holders[j :: len(wanting)]
+                mine = [(s, layer_share(geo.layers, geo.planes, i, len(share))) for i, s in enumerate(share)]
             for s, buffers in mine:
                 if len(buffers):
-                    pieces.append(Piece(s, d, got, got.start - shard.start, got.start - dst.heads_of(d).start,
-                                        buffers))
+                    pieces.append(Piece(s, d, got, got.start - shard.start, got.start - dst.heads_of(d).start, buffers))
     return TransferPlan(src, dst, tuple(sorted(pieces, key=lambda p: (p.dst_rank, p.dst_offset, p.buffers.start))))

@@ -20,10 +20,10 @@ def _ucx_missing() -> str | None:
 
 @pytest.fixture(autouse=True)
 def _needs_ucx(request):
-    """A test over the ucx transport skips, with the reason, where UCXX is absent;
-    ``KVSTAGE_REQUIRE_UCX=1`` (the CI and the GPU run) turns that skip into a failure."""
-    params = getattr(getattr(request.node, "callspec", None), "params", {})
-    if "ucx" not in params.values() and "ucx" not in request.node.fspath.basename and "ucx" not in request.node.name:
+    """A test marked ``ucx`` (it runs the ucx transport: tests/support/marks.py) skips, with the
+    reason, where UCXX is absent; ``KVSTAGE_REQUIRE_UCX=1`` (the CI and the GPU run) turns that skip
+    into a failure. Unmarked tests run everywhere, whatever their names say."""
+    if request.node.get_closest_marker("ucx") is None:
         return
     why = _ucx_missing()
     if why is None:

@@ -56,6 +56,7 @@ def test_sweep_with_concurrency_writes_json_csv_and_plot(tmp_path):
         assert r["gbps"] > 0 and 0 < r["latency_p50_s"] <= r["latency_p99_s"]
         assert r["latency_samples"] == r["concurrency"]
         assert r["ratio_to_bulk"] > 0
+        check_exposed(r)  # no forward: from the step's start
         if r["mode"] == "bulk":
             assert r["descriptors"] == r["src_tp"]  # one write per source rank and request
         if r["mode"] == "staged":  # the route's path, per request (2 or 4 -> 1 are not whole shards: never direct)
@@ -69,6 +70,99 @@ def test_sweep_with_concurrency_writes_json_csv_and_plot(tmp_path):
         assert col in proc.stdout
 
 
+def check_exposed(row: dict) -> None:
+    """Every result says how much of its transfer the forward did not hide: from the last source rank's
+    forward end to the last destination rank holding every byte, never before the forward ended."""
+    assert "exposed_s" in row, f"{row['mode']}: no exposed_s in {sorted(row)}"
+    assert row["exposed_s"] >= 0 and all(x >= 0 for x in row["exposed_s_all"]), (row["mode"], row["exposed_s_all"])
+    assert len(row["exposed_s_all"]) == len(row["seconds_all"])
+
+
+def test_check_exposed_fails_a_row_without_exposed_time_or_with_a_negative_one():
+    good = {"mode": "streamed", "exposed_s": 0.002, "exposed_s_all": [0.002], "seconds_all": [0.05]}
+    check_exposed(good)
+    for bad in ({k: v for k, v in good.items() if k != "exposed_s"}, dict(good, exposed_s=-0.001),
+                dict(good, exposed_s_all=[-0.001])):
+        with pytest.raises(AssertionError):
+            check_exposed(bad)
+
+
+def test_streamed_and_staged_under_a_simulated_forward_are_byte_exact_and_report_exposed_time(tmp_path):
+    """--mode staged,streamed,bulk --prefill-ms: every mode after (streamed: under) the same simulated forward,
+    2 requests in flight; the streamed requests leave in the core's layer groups."""
+    from kvstage.protocol.stream import layer_groups
+
+    out, table = tmp_path / "r.json", tmp_path / "r.csv"
+    layers, tokens = 8, 1024
+    proc = bench("--layers", str(layers), "--head-dim", "32", "--arena-mb", "4", "--src-tp", "2", "--tokens",
+                 str(tokens), "--concurrency", "2", "--mode", "staged,streamed,bulk", "--prefill-ms", "40",
+                 "--iters", "1", "--warmup", "1", "--verify", "--json", str(out), "--csv", str(table))
+    assert proc.returncode == 0, proc.stderr
+    data = json.loads(out.read_text())
+    assert data["config"]["prefill_ms"] == 40
+    rows = {r["mode"]: r for r in data["results"]}
+    assert list(rows) == ["staged", "streamed", "bulk"]
+    for mode in ("staged", "streamed"):
+        assert rows[mode]["verified"] is True, rows[mode].get("errors")  # every byte of every request
+        assert rows[mode]["path"] and rows[mode]["latency_samples"] == 2
+    for r in rows.values():
+        check_exposed(r)
+    want = [[g.start, g.stop] for g in layer_groups(layers, tokens)]
+    assert len(want) > 1  # above the short-prompt bypass: the request really streams
+    assert rows["streamed"]["layer_groups"] == want
+    assert want[0][0] == 0 and want[-1][1] == layers and all(a[1] == b[0] for a, b in zip(want, want[1:]))
+    assert "layer_groups" not in rows["staged"]
+    with table.open() as f:
+        assert [float(r["exposed_s"]) >= 0 for r in csv.DictReader(f)] == [True] * 3
+    assert "exposed ms" in proc.stdout and "streamed / staged exposed: " in proc.stdout
+
+
+def test_simulated_forward_on_a_cpu_reports_each_layer_in_order_then_its_end():
+    import torch
+
+    from kvstage.bench.forward import SimulatedForward
+
+    for ms in (0, 5):
+        forward, seen = SimulatedForward(4, ms, torch.device("cpu")), []
+        before = time.perf_counter()
+        forward.run(seen.append)
+        assert seen == [1, 2, 3, 4]
+        assert before <= forward.end <= time.perf_counter()
+
+
+@pytest.mark.gpu
+def test_simulated_forward_on_a_gpu_queues_its_layers_and_sees_its_last_kernel_end():
+    import torch
+
+    from kvstage.bench.forward import SimulatedForward
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    forward, seen = SimulatedForward(4, 20, torch.device("cuda", 0)), []
+    before = time.perf_counter()
+    forward.run(lambda n: seen.append((n, torch.cuda.current_stream().query())))
+    assert [n for n, _ in seen] == [1, 2, 3, 4]
+    assert not seen[-1][1]  # the caller got the last layer while the kernels still ran: queued, not waited for
+    end = forward.end
+    assert torch.cuda.current_stream().query() and before < end <= time.perf_counter()
+
+
+@pytest.mark.gpu
+def test_streamed_and_staged_on_a_gpu_under_a_simulated_forward_are_byte_exact(tmp_path):
+    import torch
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    out = tmp_path / "r.json"
+    proc = bench("--device", "cuda", "--layers", "8", "--head-dim", "32", "--src-tp", "2", "--tokens", "1024",
+                 "--mode", "staged,streamed", "--prefill-ms", "20", "--iters", "1", "--warmup", "1", "--json", str(out))
+    assert proc.returncode == 0, proc.stderr
+    for r in json.loads(out.read_text())["results"]:
+        assert r["verified"] is True, r.get("errors")
+        check_exposed(r)
+
+
+@pytest.mark.ucx
 def test_bench_over_ucx_runs_every_mode_and_verifies(tmp_path):
     out = tmp_path / "r.json"
     proc = bench(*TINY, "--transport", "ucx", "--src-tp", "2", "--tokens", "100", "--concurrency", "2",
@@ -204,8 +298,8 @@ def test_bulk_buffers_are_real_memory_before_the_first_step():
     def rss() -> int:
         return int(open("/proc/self/statm").read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
-    points = [SimpleNamespace(concurrency=2, tokens=1024, modes=("staged", "bulk")),
-              SimpleNamespace(concurrency=1, tokens=4096, modes=("staged",))]  # no bulk: not sized for
+    points = [SimpleNamespace(concurrency=2, tokens=1024, run_modes=("staged", "bulk")),
+              SimpleNamespace(concurrency=1, tokens=4096, run_modes=("staged",))]  # no bulk: not sized for
     t = NixlTransport("bulk-test")
     try:
         before = rss()

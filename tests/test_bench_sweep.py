@@ -168,6 +168,7 @@ def _synthetic():
             for r in range(2):
                 reports.append(("src", r, 0, mode, it, {
                     "t0": base + r * 1e-3, "sent": [base + r * 1e-3, base + 2e-3], "t_end": base + 0.01,
+                    "forward_end": base + r * 1e-3,  # no simulated forward: it ends as the step starts
                     "descriptors": 0 if staged else 2, "writes": 0 if staged else 2,
                     "stages": {"gather": 1e-3, "read": 0.0, "scatter": 0.0, "slot_wait": 0.0} if staged else {}}))
             reports.append(("dst", 0, 0, mode, it, {
@@ -205,6 +206,36 @@ def test_summary_figures():
     assert "write" not in s["stages"] and "start" not in s["stages"]
     assert s["path"] == ["read"] and "path" not in b
     assert s["verified"] is True and b["verified"] is None
+    # exposed: the last source rank's forward end (no forward: its start, 1 ms in) to the last destination done
+    assert s["exposed_s_all"] == pytest.approx([0.02 - 1e-3, 0.04 - 1e-3])
+    assert s["exposed_s"] == pytest.approx(0.03 - 1e-3) and b["exposed_s"] == pytest.approx(0.015 - 1e-3)
+
+
+def test_streamed_against_staged_exposed_time_in_the_table():
+    """A run with a simulated forward: streamed and staged rows end 30 and 5 ms after a 50 ms forward;
+    the table has an exposed column and the ratio; a run without forward or streamed mode has neither."""
+    sc = Scenario(KVGeometry(8, 8, 32), 2, 1, 1024, PageLayout(16), PageLayout(16), modes=("staged", "streamed"),
+                  iters=1, warmup=0, arena_mb=4, prefill_ms=50)
+    reports = []
+    for mode, left in (("staged", 0.03), ("streamed", 0.005)):
+        for r in range(2):
+            reports.append(("src", r, 0, mode, 0, {
+                "t0": 10.0, "sent": [10.0], "t_end": 10.05 + left, "forward_end": 10.05 - r * 1e-4,
+                "descriptors": 0, "writes": 0, "stages": {"gather": 1e-3},
+                "layer_groups": [[0, 4], [4, 8]] if mode == "streamed" else None}))
+        reports.append(("dst", 0, 0, mode, 0, {
+            "t1": 10.05 + left, "done": [10.05 + left], "verified": True, "errors": [],
+            "stages": {"read": 1e-3, "scatter": 1e-3}, "descriptors": 4, "writes": 2, "path": "read"}))
+    rows = {r["mode"]: r for r in summarize(Group([sc]), reports)}
+    assert rows["staged"]["exposed_s"] == pytest.approx(0.03) and rows["streamed"]["exposed_s"] == pytest.approx(0.005)
+    assert rows["streamed"]["layer_groups"] == [[0, 4], [4, 8]] and "layer_groups" not in rows["staged"]
+    assert rows["streamed"]["stages"]["overlap"] is None  # its stages run under the forward
+    result = {"config": sc.to_dict(), "results": list(rows.values())}
+    text = render_table(result)
+    assert "exposed ms" in text and "30.00" in text and "5.00" in text
+    assert "streamed / staged exposed: 0.17x (5.00 / 30.00 ms; streamed in 2 layer groups of 4 layers)" in text
+    sc0, g0, reports0 = _synthetic()
+    assert "exposed" not in render_table({"config": sc0.to_dict(), "results": summarize(g0, reports0)})
 
 
 def test_table_and_csv_from_a_result(tmp_path):

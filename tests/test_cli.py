@@ -19,6 +19,8 @@ from kvstage.cli import main
     (["--mode", "fast"], "mode=fast"),
     (["--tokens", "0"], "tokens=0"),
     (["--arena-mb", "0.001"], "arena_mb=0.001"),
+    (["--prefill-ms", "-1"], "prefill_ms=-1.0: must be >= 0"),
+    (["--src-engines", "2,4", "--prefill-ms", "50"], "prefill_ms=50: a run with several engines"),
     (["--src-engines", "2,4", "--mode", "staged,bulk"], "mode=staged,bulk: a run with several engines"),
     (["--src-engines", "2,4", "--src-tp", "2,4"], "src_tp=2,4 with src_engines=2,4"),
     (["--src-tp", "2", "--dst-engines", "1,3"], "destination engine d1 (TP 3)"),

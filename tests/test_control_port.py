@@ -4,8 +4,10 @@ real sockets, real NIXL sources; every loop here is bounded.
 What a stranger gets before it authenticates is bounded in time (a deadline,
 whatever it sends), size (1 MiB frames, checked from the length prefix), count
 (64 connections) and kind (a hello or a probe request only). The accept loop
-survives running out of descriptors. A destination without a token listens on
-loopback only and gives no one its KV regions or a probe slot. Refusals are
+survives running out of descriptors. A destination without a token makes a
+secret of its own, hands it out in its address, and tells a stranger without it
+nothing but that authentication failed; it gives no one without a token its KV
+regions. Refusals are
 logged once per address and cause. Bad API input is refused where it is given.
 """
 
@@ -13,6 +15,7 @@ import json
 import logging
 import multiprocessing as mp
 import os
+import re
 import signal
 import socket
 import struct
@@ -35,7 +38,8 @@ from kvstage.layout import KVGeometry, PageLayout, pages_needed
 from kvstage.protocol import destination as destination_mod
 from kvstage.protocol.destination import Destination
 from kvstage.protocol.gate import MAX_UNAUTHENTICATED, PRE_AUTH_MAX_FRAME
-from kvstage.protocol.handshake import HANDSHAKE_TIMEOUT_S, spec_to_wire
+from kvstage.protocol.address import Address
+from kvstage.protocol.handshake import AUTH_FAILED, HANDSHAKE_TIMEOUT_S, spec_to_wire
 from kvstage.protocol.request import State
 from kvstage.protocol.source import Source
 from kvstage.protocol.messages import PROTOCOL_VERSION
@@ -83,20 +87,20 @@ def _dst(**over) -> Destination:
 
 
 def _transfer(address, dst: Destination | None = None, seed: int = 3, tokens: int = 300, token: str = TOKEN,
-              remote=None):
+              remote=None, model: str = ""):
     """One request from a real source to ``address``, checked byte for byte: by ``dst`` in this
     process, or by a ``PortDst`` (``remote``), whose answer is returned. The source stays
     connected until the destination is done."""
     cache = RankCache.allocate(fr.src_spec(1), 0, pages_needed(tokens, 16) + 2)
     pages = np.random.default_rng(seed).permutation(cache.pages)[: pages_needed(tokens, 16)]
     fill_shard(cache, seed, pages, tokens)
-    src = Source(cache, Settings(**(fr.SETTINGS | {"auth_token": token})))
+    src = Source(cache, Settings(**(fr.SETTINGS | {"auth_token": token})), model=model)
     box: dict = {}
     t = threading.Thread(target=lambda: box.setdefault("r", remote.ask(cmd="expect", tokens=tokens, seed=seed)))
     try:
         if remote:
             t.start()
-        src.connect([tuple(address)])
+        src.connect([address if isinstance(address, str) else tuple(address)])
         dpages = np.random.default_rng(seed + 1).permutation(dst.cache.pages)[: pages_needed(tokens, 4)] if dst else None
         hd = dst.expect(f"r{seed}", dpages, tokens) if dst else None
         src.send(f"r{seed}", pages, tokens).wait(30)
@@ -319,9 +323,9 @@ def test_without_a_token_no_kv_pages_are_offered_and_requests_go_by_the_read_pat
     without one offers its arena alone, whatever paths a destination claims. A tokenless request then
     lands byte-exact by the read path (one that could go direct with a token)."""
     dst = _dst(auth_token="")
-    try:
-        fake = FakeSource(dst.address, token="", paths=("read", "pages", "direct", "ipc"))
-        assert fake.paths == ["read"] and fake.welcome.proof is None
+    try:  # it admits a source presenting the secret of its address, proves it (FakeSource checks), and allows read
+        fake = FakeSource(dst.address, token=dst.address.secret, paths=("read", "pages", "direct", "ipc"))
+        assert dst.address.secret and fake.paths == ["read"] and fake.welcome.proof is not None
         fake.close()
     finally:
         dst.close()
@@ -339,7 +343,7 @@ def test_without_a_token_no_kv_pages_are_offered_and_requests_go_by_the_read_pat
     fill_shard(cache, seed, pages, tokens)
     src = Source(cache, Settings(**fr.SETTINGS, auth_token=""))
     try:
-        src.connect([dst.address])
+        src.connect([dst.address.url])  # what a tokenless destination hands out: its address with its secret
         dpages = np.random.default_rng(seed + 1).permutation(dst.cache.pages)[: pages_needed(tokens, 4)]
         hd = dst.expect("t", dpages, tokens)
         src.send("t", pages, tokens).wait(30)
@@ -389,14 +393,22 @@ def _probe(address, token: str) -> tuple[socket.socket, dict | None]:
 
 def test_probe_leases_need_the_token_are_limited_and_expire(monkeypatch):
     monkeypatch.setattr(destination_mod, "PROBE_LEASE_S", 1.0)
-    tokenless = _dst(auth_token="")
+    tokenless = _dst(auth_token="")  # the default: a secret of its own, which a stranger does not hold
     try:
         s, reply = _probe(tokenless.address, "")
-        assert reply["type"] == "error" and "no auth token" in reply["reason"]
+        assert reply == {"type": "error", "reason": AUTH_FAILED, "about": "probe"}
         assert tokenless.slots_free() == 4
         s.close()
     finally:
         tokenless.close()
+    opted_out = _dst(auth_token="", allow_unauthenticated=True)  # no secret at all: it lends nothing
+    try:
+        s, reply = _probe(opted_out.address, "")
+        assert reply["type"] == "error" and "no auth token" in reply["reason"]
+        assert opted_out.slots_free() == 4
+        s.close()
+    finally:
+        opted_out.close()
     dst = _dst()
     socks = []
     try:
@@ -428,24 +440,97 @@ def test_probe_leases_need_the_token_are_limited_and_expire(monkeypatch):
         dst.close()
 
 
-# -- 5. the start-up warning and the non-loopback refusal -----------------------------------------
+# -- 5. secure with no configuration: a secret of its own; the opt-out is one warning -------------
 
-def test_no_token_means_loopback_only_with_one_warning(caplog):
+def test_no_token_means_a_secret_of_its_own_in_its_address_and_the_opt_out_warns_once(caplog):
+    """A destination given no token makes a secret of its own (one per endpoint), on any listen address,
+    and hands it out in its address (``url``); str() and repr() leave it out. With a token its address
+    carries none (the sources hold the token). Only ``allow_unauthenticated`` opens it, with one WARNING."""
     cache = RankCache.allocate(fr.dst_spec(), 0, 16)
-    with pytest.raises(ConfigError, match="KVSTAGE_AUTH_TOKEN") as err:
-        Destination(cache, Settings(**fr.SETTINGS, auth_token=""), listen=("0.0.0.0", 0))
-    assert "'0.0.0.0' is not loopback" in str(err.value) and "KVSTAGE_ALLOW_UNAUTHENTICATED" in str(err.value)
-    for listen, settings in ((("127.0.0.1", 0), {}), (("0.0.0.0", 0), {"allow_unauthenticated": True})):
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="kvstage"):
+        a = Destination(cache, Settings(**fr.SETTINGS, auth_token=""), listen=("0.0.0.0", 0))
+        b = Destination(cache, Settings(**fr.SETTINGS, auth_token=""))
+    try:
+        assert len(a.address.secret) >= 43 and a.address.secret != b.address.secret
+        assert a.secret == a.address.secret
+        assert Address.parse(a.address.url) == a.address and Address.parse(a.address.url).secret == a.secret
+        assert a.secret not in str(a.address) + repr(a.address) + caplog.text
+        assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+        told = [r.getMessage() for r in caplog.records if "listening on" in r.getMessage()]
+        assert len(told) == 2 and all("this rank's own secret" in m for m in told), told
+    finally:
+        a.close()
+        b.close()
+    with Destination(cache, Settings(**fr.SETTINGS, auth_token=TOKEN), listen=("0.0.0.0", 0)) as d:
+        assert d.address.secret == "" and d.secret == TOKEN and d.address.url == f"kvstage://0.0.0.0:{d.address[1]}"
+    for listen in (("127.0.0.1", 0), ("0.0.0.0", 0)):
         caplog.clear()
         with caplog.at_level(logging.WARNING, logger="kvstage"):
-            d = Destination(cache, Settings(**fr.SETTINGS, auth_token="", **settings), listen=listen)
+            d = Destination(cache, Settings(**fr.SETTINGS, auth_token="", allow_unauthenticated=True), listen=listen)
+            assert d.secret == "" and d.address.secret == ""
             d.close()
-        warned = [r.getMessage() for r in caplog.records if "no auth token" in r.getMessage()]
-        assert len(warned) == 1 and "anyone who can reach" in warned[0] and "KVSTAGE_AUTH_TOKEN" in warned[0]
-    caplog.clear()
-    with caplog.at_level(logging.WARNING, logger="kvstage"):
-        Destination(cache, Settings(**fr.SETTINGS, auth_token=TOKEN), listen=("0.0.0.0", 0)).close()
-    assert not [r for r in caplog.records if "no auth token" in r.getMessage()]
+        warned = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+        assert len(warned) == 1 and "anyone who can reach" in warned[0] and "KVSTAGE_ALLOW_UNAUTHENTICATED" in warned[0]
+
+
+def test_an_address_is_refused_by_rule_where_it_is_given():
+    src = Source(RankCache.allocate(fr.src_spec(1), 0, 8), Settings(**fr.SETTINGS, auth_token=""))
+    try:
+        for bad, needle in (("http://h:1", "must be kvstage://"), ("kvstage://s@h", "must end in :PORT"),
+                            (("h", 0), "port=0"), (("", 5), "host=''"), (("h", "x"), "port='x'"), (5, "address '5'")):
+            with pytest.raises(ConfigError, match=re.escape(needle)):
+                src.connect([bad])
+        assert "s3cr" not in str(pytest.raises(ConfigError, Address.parse, "kvstage://s3cr@h").value)
+    finally:
+        src.close()
+
+
+def _stranger(address, **over) -> dict:
+    """tests/support/stranger.py in a process of its own: a raw NIXL agent and a raw socket."""
+    out = subprocess.run([sys.executable, str(TESTS / "support" / "stranger.py"), json.dumps(
+        {"host": address[0], "port": address[1], **over})], capture_output=True, text=True, timeout=120,
+        env={k: v for k, v in os.environ.items() if k != "KVSTAGE_AUTH_TOKEN"})
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def assert_told_nothing(got: dict, model: str = "", spec: SideSpec | None = None) -> None:
+    """What a stranger got (``support.stranger``): a refusal saying only that authentication failed, for
+    each try, each connection closed, and nothing of the model or of the destination's memory."""
+    assert set(got["tries"]) == {"no token, its own spec", "no token, a wrong geometry", "a guessed token",
+                                 "a probe", "a ping first"}, got
+    for name, t in got["tries"].items():
+        if name == "a ping first":  # not even an answer: the connection closes
+            assert t["replies"] == [] and t["closed"], (name, t)
+            continue
+        assert t["replies"] == [{"type": "error", "reason": AUTH_FAILED, "about": t["about"]}], (name, t)
+        assert t["closed"], (name, t)
+    text = json.dumps(got)
+    for word in ("metadata", "region", "welcome", "probe_ok", "slot", "layers=", "kv_heads", "float", "dtype"):
+        assert word not in text, (word, text)
+    if model:
+        assert model not in text and model.split("#")[-1] not in text
+    if spec is not None:
+        assert f"layers={spec.geometry.layers}" not in text
+
+
+def test_a_stranger_with_a_raw_nixl_agent_gets_nothing_from_a_default_destination():
+    """The issue's attack on a default destination (no token set anywhere), from another process of this
+    host that knows the port but not the secret: its hello (with its NIXL agent's metadata, its own spec or
+    a wrong geometry), a guessed token, a probe and a ping first are refused, each in one message that says
+    only that authentication failed; it gets no welcome, no metadata, no region and no probe slot, and is
+    told nothing of the model. The destination holds no peer and every slot afterwards, and still serves
+    a source that holds its address."""
+    dst = Destination(RankCache.allocate(fr.dst_spec(), 0, 128), Settings(**fr.SETTINGS, auth_token=""),
+                      model="/models/current#0123456789abcdef weights=fedcba9876543210")
+    try:
+        got = _stranger(dst.address, spec=spec_to_wire(fr.src_spec(1)))
+        assert_told_nothing(got, dst.model, dst.spec)
+        assert dst.stats().peers == 0 and dst.slots_free() == dst.arena.allocator.count
+        _transfer(dst.address.url, dst, token="", model=dst.model)  # its real peer, byte for byte
+    finally:
+        dst.close()
 
 
 # -- refusals are logged once, not amplified -----------------------------------------------------------

@@ -21,6 +21,7 @@ import numpy as np
 import pytest
 
 from support import fault_ranks as fr
+from support.marks import over
 from kvstage.config import Settings
 from kvstage.errors import TransferFailed
 from kvstage.layout import pages_needed
@@ -35,7 +36,7 @@ SMALL = 300  # tokens: 10 chunks of 32 tokens, more than an arena of 4 slots
 DETECT_S = 1.0  # the design's bound: a dead source fails its requests within 1 s
 RUNS = 3  # kills per case: the bound holds in every run
 PATHS = {"nixl": ["read", "pages"], "ucx": ["read"], "cma": ["read", "pages"]}  # ucx is two-sided: no page path
-CASES = [pytest.param(t, p, id=f"{t}-{p}") for t in PATHS for p in PATHS[t]]
+CASES = [over(t, p, id=f"{t}-{p}") for t in PATHS for p in PATHS[t]]
 ENGINE = "p"  # the prefill engine's id: failures name "source rank 0 of engine p"
 SRC_PAGES = pages_needed(BIG, 16) + 8
 DST_PAGES = pages_needed(BIG, 4) + pages_needed(SMALL, 4) + 16

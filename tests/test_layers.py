@@ -11,7 +11,7 @@ import kvstage
 ROOT = pathlib.Path(kvstage.__file__).parent
 #: bottom to top; a module may import its own layer and the ones before it
 LAYERS = (
-    ("errors", "config", "cudart", "metrics", "native"),
+    ("errors", "config", "cudart", "metrics", "native", "ids"),
     ("layout",),
     ("tp",),
     ("link",),

@@ -16,6 +16,7 @@ import pytest
 
 from support import fault_ranks as fr
 from support import multi_peer_ranks as mr
+from support.marks import over
 from kvstage.config import Settings
 from kvstage.errors import TransferFailed
 from kvstage.layout import PageLayout, pages_needed
@@ -98,7 +99,7 @@ def _stop(*procs) -> None:
             p.kill()
 
 
-@pytest.mark.parametrize("transport", ["nixl", "ucx"])
+@pytest.mark.parametrize("transport", [over("nixl"), over("ucx")])
 def test_two_prefill_engines_of_different_tp_into_one_decode_rank(transport):
     """Prefill engines at TP 2 and TP 4 send interleaved random requests to one decode rank
     (TP 1) at once: one endpoint, two plans, one arena shared, every byte right."""
@@ -122,7 +123,7 @@ def test_two_prefill_engines_of_different_tp_into_one_decode_rank(transport):
         dec.close()
 
 
-@pytest.mark.parametrize("transport", ["nixl", "ucx"])
+@pytest.mark.parametrize("transport", [over("nixl"), over("ucx")])
 def test_one_prefill_engine_into_decode_engines_of_different_tp(transport):
     """A prefill rank (TP 1) sends interleaved requests to a decode engine at TP 1 and one at
     TP 2 through one ``Source``: the same rank, two plans."""

@@ -128,6 +128,31 @@ def test_peer_probe_against_a_running_destination(capsys):
         dst.close()
 
 
+def test_peer_probe_of_a_tokenless_destination_takes_its_address(capsys):
+    """A destination given no token admits a probe only with its own secret: its address as it hands it out
+    (``kvstage://SECRET@HOST:PORT``) works; HOST:PORT with another token is told authentication failed, and
+    the secret is never printed."""
+    from kvstage.config import Settings
+    from kvstage.layout import KVGeometry, PageLayout
+    from kvstage.protocol.destination import Destination
+    from kvstage.staging.cache import RankCache
+    from kvstage.tp import SideSpec
+
+    spec = SideSpec(KVGeometry(2, 4, 16, "bfloat16"), 1, PageLayout(4))
+    dst = Destination(RankCache.allocate(spec, 0, 8), Settings(arena_mb=16, auth_token=""))
+    try:
+        url, (host, port) = dst.address.url, dst.address
+        assert dst.address.secret and url.startswith("kvstage://")
+        assert cli.run(_args("--peer", url, "--size-mb", "4")) == cli.EXIT_OK
+        out = capsys.readouterr()
+        assert out.out.strip().startswith("INFO kvstage link to") and dst.address.secret not in out.out + out.err
+        assert cli.main(["--peer", f"{host}:{port}", "--size-mb", "1"]) == cli.EXIT_NO_PATH
+        out = capsys.readouterr()
+        assert "authentication failed" in out.out + out.err and dst.address.secret not in out.out + out.err
+    finally:
+        dst.close()
+
+
 def test_peer_probe_refusals_are_clear(capsys):
     assert cli.main(["--peer", "127.0.0.1:1", "--size-mb", "1"]) == cli.EXIT_NO_PATH
     out = capsys.readouterr()

@@ -59,13 +59,13 @@ def hello(**over):
 
 
 @pytest.mark.parametrize("msg,needle", [
-    (hello(token="wrong"), "token: the auth token does not match"),
-    (hello(version=99), "version: the peer speaks protocol version 99, this side 9"),
+    (hello(token="wrong"), "authentication failed"),
+    (hello(version=99), f"version: the peer speaks protocol version 99, this side {PROTOCOL_VERSION}"),
     (hello(rank=7), "hello: rank=7 is past the source's tp=2"),
     (hello(spec=spec_to_wire(SideSpec(KVGeometry(2, 4, 16, "float16"), 2, PageLayout(4)))), "dtype differs"),
     (hello(spec={**spec_to_wire(SRC), "layers": 3}), "layers differs: source layers=3, destination layers=2"),
     (hello(spec={**spec_to_wire(SRC), "tp": 3}), "tp=3 with kv_heads=4"),
-    (hello(transport="ucx"), "transport: the source uses 'ucx', this side 'nixl'"),
+    (hello(transport="ucx"), "transport: the source uses 'ucx', the destination 'nixl'"),
     (hello(rank="zero"), "hello field rank='zero': must be int"),
     (hello(nonce=None), "hello message lacks field 'nonce'"),
     (hello(metadata="%%"), "hello field metadata='%%': not base64"),
@@ -88,7 +88,8 @@ def test_a_hello_of_the_last_version_is_refused_by_its_version():
               "spec": spec_to_wire(SRC), "rank": 0, "agent": "x", "transport": "nixl", "metadata": "",
               "slot_bytes": 1 << 16, "facts": {}, "kv_facts": {}}
         reply = raw(d.address, frame(v8))
-        assert reply["type"] == "error" and "version: the peer speaks protocol version 8, this side 9" in reply["reason"]
+        want = f"version: the peer speaks protocol version 8, this side {PROTOCOL_VERSION}"
+        assert reply["type"] == "error" and want in reply["reason"]
     finally:
         d.close()
 
@@ -113,7 +114,7 @@ def test_garbage_closes_only_that_connection(dst, payload):
 def test_source_without_token_is_refused(dst):
     src = Source(RankCache.allocate(SRC, 0, 32), Settings(arena_mb=0.25, auth_token=""))
     try:
-        with pytest.raises(TransferFailed, match="token: the auth token does not match"):
+        with pytest.raises(TransferFailed, match="authentication failed"):
             src.connect([dst.address])
         assert dst.stats().peers == 0
     finally:
@@ -122,10 +123,11 @@ def test_source_without_token_is_refused(dst):
 
 def test_a_destination_of_another_version_is_refused_by_name():
     """The source checks the welcome's version first, and offers nothing to a destination of another."""
-    w = OneWelcome(lambda hello: welcome_of(DST, hello, version=10))
+    w = OneWelcome(lambda hello: welcome_of(DST, hello, version=PROTOCOL_VERSION + 1))
     src = Source(RankCache.allocate(SRC, 0, 32), Settings(**SETTINGS))
     try:
-        with pytest.raises(TransferFailed, match="version: the peer speaks protocol version 10, this side 9"):
+        with pytest.raises(TransferFailed, match=f"version: the peer speaks protocol version {PROTOCOL_VERSION + 1}, "
+                                                 f"this side {PROTOCOL_VERSION}"):
             src.connect([w.address])
         assert w.closed() and w.after == [] and src.stats().peers == 0
     finally:
@@ -144,7 +146,7 @@ def test_a_source_serving_another_model_is_refused_by_name(caplog):
     unnamed = Source(RankCache.allocate(SRC, 0, 32), settings, engine="x")
     try:
         with caplog.at_level("WARNING", logger="kvstage"):
-            with pytest.raises(TransferFailed, match="model: the source serves 'llama-b#1f2e', this side 'llama-a#1f2e'"):
+            with pytest.raises(TransferFailed, match="model: the source serves 'llama-b#1f2e', the destination 'llama-a#1f2e'"):
                 other.connect([d.address])
             def lines():
                 return [r.getMessage() for r in caplog.records if "llama-b#1f2e" in r.getMessage()]

@@ -13,13 +13,12 @@ import time
 
 import numpy as np
 import pytest
-import torch
 
 from support import fault_ranks as fr
-from kvstage.bench.reference import fill_shard, full_buffer
+from kvstage.bench.reference import fill_shard
 from kvstage.config import Settings
 from kvstage.errors import TransferFailed
-from kvstage.layout import PageLayout, pages_needed, token_positions
+from kvstage.layout import PageLayout, pages_needed
 from kvstage.protocol import destination as destination_mod
 from kvstage.protocol.destination import Destination
 from kvstage.protocol.request import State
@@ -226,17 +225,6 @@ def test_a_request_that_needs_a_rank_that_left_fails_at_once_and_reads_again_onc
         _close(s0, s1, dst)
 
 
-def _check_suffix(cache, seed: int, pages, first: int, tokens: int) -> None:
-    """``pages`` hold tokens ``first .. first + tokens`` of the reference cache, exactly (plain indexing
-    of a TP-1 NHD cache)."""
-    g, P = cache.spec.geometry, cache.spec.page.page_size
-    pid, off = token_positions(np.asarray(pages), P, 0, tokens)
-    for b, buf in enumerate(cache.buffers):
-        want = full_buffer(seed, b, first + tokens, g.kv_heads, g.head_bytes())[first:]
-        got = buf.view(torch.uint8).view(cache.pages, P, g.kv_heads, g.head_bytes())[pid, off]
-        assert bool((got == want).all()), f"buffer {b}: not the tokens {first}..{first + tokens}"
-
-
 @pytest.mark.parametrize("path,first,read_by", [("read", 40, "read"), ("read", 70, "read"), ("pages", 37, "pages"),
                                                 ("direct", 40, "direct"), ("direct", 38, "pages")])
 def test_first_past_zero_receives_a_suffix(path, first, read_by):
@@ -253,7 +241,7 @@ def test_first_past_zero_receives_a_suffix(path, first, read_by):
         hd = dst.expect("r", dpages, tokens - first, first=first)
         hd.wait(10), hs.wait(10)
         assert hd.path == read_by and hs.path == path
-        _check_suffix(dst.cache, 5, dpages, first, tokens - first)
+        fr.check_suffix(dst.cache, 5, dpages, first, tokens - first)
         _clear(dst, src)
     finally:
         _close(src, dst)

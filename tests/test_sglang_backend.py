@@ -21,7 +21,10 @@ group, all scenarios at once to keep the run short on two cores:
 - several prefill engines, one decode engine (xPyD): prefill engines at TP 2 and TP 1 feed one decode
   rank at TP 1, their rooms interleaved, through its one Destination, byte-identical; a prefill engine
   whose model identity differs (another dtype) is refused by name in kvstage's handshake, and one whose KV geometry gives
-  the decode rank another spec is refused by the decode; both fail only their own rooms.
+  the decode rank another spec is refused by the decode; both fail only their own rooms;
+- the same model path and shapes with other weights (the checkpoint at the path replaced between the decode's start
+  and the prefill's, no token anywhere): refused by name in kvstage's handshake, with both weights fingerprints, and
+  the room fails on both sides.
 
 Needs sglang (0.5.23); the main venv skips this file. CI installs it into its own venv (.ci/run).
 """
@@ -104,13 +107,17 @@ def _port() -> int:
         return port
 
 
+def _rank_env() -> dict:
+    return dict(os.environ, KVSTAGE_ARENA_MB="2", KVSTAGE_STALL_TIMEOUT_S="60",
+                SGLANG_HOST_IP="127.0.0.1", SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT=str(BOOTSTRAP_TIMEOUT_S),
+                SGLANG_DISAGGREGATION_WAITING_TIMEOUT=str(WAITING_TIMEOUT_S), PYTHONWARNINGS="ignore")
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     """Start every scenario's ranks at once; return {scenario: {(role, rank): results}}."""
     logs = tmp_path_factory.mktemp("sglang")
-    env = dict(os.environ, KVSTAGE_ARENA_MB="2", KVSTAGE_STALL_TIMEOUT_S="60",
-               SGLANG_HOST_IP="127.0.0.1", SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT=str(BOOTSTRAP_TIMEOUT_S),
-               SGLANG_DISAGGREGATION_WAITING_TIMEOUT=str(WAITING_TIMEOUT_S), PYTHONWARNINGS="ignore")
+    env = _rank_env()
     procs = []
     for name, (ptp, dtp, mla, reqs, state) in SCENARIOS.items():
         bootstrap, http = _port(), _port()
@@ -320,3 +327,85 @@ def test_another_model_or_geometry_is_refused_by_name(runs):
     assert got["state"] == "failed" and "cannot send to this decode" in got["error"] \
         and "the first prefill's" in got["error"], got
     assert pre["state"] == "failed" and "decode rank 0: " in pre["error"] and "the first prefill's" in pre["error"], pre
+
+
+# -- the identity covers the weights: one path, one config, two checkpoints ----------------------
+
+WEIGHTS_ROOM = {"room": 9501, "tokens": 9}
+
+
+def _rank(cfg: dict, log_path, env: dict) -> tuple:
+    log = open(log_path, "w")
+    return log, subprocess.Popen([sys.executable, os.path.join(HERE, "support", "sglang_rank.py"), json.dumps(cfg)],
+                                 env=env, stdout=subprocess.PIPE, stderr=log, text=True)
+
+
+def _result(name: str, log, p, deadline: float) -> dict:
+    stdout, _ = p.communicate(timeout=max(1, deadline - time.monotonic()))
+    log.close()
+    lines = [ln for ln in stdout.splitlines() if ln.startswith("RESULT ")]
+    assert p.returncode == 0 and lines, \
+        f"{name} exited {p.returncode} without a result:\n{open(log.name).read()[-3000:]}"
+    return json.loads(lines[-1][7:])["results"]
+
+
+@pytest.fixture(scope="module")
+def other_weights(tmp_path_factory):
+    """A decode rank started on a checkpoint at ``current``; then ``current`` replaced by another checkpoint of the
+    same config and shapes (another seed: a rolling update of ``/models/current``), and a prefill rank started on it.
+    No token anywhere (the docs' recipe). Returns both ranks' identities and results, and both fingerprints."""
+    import shutil
+
+    from support import sglang_servers as S
+
+    from kvstage.plugin import fingerprint
+
+    root = tmp_path_factory.mktemp("sglang-weights")
+    model = str(root / "current")
+    S.build_model(model, seed=0)
+    fps = {"decode": fingerprint.checkpoint(model)}
+    env = _rank_env()
+    env.pop("KVSTAGE_AUTH_TOKEN", None)  # tests/conftest.py sets one for this process
+    bootstrap, http = _port(), _port()
+    common = dict(tp=1, rank=0, mla=False, kv_heads=4, bootstrap_port=bootstrap, requests=[WEIGHTS_ROOM],
+                  deadline_s=200, model_path=model)
+    ready = {role: str(root / f"{role}.identity") for role in ("decode", "prefill")}
+    procs = {}
+    deadline = time.monotonic() + 300
+    try:
+        procs["decode"] = _rank(dict(common, role="decode", http_port=_port(), store_port=_port(),
+                                     ready_file=ready["decode"]), root / "decode.log", env)
+        while not os.path.exists(ready["decode"]):  # the decode fingerprinted the first checkpoint
+            assert procs["decode"][1].poll() is None, open(root / "decode.log").read()[-3000:]
+            assert time.monotonic() < deadline, "the decode rank never took its model identity"
+            time.sleep(0.2)
+        shutil.rmtree(model)
+        S.build_model(model, seed=1)
+        fps["prefill"] = fingerprint.checkpoint(model)
+        procs["prefill"] = _rank(dict(common, role="prefill", http_port=http, store_port=_port(),
+                                      ready_file=ready["prefill"]), root / "prefill.log", env)
+        results = {role: _result(role, *procs[role], deadline) for role in ("prefill", "decode")}
+    finally:
+        for log, p in procs.values():
+            if p.poll() is None:
+                p.kill()
+            log.close()
+    identities = {role: open(path).read() for role, path in ready.items()}
+    return {"model": model, "fingerprints": fps, "identities": identities, "results": results}
+
+
+def test_the_same_path_and_shapes_with_other_weights_are_refused_by_name(other_weights):
+    """The prefill loaded other weights at the decode's model path (same config and shapes): its KV would decode
+    wrong tokens. kvstage's handshake refuses it, naming both weights fingerprints; the room fails on both sides
+    (no KV lands: a failed request, not wrong tokens)."""
+    fp_d, fp_p = other_weights["fingerprints"]["decode"], other_weights["fingerprints"]["prefill"]
+    assert fp_d and fp_p and fp_d != fp_p, other_weights["fingerprints"]
+    ids = other_weights["identities"]
+    for role, fp in (("decode", fp_d), ("prefill", fp_p)):  # each side fingerprinted what it loaded
+        assert ids[role].startswith(other_weights["model"] + "#") and ids[role].endswith(" weights=" + fp), ids
+    assert ids["decode"].split(" weights=")[0] == ids["prefill"].split(" weights=")[0], ids  # path and shapes agree
+    room = str(WEIGHTS_ROOM["room"])
+    for role in ("decode", "prefill"):
+        got = other_weights["results"][role][room]
+        assert got["state"] == "failed", (role, got)
+        assert "model weights" in got["error"] and fp_d in got["error"] and fp_p in got["error"], (role, got)

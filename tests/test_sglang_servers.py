@@ -14,6 +14,11 @@ decoding; the output tokens must equal the reference server's, token for token. 
 tiny random Llama built here in float32 (in bfloat16 the TP 2 all-reduce rounds differently
 from TP 1 and greedy decoding of a random model meets near-ties).
 
+No token is set anywhere, as in docs/sglang.md's recipe: each decode rank's Destination makes a
+secret of its own, which the prefill presents (from the decode's KVSTAGE_ROOM message). A
+stranger process with a raw NIXL agent that knows each decode rank's kvstage port, not its secret,
+is told only "authentication failed", and the servers serve on, token for token.
+
 Faults (tests/support/sglang_faults.py, armed by a file, on prefill rank 0 after its forward and
 before kvstage sends):
 
@@ -34,6 +39,7 @@ import concurrent.futures
 import importlib.util
 import os
 import random
+import re
 import time
 
 import pytest
@@ -223,6 +229,79 @@ def test_corrupted_prefill_byte_shows_in_the_decode(cluster, reference, route):
     got, want = body["output_ids"], reference["corrupt"]
     assert got[0] == want[0], (got, want)  # the prefill's own token, computed before the corruption
     assert got[1:] != want[1:], f"decode output unchanged by a corrupted KV byte: {got}"
+
+
+_LISTENING = re.compile(r"dst (\d+): listening on (\S+):(\d+) \([^;\n]*; ([^)\n]*)\)")
+_DECODE_MODEL = re.compile(r"kvstage: decode rank \d+ of engine .* receives from every prefill engine on .* model "
+                           r"(\S+#[0-9a-f]{16}(?: weights=[0-9a-f]{16})?)\)")
+
+
+def _decode_ranks(proc: S.Proc) -> tuple[list, str]:
+    """A decode server's kvstage Destinations as its log names them, [(rank, host, port, how sources
+    authenticate)], and the model identity they carry."""
+    with open(proc.log_path, errors="replace") as f:
+        text = f.read()
+    ranks = sorted({(int(m[1]), m[2], int(m[3]), m[4]) for m in _LISTENING.finditer(text)})
+    models = set(_DECODE_MODEL.findall(text))
+    assert len(models) == 1, f"{proc.name}'s log names the model {models}"
+    return ranks, models.pop()
+
+
+@pytest.mark.parametrize("route", ROUTES)
+def test_the_default_recipe_sets_no_token_and_each_decode_rank_makes_its_own_secret(cluster, reference, route):
+    """The servers run as docs/sglang.md's recipe: no KVSTAGE_AUTH_TOKEN anywhere. Every decode rank's
+    Destination makes a secret of its own and admits only sources that present it (the prefill gets it in
+    the KVSTAGE_ROOM message), and the output is token-exact with the plain server's."""
+    r = cluster.routes[route]
+    for p in cluster.procs:
+        assert "KVSTAGE_AUTH_TOKEN" not in p.env, p.name
+    status, body = S.generate(r["router"].url, PROMPTS["two chunks"], MAX_NEW)
+    assert status == 200, (status, body)
+    _check(body, reference["two chunks"], "two chunks")
+    ranks, model = _decode_ranks(r["decode"])
+    assert [rank for rank, *_ in ranks] == list(range(ROUTES[route][1])), ranks
+    for rank, _, _, auth in ranks:
+        assert auth.startswith("sources present this rank's own secret"), (rank, auth)
+    assert " weights=" in model, model  # the identity covers the checkpoint's weights
+
+
+@pytest.mark.parametrize("route", ROUTES)
+def test_a_stranger_at_a_decode_rank_port_is_told_nothing_and_the_servers_serve_on(cluster, reference, route):
+    """A stranger process of this host that knows each decode rank's kvstage port, not its secret (the
+    prefill ranks listen on no kvstage port: they connect out): a raw NIXL agent and a raw socket
+    (tests/support/stranger.py) are told "authentication failed" to a hello (its own spec, a wrong geometry,
+    a guessed token) and to a probe, nothing to a ping, and nothing of the model, the geometry or the
+    Destination's memory. The servers then serve every prompt, token for token, as before."""
+    import json
+    import subprocess
+    import sys
+
+    from support.stranger import told_nothing
+
+    r = cluster.routes[route]
+    if not _LISTENING.search(open(r["decode"].log_path, errors="replace").read()):
+        status, body = S.generate(r["router"].url, PROMPTS["37 tokens"], MAX_NEW)  # the Destinations start
+        assert status == 200, (status, body)
+    ranks, model = _decode_ranks(r["decode"])
+    assert len(ranks) == ROUTES[route][1], ranks
+    start = os.path.getsize(r["decode"].log_path)
+    stranger = os.path.join(os.path.dirname(os.path.abspath(__file__)), "support", "stranger.py")
+    env = {k: v for k, v in os.environ.items() if k != "KVSTAGE_AUTH_TOKEN"}
+    for rank, host, port, _ in ranks:
+        out = subprocess.run([sys.executable, stranger, json.dumps({"host": host, "port": port})],
+                             capture_output=True, text=True, timeout=180, env=env)
+        assert out.returncode == 0, out.stderr[-3000:]
+        got = json.loads(out.stdout.strip().splitlines()[-1])
+        assert told_nothing(got, model) == [], (rank, got)
+    with open(r["decode"].log_path, errors="replace") as f:
+        f.seek(start)
+        assert "authentication failed" in f.read(), "the decode never logged refusing the stranger"
+    with concurrent.futures.ThreadPoolExecutor(len(PROMPTS)) as pool:
+        futures = {name: pool.submit(S.generate, r["router"].url, ids, MAX_NEW) for name, ids in PROMPTS.items()}
+    for name, f in futures.items():
+        status, body = f.result()
+        assert status == 200, (route, name, status, body)
+        _check(body, reference[name], name)
 
 
 def _timed_generate(url: str, ids: list) -> tuple:

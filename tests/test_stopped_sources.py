@@ -21,6 +21,7 @@ import time
 import pytest
 
 from support import fault_ranks as fr
+from support.marks import over
 from kvstage.config import Settings
 from kvstage.layout import KVGeometry, pages_needed
 from kvstage.protocol.destination import Destination
@@ -111,7 +112,7 @@ def _byte_exact(expected: list, within: float) -> None:
 
 
 def _cases():
-    return [pytest.param(t, top, p, id=f"{t}-{p}-{top}") for t in PATHS for p in PATHS[t] for top in TOPOLOGIES]
+    return [over(t, top, p, id=f"{t}-{p}-{top}") for t in PATHS for p in PATHS[t] for top in TOPOLOGIES]
 
 
 @pytest.mark.parametrize("transport,topology,path", _cases())
@@ -140,7 +141,7 @@ def test_requests_of_stopped_sources_complete_byte_exact(transport, topology, pa
         pair.close()
 
 
-@pytest.mark.parametrize("transport", list(PATHS))
+@pytest.mark.parametrize("transport", [over(t) for t in PATHS])
 @pytest.mark.parametrize("topology", list(TOPOLOGIES))
 def test_a_read_request_larger_than_the_free_arena_completes_once_the_sources_resume(transport, topology):
     """On the read path a request of more chunks than a source's arena has slots gathers what fits at ``send``;

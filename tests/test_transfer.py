@@ -21,6 +21,7 @@ import pytest
 from kvstage.bench.runner import run
 from kvstage.bench.scenario import Scenario
 from kvstage.layout import KVGeometry, PageLayout, token_bytes
+from support.marks import TRANSPORTS, needs, over
 
 
 def scenario(src_tp, dst_tp, heads=8, tokens=203, src_page=(16, "nhd"), dst_page=None, mla=False, device="cpu",
@@ -61,10 +62,9 @@ def _check(result, path):
 
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
-TRANSPORTS = ["nixl", "ucx", "cma"]
 #: every transport on the CPU; on a GPU the two that reach device memory (cma moves host memory only)
-DEVICE_TRANSPORTS = [("cpu", t) for t in TRANSPORTS] + [pytest.param("cuda", t, marks=pytest.mark.gpu)
-                                                         for t in TRANSPORTS if t != "cma"]
+DEVICE_TRANSPORTS = [pytest.param("cpu", t, marks=needs(t)) for t in TRANSPORTS] + [
+    pytest.param("cuda", t, marks=(pytest.mark.gpu, *needs(t))) for t in TRANSPORTS if t != "cma"]
 #: on the CPU, the cases the pages path and the transports other than nixl (the default: every case of
 #: the read path) run: one of each plan feature (a ratio, replicas with a page size change, an MLA spread
 #: over layers, a layout change, one token). The planning and copies of every case are the same code
@@ -113,14 +113,12 @@ def test_direct_byte_exact(name, device, transport):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("transport", ["nixl", "ucx"])
+@pytest.mark.parametrize("transport", [over("nixl"), over("ucx")])
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_ipc_byte_exact(name, transport):
     """The GPU default on one host: the destination's one kernel launch reads every source's head slices
     out of the sources' pages (CUDA IPC) into its own, its page size and layout; no transport read, no
     gather, no arena."""
-    if transport == "ucx":
-        pytest.importorskip("ucxx", reason="the ucx transport needs UCXX")
     row = _check(run(scenario(**CASES[name], device="cuda", transport=transport)), "ipc")
     assert row["descriptors"] == 0 and row["writes"] == 0
     assert row["stages"]["gather"] == 0
@@ -142,6 +140,7 @@ def test_a_host_default_takes_the_path_the_cost_model_picks(transport):
 
 
 @pytest.mark.parametrize("case", [dict(src_tp=2, dst_tp=2), dict(src_tp=4, dst_tp=2, mla=True)], ids=["equal_tp", "mla"])
+@pytest.mark.ucx
 def test_ucx_reads_only_arenas(case):
     """UCX is two-sided: no page path; whole shards go through the arenas, one offer and read per piece and chunk."""
     sc = scenario(**case, transport="ucx")

@@ -26,9 +26,11 @@ from kvstage.errors import TransportError
 from kvstage.transports import make_transport
 from kvstage.transports.base import Region, Spans, WriteState
 from support.read_sources import ReadSources, finish, random_spans
+from support.marks import TRANSPORTS, needs, over
 from support.transport_pair import finish_write, transport_pair
 
-TRANSPORTS = ["nixl", "ucx", "cma"]
+#: one case per transport, each carrying what its transport needs
+EACH = [over(t) for t in TRANSPORTS]
 
 
 def _receiver(name: str, conn, nbytes: int) -> None:
@@ -50,7 +52,7 @@ def _receiver(name: str, conn, nbytes: int) -> None:
     tr.close()
 
 
-@pytest.mark.parametrize("transport", TRANSPORTS)
+@pytest.mark.parametrize("transport", EACH)
 def test_a_multi_span_write_between_two_processes_lands_byte_exact_before_its_notification(transport):
     nbytes = 8 << 20
     ctx = mp.get_context("spawn")
@@ -90,7 +92,7 @@ def test_a_multi_span_write_between_two_processes_lands_byte_exact_before_its_no
             proc.kill()
 
 
-@pytest.fixture(params=TRANSPORTS)
+@pytest.fixture(params=EACH)
 def pair(request):
     with transport_pair(request.param, 1 << 16, 1 << 17) as p:
         yield p
@@ -136,7 +138,8 @@ def test_a_prepared_write_moves_nothing_until_posted_and_a_dropped_one_never(pai
     assert not b.notifications() and not dst[n + 8192 :].any()
 
 
-@pytest.mark.parametrize("transport,other", [(t, o) for t in TRANSPORTS for o in TRANSPORTS if t != o])
+@pytest.mark.parametrize("transport,other", [pytest.param(t, o, marks=needs(t, o)) for t in TRANSPORTS for o in TRANSPORTS
+                                             if t != o])
 def test_metadata_of_another_transport_is_refused(transport, other):
     mine, theirs = make_transport(transport, "mine"), make_transport(other, "theirs")
     try:
@@ -150,11 +153,9 @@ def test_metadata_of_another_transport_is_refused(transport, other):
 # -- reads ---------------------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module", params=TRANSPORTS)
+@pytest.fixture(scope="module", params=EACH)
 def sources(request):
     """A reader and three live sources in their own processes, 1 MiB of known bytes each."""
-    if request.param == "ucx":
-        pytest.importorskip("ucxx", reason="ucxx is not installed; pip install 'kvstage[ucx]'")
     with ReadSources(request.param, 3, 1 << 20, 8 << 20) as s:
         yield s
 
@@ -219,7 +220,7 @@ def test_abandoning_a_finished_read_says_nothing_more_can_land(sources):
     assert np.array_equal(s.dst.numpy()[:4096], s.data[1][:4096])
 
 
-@pytest.mark.parametrize("transport", TRANSPORTS)
+@pytest.mark.parametrize("transport", EACH)
 def test_a_read_completes_while_the_source_is_stopped(transport):
     """The source makes its bytes available (a ucx source offers them) and stops itself (SIGSTOP):
     the reader completes alone; once the source runs again its offer completes too."""
@@ -244,7 +245,7 @@ def test_a_read_completes_while_the_source_is_stopped(transport):
 
 
 @pytest.mark.parametrize("when", ["before", "during"])
-@pytest.mark.parametrize("transport", TRANSPORTS)
+@pytest.mark.parametrize("transport", EACH)
 def test_a_read_of_a_killed_source_fails_or_completes_in_bounded_time(transport, when):
     nbytes = 128 << 20
     with ReadSources(transport, 1, nbytes, nbytes) as s:

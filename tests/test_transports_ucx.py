@@ -32,6 +32,7 @@ def pair():
         yield p
 
 
+@pytest.mark.ucx
 def test_a_write_needs_the_receivers_ticket(pair):
     a, b, peer, ra, rb, *_ = pair
     spans = Spans.single(rb, [0], [1024]), Spans.single(ra, [0], [1024])
@@ -42,6 +43,7 @@ def test_a_write_needs_the_receivers_ticket(pair):
         a.write(peer, spans[1], spans[0], b"n", two)
 
 
+@pytest.mark.ucx
 def test_tickets_never_repeat_and_each_write_lands_where_its_ticket_says(pair):
     a, b, peer, ra, rb, src, dst = pair
     spans = Spans.single(rb, [8192], [4096])
@@ -55,6 +57,7 @@ def test_tickets_never_repeat_and_each_write_lands_where_its_ticket_says(pair):
     assert not dst[:8192].any() and not dst[12288:].any()
 
 
+@pytest.mark.ucx
 def test_a_write_completes_only_once_the_receiver_took_the_bytes(pair):
     # rendezvous for every size (RNDV_THRESH=0): without the receiver's progress nothing completes, so
     # a finished write means landed bytes (what the protocol's abort_ack relies on), even for 16 bytes
@@ -68,6 +71,7 @@ def test_a_write_completes_only_once_the_receiver_took_the_bytes(pair):
     assert torch.equal(dst[:16], src[64:80])
 
 
+@pytest.mark.ucx
 def test_a_write_with_a_ticket_never_issued_lands_nowhere_and_is_not_notified(pair, caplog):
     a, b, peer, ra, rb, src, dst = pair
     forged = struct.pack("!QI", (1 << 61) + 12345, 1)  # no receive was posted for this tag
@@ -83,6 +87,7 @@ def test_a_write_with_a_ticket_never_issued_lands_nowhere_and_is_not_notified(pa
     assert notes == [] and not dst.any()
 
 
+@pytest.mark.ucx
 def test_facts_come_from_ucxx_not_from_nixls_bundled_ucx(pair):
     facts = pair[0].facts()
     import ucxx
@@ -120,6 +125,7 @@ def _finish_read(reader, read, source, offer, timeout: float = 10.0) -> None:
         assert time.monotonic() < deadline, f"read, offer: {states}"
 
 
+@pytest.mark.ucx
 def test_a_read_needs_the_sources_own_offer_ticket():
     a, b, c = UcxTransport("a"), UcxTransport("b"), UcxTransport("c")
     try:
@@ -147,6 +153,7 @@ def test_a_read_needs_the_sources_own_offer_ticket():
             t.close()
 
 
+@pytest.mark.ucx
 def test_abandoning_a_read_whose_offer_never_came_cancels_its_receives(pair):
     a, b, peer, ra, rb, src, dst = pair
     b_from_a = b.connect(a.metadata())
@@ -164,6 +171,7 @@ def test_abandoning_a_read_whose_offer_never_came_cancels_its_receives(pair):
     assert torch.equal(dst[8192:12288], src[:4096]) and not dst[:8192].any()
 
 
+@pytest.mark.ucx
 def test_an_offer_is_not_taken_back_and_says_so():
     """UCX cancels receives only: an offer not yet read cannot be withdrawn."""
     a, b = UcxTransport("a"), UcxTransport("b")
@@ -181,6 +189,7 @@ def test_an_offer_is_not_taken_back_and_says_so():
         b.close()
 
 
+@pytest.mark.ucx
 def test_an_offer_made_right_after_connect_is_read_while_its_source_is_stopped():
     """No read before: connect's hello resolved the endpoints while both ran. 2,000 spans: more
     rendezvous requests than UCX's default shared-memory FIFO (256) would hold."""
@@ -197,6 +206,7 @@ def test_an_offer_made_right_after_connect_is_read_while_its_source_is_stopped()
 
 
 @pytest.mark.gpu
+@pytest.mark.ucx
 def test_cuda_spans_between_two_workers_are_byte_exact():
     dev = torch.device("cuda", 0)
     a, b = UcxTransport("ga"), UcxTransport("gb")

@@ -20,8 +20,11 @@ import json
 import math
 import os
 import re
+import shutil
 import signal
 import socket
+import struct
+import subprocess
 import sys
 import time
 
@@ -38,7 +41,8 @@ from support.vllm_model import KV_HEADS, LAYERS, HEAD_DIM, build, prompts  # noq
 
 LENGTHS = (40, 77, 100)  # more than one 32-token block each, none a multiple of 32
 MAX_TOKENS = 8
-EXTRA = {"arena_mb": 16, "pull_timeout_s": 3, "stall_timeout_s": 30}  # a loaded CI machine is slow
+# a loaded CI machine is slow; every prefill streams (off by default) so that prompts above 512 tokens leave in groups
+EXTRA = {"arena_mb": 16, "pull_timeout_s": 3, "stall_timeout_s": 30, "stream_layers": True}
 BLOCK = 32
 
 
@@ -116,6 +120,24 @@ def test_equal_tp_is_token_exact_and_direct(engines, plain):
     assert tokens(disaggregated(engines["B"], engines["B"], ps)) == ref["B"]
     got = engines["B"].cmd(cmd="transfers")["outputs"][before:]
     assert [(t["ok"], t["path"]) for t in got] == [(True, "direct")] * len(ps)
+
+
+#: a prompt above the streaming bypass and one below it (``kvstage.protocol.stream.STREAM_MIN_TOKENS``, 512)
+STREAMED = (600, 100)
+
+
+def test_streamed_prompts_are_token_exact_above_and_below_the_bypass(engines):
+    """With ``stream_layers`` a prefill streams a long prompt's KV in layer groups from ``save_kv_layer`` while its
+    last forward runs, and sends a short one whole after it: both decode the plain run's tokens."""
+    ps = prompts(STREAMED, seed=5)
+    for prefill, decode in (("A", "B"), ("B", "A")):
+        ref = tokens(engines[decode].cmd(cmd="generate", prompts=ps, max_tokens=MAX_TOKENS))
+        assert tokens(disaggregated(engines[prefill], engines[decode], ps)) == ref
+    with open(engines["A"].log_path) as f:
+        log = f.read()
+    kv_layers = LAYERS // 2  # a kvstage layer holds two vLLM layers (plugin/vllm/layout.py)
+    assert f"at least 512 tokens over {kv_layers} layers move in {kv_layers} layer groups as the forward" in log
+    assert f"fewer than 512 tokens over {kv_layers} layers move whole after the forward" in log
 
 
 def test_decode_really_uses_the_transferred_kv(engines, plain):
@@ -246,10 +268,110 @@ def test_kvstage_figures_reach_vllm_stats_metrics_and_log_line(engines, plain):
             cls, n = part.split(":")
             causes[cls] = causes.get(cls, 0) + int(n)
     assert causes == {"connection_lost": 2}, lines
-    warned = re.findall(r"WARNING.*kvstage: rank (\d): KV load of request \S+ \(gone-engine:gone\) failed after [0-9.]+ s "
-                        rf"at stage abort with local: prefill rank at 127.0.0.1:{gone}: cannot connect .*; "
-                        r"vLLM recomputes its prompt \(kv_load_failure_policy=recompute\)", log)
+    # one WARNING per failed load and rank (kvstage's), then one INFO line of what vLLM does next
+    warned = re.findall(r"WARNING.*dst (\d): request gone-engine:gone failed at abort with local: prefill rank at "
+                        rf"127.0.0.1:{gone}: cannot connect", log)
     assert sorted(warned) == ["0", "1"], log[-3000:]
+    assert len(re.findall(r"WARNING.*gone-engine:gone", log)) == 2, log[-3000:]
+    then = re.findall(r"INFO.*kvstage: rank (\d): KV load of request \S+ \(gone-engine:gone\) failed after [0-9.]+ s "
+                      rf"at stage abort with local: prefill rank at 127.0.0.1:{gone}: cannot connect .*; "
+                      r"vLLM recomputes its prompt \(kv_load_failure_policy=recompute\)", log)
+    assert sorted(then) == ["0", "1"], log[-3000:]
+
+
+# -- the default recipe: no token anywhere, authenticated all the same ----------------------------
+
+@pytest.fixture(scope="module")
+def tokenless(tmp_path_factory):
+    """Two engines started with no token anywhere, on one model path: D (TP 1, kv_both); then the
+    checkpoint at that path is replaced by another of the same shapes (another seed: a rolling update
+    of ``/models/current``) and E (TP 1, kv_producer) starts on it."""
+    root = tmp_path_factory.mktemp("vllm-tokenless")
+    model = str(root / "current")
+    build(model, seed=0)
+    env = dict(SHARED_CORES, KVSTAGE_AUTH_TOKEN="")
+    common = ["--model", model, "--extra", json.dumps(EXTRA), "--tp", "1"]
+    procs = {"D": EngineProcess("D", str(root / "D.log"), *common, "--policy", "fail", env=env)}
+    try:
+        procs["D"].read(timeout=400)
+        shutil.rmtree(model)
+        build(model, seed=1)
+        procs["E"] = EngineProcess("E", str(root / "E.log"), *common, "--role", "kv_producer", env=env)
+        procs["E"].read(timeout=400)
+        yield procs
+    finally:
+        for p in procs.values():
+            p.stop()
+
+
+def test_the_default_recipe_with_no_token_is_authenticated_and_token_exact(tokenless):
+    """No token set: each request's transfer params carry its prefill ranks' secrets, and its decode
+    reads it, token for token as the plain run."""
+    D = tokenless["D"]
+    ps = prompts(LENGTHS, seed=1)
+    ref = tokens(D.cmd(cmd="generate", prompts=ps, max_tokens=MAX_TOKENS))
+    pre = D.cmd(cmd="prefill", prompts=ps)
+    params = [o["params"] for o in pre["outputs"]]
+    assert all(len(p["remote_secrets"]) == 1 and len(p["remote_secrets"][0]) == 64 for p in params), params
+    assert len({p["remote_secrets"][0] for p in params}) == len(ps)  # one per request
+    out = D.cmd(cmd="generate", prompts=ps, params=params, max_tokens=MAX_TOKENS)
+    assert tokens(out) == ref
+    got = D.cmd(cmd="transfers")["outputs"][-len(ps):]
+    assert [t["ok"] for t in got] == [True] * len(ps), got
+
+
+def _ask(port: int, msg: dict) -> list:
+    """A raw connect request to a prefill rank's connect port: what it answers before it closes."""
+    s = socket.create_connection(("127.0.0.1", port), timeout=10)
+    try:
+        data = json.dumps(msg).encode()
+        s.sendall(struct.pack("!I", len(data)) + data)
+        head = s.recv(4, socket.MSG_WAITALL)
+        return [json.loads(s.recv(struct.unpack("!I", head)[0], socket.MSG_WAITALL))] if len(head) == 4 else []
+    finally:
+        s.close()
+
+
+def test_a_stranger_is_refused_by_the_default_recipe_and_told_nothing(tokenless):
+    """A stranger process of this host that knows the decode rank's port and the prefill rank's connect
+    port, not the secrets: a raw NIXL agent and a raw socket (tests/support/stranger.py) get nothing from
+    the Destination but "authentication failed"; the connect port refuses to connect anywhere for it,
+    saying the same; nothing of the model is told, and no engine connects to it."""
+    from support.stranger import told_nothing
+
+    from kvstage.protocol.handshake import AUTH_FAILED
+
+    D = tokenless["D"]
+    (eps,) = D.cmd(cmd="endpoints")["outputs"]
+    out = subprocess.run([sys.executable, os.path.join(os.path.dirname(__file__), "support", "stranger.py"),
+                          json.dumps({"host": "127.0.0.1", "port": eps["dst_port"]})], capture_output=True, text=True,
+                         timeout=120, env=dict(os.environ, KVSTAGE_AUTH_TOKEN=""))
+    assert out.returncode == 0, out.stderr[-3000:]
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert told_nothing(got, eps["model"]) == [], got
+    for secret in ("", "0" * 64, "guess"):
+        reply = _ask(eps["pull_port"], {"type": "connect", "address": "kvstage://x@127.0.0.1:9", "engine": "x",
+                                        "rank": 0, "req": "D-1", "token": secret})
+        assert reply == [{"type": "error", "reason": AUTH_FAILED}], reply
+    (after,) = D.cmd(cmd="endpoints")["outputs"]
+    assert after["destination_engines"] == eps["destination_engines"]
+    assert after["source_engines"] == eps["source_engines"]
+
+
+def test_the_same_path_and_shapes_with_other_weights_are_refused_by_name(tokenless):
+    """E loaded other weights at D's model path (same shapes): its KV would decode wrong tokens in D. The
+    handshake refuses it, naming both weights fingerprints; the request fails (policy fail), no token."""
+    D, E = tokenless["D"], tokenless["E"]
+    mine = D.cmd(cmd="endpoints")["outputs"][0]["model"]
+    theirs = E.cmd(cmd="endpoints")["outputs"][0]["model"]
+    assert mine.split(" weights=")[0] == theirs.split(" weights=")[0] and mine != theirs
+    ps = prompts(LENGTHS[:1], seed=3)
+    out = disaggregated(E, D, ps)
+    assert [(o["finish"], o["tokens"]) for o in out["outputs"]] == [("error", [])]
+    (failed,) = D.cmd(cmd="transfers")["outputs"][-1:]
+    fp_d, fp_e = mine.split(" weights=")[1], theirs.split(" weights=")[1]
+    assert not failed["ok"] and "model weights" in failed["error"], failed
+    assert fp_d in failed["error"] and fp_e in failed["error"], failed
 
 
 # -- the scheduler side's translation, without engines -------------------------------------------
@@ -284,7 +406,9 @@ def _blocks(ids):
 
 
 def _remote(n):
-    return {"do_remote_prefill": True, "kvstage": 2, "remote_num_tokens": n, "remote_engine_id": "p",
+    from kvstage.plugin.vllm.meta import PARAMS_VERSION
+
+    return {"do_remote_prefill": True, "kvstage": PARAMS_VERSION, "remote_num_tokens": n, "remote_engine_id": "p",
             "remote_request_id": "r", "remote_ranks": [["127.0.0.1", 2]]}
 
 
@@ -331,6 +455,18 @@ def test_scheduler_hands_off_finished_prefills_only():
     assert s.request_finished(aborted, [1]) == (False, None)
     meta = s.build_connector_meta(SimpleNamespace(num_scheduled_tokens={}, preempted_req_ids=None))
     assert meta.delay_freed == ["p1"] and meta.drop == ["p2"]
+
+
+def test_a_decode_only_engine_asked_to_prefill_says_so_in_the_response():
+    """``do_remote_decode`` sent to an engine with no producer ranks: the response's transfer params say why,
+    and a decode handed them computes the prompt itself (they ask for no remote prefill)."""
+    from vllm.v1.request import RequestStatus
+
+    s, _ = _scheduler(connect_ranks=None)
+    req = _request("p3", 40, {"do_remote_decode": True}, 40, RequestStatus.FINISHED_LENGTH_CAPPED)
+    delay, params = s.request_finished(req, [3, 5])
+    assert not delay and params["do_remote_prefill"] is False
+    assert "kv_role must be kv_producer or kv_both" in params["error"] and "p3" in params["error"]
 
 
 def _producer(lease_s=0.3):

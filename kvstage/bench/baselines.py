@@ -17,8 +17,14 @@ from kvstage.transports.base import Region, Spans
 
 
 def slice_spans(
-    piece: Piece, src: SideSpec, dst: SideSpec, src_pages, dst_pages, tokens: int,
-    src_regions: list[Region], dst_regions: list[Region],
+    piece: Piece,
+    src: SideSpec,
+    dst: SideSpec,
+    src_pages,
+    dst_pages,
+    tokens: int,
+    src_regions: list[Region],
+    dst_regions: list[Region],
 ) -> tuple[Spans, Spans]:
     """One span per contiguous run of ``piece``'s heads per token and buffer, on both sides."""
     g = src.geometry
@@ -28,8 +34,14 @@ def slice_spans(
     whole = token_major(src.geometry, src.page) and token_major(dst.geometry, dst.page)
     heads = [0] if whole else list(range(piece.heads.count))
     length = (piece.heads.count if whole else 1) * g.head_dim * es
-    s_off = np.concatenate([element_offsets(g, src.page, src.local_heads(), sp, so, piece.src_offset + j) for j in heads]) * es
-    d_off = np.concatenate([element_offsets(g, dst.page, dst.local_heads(), dp, do, piece.dst_offset + j) for j in heads]) * es
+    s_off = (
+        np.concatenate([element_offsets(g, src.page, src.local_heads(), sp, so, piece.src_offset + j) for j in heads])
+        * es
+    )
+    d_off = (
+        np.concatenate([element_offsets(g, dst.page, dst.local_heads(), dp, do, piece.dst_offset + j) for j in heads])
+        * es
+    )
     n = len(s_off)
     nbuf = g.buffers
     index = np.repeat(np.arange(nbuf), n)

@@ -71,8 +71,9 @@ def wildcard(host: str) -> bool:
     return host in ("", "0.0.0.0", "::")
 
 
-def rank_name(role: str, rank: int, engine: int | None = None) -> str:
-    """``source rank 1``, or in a multi-engine group ``source rank 1 of engine s0``."""
+def rank_name(role: str | None, rank: int | None, engine: int | None = None) -> str:
+    """``source rank 1``, or in a multi-engine group ``source rank 1 of engine s0``. A peer's hello may
+    lack its role or rank (``Peer``): it is named all the same, in the errors that report it."""
     side = "source" if role == "src" else "destination"
     return f"{side} rank {rank}" + ("" if engine is None else f" of engine {'s' if role == 'src' else 'd'}{engine}")
 
@@ -85,8 +86,15 @@ class Link:
     When the coordinator closes the connection or sends ``abort``, ``on_lost``
     runs once (rank processes end themselves there)."""
 
-    def __init__(self, address: tuple[str, int], hello: dict, token: str = "", on_lost=None,
-                 timeout: float = HELLO_TIMEOUT_S, clock_sync: bool = False):
+    def __init__(
+        self,
+        address: tuple[str, int],
+        hello: dict,
+        token: str = "",
+        on_lost=None,
+        timeout: float = HELLO_TIMEOUT_S,
+        clock_sync: bool = False,
+    ):
         """``clock_sync``: measure the offset to the coordinator's clock even on its own kernel
         (``kvstage bench --clock-sync``; processes on other kernels always do)."""
         self.address = address
@@ -101,8 +109,16 @@ class Link:
         self._on_lost = on_lost
         self.offset = 0.0
         try:
-            self.conn.send({"type": "hello", "version": VERSION, "token": token, "boot_id": boot_id(),
-                            "host": socket.gethostname(), **hello})
+            self.conn.send(
+                {
+                    "type": "hello",
+                    "version": VERSION,
+                    "token": token,
+                    "boot_id": boot_id(),
+                    "host": socket.gethostname(),
+                    **hello,
+                }
+            )
             welcome = self.conn.recv()
         except (OSError, ConnectionError, ProtocolError) as e:
             self.conn.close()
@@ -120,7 +136,7 @@ class Link:
         threading.Thread(target=self._read, name="kvstage-bench-link", daemon=True).start()
 
     def _sync(self) -> tuple[float, float]:
-        best = None
+        best: tuple[float, float] | None = None
         for _ in range(SYNC_PINGS):
             a = time.perf_counter()
             self.conn.send({"type": "ping"})
@@ -130,6 +146,7 @@ class Link:
                 raise BenchError(f"clock sync: expected pong, got {msg['type']!r}")
             sample = (b - a, float(msg["t"]) - (a + b) / 2)
             best = sample if best is None or sample[0] < best[0] else best
+        assert best is not None, "SYNC_PINGS > 0: the loop took a sample"
         return best[1], best[0] / 2
 
     def now(self) -> float:
@@ -243,9 +260,17 @@ class Coordinator:
             engine = hello.get("engine")
             if engine is not None and (isinstance(engine, bool) or not isinstance(engine, int)):
                 raise ProtocolError(f"engine={str(engine)[:40]!r}: must be an engine index")
-            peer = Peer(conn, kind, hello.get("role"), hello.get("rank"), hello.get("group"),
-                        str(hello.get("host", "?"))[:100], str(hello.get("boot_id", "")), sock.getsockname()[0],
-                        engine=engine)
+            peer = Peer(
+                conn,
+                kind,
+                hello.get("role"),
+                hello.get("rank"),
+                hello.get("group"),
+                str(hello.get("host", "?"))[:100],
+                str(hello.get("boot_id", "")),
+                sock.getsockname()[0],
+                engine=engine,
+            )
             conn.send({"type": "welcome", "boot_id": self.boot})
         except (OSError, ConnectionError, ProtocolError) as e:
             log.warning("bench coordinator: refused %s: %s", conn.peer, e)

@@ -67,7 +67,12 @@ def fill_shard(cache: RankCache, seed: int, pages: np.ndarray, tokens: int) -> N
 
 
 def check_shard(
-    cache: RankCache, seed: int, pages: np.ndarray, tokens: int, untouched_fill: int | None = 0, written=None,
+    cache: RankCache,
+    seed: int,
+    pages: np.ndarray,
+    tokens: int,
+    untouched_fill: int | None = 0,
+    written=None,
 ) -> list[str]:
     """Compare this rank's pages with the reference shard, byte for byte.
 

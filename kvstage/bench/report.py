@@ -10,28 +10,109 @@ from __future__ import annotations
 import csv
 import sys
 import time
+from typing import TYPE_CHECKING
 
 from kvstage.bench.scenario import MODES
 
+if TYPE_CHECKING:
+    from rich.progress import Progress as RichProgress
+    from rich.progress import TaskID
+
 CSV_COLUMNS = (
-    "mode", "src_tp", "dst_tp", "tokens", "concurrency", "bytes", "total_bytes", "seconds", "gbps",
-    "latency_p50_ms", "latency_p99_ms", "latency_samples", "descriptors_per_request", "arena_bytes",
-    "ratio_to_bulk", "verified", "path", "gather_s", "read_s", "slot_wait_s", "scatter_s",
-    "gather_gpu_s", "read_gpu_s", "scatter_gpu_s", "stage_overlap", "arena", "copier", "bulk_degraded",
-    "layers", "kv_heads", "head_dim", "dtype", "mla", "device", "src_page_size", "src_layout",
-    "dst_page_size", "dst_layout", "iters", "warmup",
+    "mode",
+    "src_tp",
+    "dst_tp",
+    "tokens",
+    "concurrency",
+    "bytes",
+    "total_bytes",
+    "seconds",
+    "gbps",
+    "latency_p50_ms",
+    "latency_p99_ms",
+    "latency_samples",
+    "exposed_s",
+    "descriptors_per_request",
+    "arena_bytes",
+    "ratio_to_bulk",
+    "verified",
+    "path",
+    "gather_s",
+    "read_s",
+    "slot_wait_s",
+    "scatter_s",
+    "gather_gpu_s",
+    "read_gpu_s",
+    "scatter_gpu_s",
+    "stage_overlap",
+    "arena",
+    "copier",
+    "bulk_degraded",
+    "layers",
+    "kv_heads",
+    "head_dim",
+    "dtype",
+    "mla",
+    "device",
+    "src_page_size",
+    "src_layout",
+    "dst_page_size",
+    "dst_layout",
+    "iters",
+    "warmup",
+    "prefill_ms",
+    "layer_groups",
 )
 
 
 #: the CSV of a multi-engine run (``--src-engines`` / ``--dst-engines``): one row per engine pair
 ENGINE_CSV_COLUMNS = (
-    "mode", "engines", "src_engine", "dst_engine", "src_tp", "dst_tp", "tokens", "concurrency", "bytes", "total_bytes",
-    "seconds", "gbps", "latency_p50_ms", "latency_p99_ms", "latency_samples", "slot_wait_s", "src_slot_wait_s",
-    "step_bytes", "step_seconds", "step_gbps", "descriptors_per_request", "arena_bytes", "verified", "path",
-    "gather_s", "read_s", "scatter_s", "gather_gpu_s", "read_gpu_s", "scatter_gpu_s", "arena", "copier",
-    "src_peer_engines", "dst_peer_engines",
-    "layers", "kv_heads", "head_dim", "dtype", "mla", "device", "src_page_size", "src_layout",
-    "dst_page_size", "dst_layout", "iters", "warmup",
+    "mode",
+    "engines",
+    "src_engine",
+    "dst_engine",
+    "src_tp",
+    "dst_tp",
+    "tokens",
+    "concurrency",
+    "bytes",
+    "total_bytes",
+    "seconds",
+    "gbps",
+    "latency_p50_ms",
+    "latency_p99_ms",
+    "latency_samples",
+    "slot_wait_s",
+    "src_slot_wait_s",
+    "step_bytes",
+    "step_seconds",
+    "step_gbps",
+    "descriptors_per_request",
+    "arena_bytes",
+    "verified",
+    "path",
+    "gather_s",
+    "read_s",
+    "scatter_s",
+    "gather_gpu_s",
+    "read_gpu_s",
+    "scatter_gpu_s",
+    "arena",
+    "copier",
+    "src_peer_engines",
+    "dst_peer_engines",
+    "layers",
+    "kv_heads",
+    "head_dim",
+    "dtype",
+    "mla",
+    "device",
+    "src_page_size",
+    "src_layout",
+    "dst_page_size",
+    "dst_layout",
+    "iters",
+    "warmup",
 )
 
 
@@ -59,15 +140,41 @@ def _mode_label(mode: str, rows: list[dict]) -> str:
     return mode
 
 
-def _cells(r: dict, show_n: bool, arrow: str, failed: str) -> list[str]:
+def shows_exposed(result: dict) -> bool:
+    """Whether the table has an exposed-time column: a run with a simulated forward or a streamed mode
+    (the default table is as it was)."""
+    return bool(result["config"].get("prefill_ms")) or any(r["mode"] == "streamed" for r in result["results"])
+
+
+def _head(result: dict, show_n: bool, conc: str) -> list[str]:
+    """The one-engine table's columns (``conc``: the concurrency column's name)."""
+    return (
+        ["mode", "TP", "tokens"]
+        + ([conc] if show_n else [])
+        + ["MB/req", "GB/s", "p50 ms", "p99 ms"]
+        + (["exposed ms"] if shows_exposed(result) else [])
+        + ["desc/req", "arena MiB", "vs bulk", "verified"]
+    )
+
+
+def _cells(r: dict, show_n: bool, arrow: str, failed: str, exposed: bool = False) -> list[str]:
     """One result row's cells, shared by the terminal table and the markdown table."""
-    ratio = ("-" if r["ratio_to_bulk"] is None else "bulk degraded" if r.get("bulk_degraded") and r["mode"] != "bulk"
-             else f"{r['ratio_to_bulk']:.2f}x")
+    ratio = (
+        "-"
+        if r["ratio_to_bulk"] is None
+        else "bulk degraded"
+        if r.get("bulk_degraded") and r["mode"] != "bulk"
+        else f"{r['ratio_to_bulk']:.2f}x"
+    )
     v = {True: "yes", False: failed, None: "-"}[r["verified"]]
     arena = "-" if r["arena_bytes"] is None else f"{r['arena_bytes'] / (1 << 20):g}"
-    return [_mode_label(r["mode"], [r]), f"{r['src_tp']}{arrow}{r['dst_tp']}", str(r["tokens"])] + ([str(r["concurrency"])] if show_n else []) + [
-        f"{r['bytes'] / 1e6:.2f}", f"{r['gbps']:.3f}", _ms(r["latency_p50_s"]), _ms(r["latency_p99_s"]),
-        _num(r["descriptors"]), arena, ratio, v]
+    return (
+        [_mode_label(r["mode"], [r]), f"{r['src_tp']}{arrow}{r['dst_tp']}", str(r["tokens"])]
+        + ([str(r["concurrency"])] if show_n else [])
+        + [f"{r['bytes'] / 1e6:.2f}", f"{r['gbps']:.3f}", _ms(r["latency_p50_s"]), _ms(r["latency_p99_s"])]
+        + ([_ms(r.get("exposed_s"))] if exposed else [])
+        + [_num(r["descriptors"]), arena, ratio, v]
+    )
 
 
 def _geometry_line(cfg: dict) -> str:
@@ -76,9 +183,12 @@ def _geometry_line(cfg: dict) -> str:
     paging = f"page {sp['page_size']} {sp['order']}"
     if dp != sp:
         paging += f" -> page {dp['page_size']} {dp['order']}"
-    return (f"{g['layers']} layers, {g['kv_heads']} KV heads x {g['head_dim']} {g['dtype']}"
-            f"{' MLA' if g['mla'] else ''}, {paging}, {cfg['device']}, {cfg.get('transport', 'nixl')}, median of {cfg['iters']} "
-            f"(+{cfg['warmup']} warm-up)")
+    return (
+        f"{g['layers']} layers, {g['kv_heads']} KV heads x {g['head_dim']} {g['dtype']}"
+        f"{' MLA' if g['mla'] else ''}, {paging}, {cfg['device']}, {cfg.get('transport', 'nixl')}, "
+        f"median of {cfg['iters']} "
+        f"(+{cfg['warmup']} warm-up)"
+    )
 
 
 def render_table(result: dict, title: str | None = None) -> str:
@@ -92,9 +202,7 @@ def render_table(result: dict, title: str | None = None) -> str:
     t = Table(title=(title + "\n" if title else "") + "kvstage bench: " + _geometry_line(cfg))
     if is_multi(result):
         return _render_engines(t, result, show_n)
-    cols = ["mode", "TP", "tokens"] + (["conc"] if show_n else []) + [
-        "MB/req", "GB/s", "p50 ms", "p99 ms", "desc/req", "arena MiB", "vs bulk", "verified"]
-    for col in cols:
+    for col in _head(result, show_n, "conc"):
         t.add_column(col, justify="left" if col == "mode" else "right")
     prev = None
     for r in rows:
@@ -102,7 +210,7 @@ def render_table(result: dict, title: str | None = None) -> str:
         if prev is not None and point != prev:
             t.add_section()
         prev = point
-        t.add_row(*_cells(r, show_n, "->", "NO"))
+        t.add_row(*_cells(r, show_n, "->", "NO", shows_exposed(result)))
     console = Console(record=True, width=132)
     with console.capture() as cap:
         console.print(t)
@@ -112,8 +220,18 @@ def render_table(result: dict, title: str | None = None) -> str:
 
 
 # -- multi-engine runs: one row per (source engine, destination engine) pair ------------------------
-ENGINE_HEAD = ["pair", "tokens", "conc", "MB/req", "GB/s", "p50 ms", "p99 ms", "dst slot wait ms",
-               "src slot wait ms", "verified"]
+ENGINE_HEAD = [
+    "pair",
+    "tokens",
+    "conc",
+    "MB/req",
+    "GB/s",
+    "p50 ms",
+    "p99 ms",
+    "dst slot wait ms",
+    "src slot wait ms",
+    "verified",
+]
 
 
 def _points(rows: list[dict]) -> dict:
@@ -133,16 +251,35 @@ def _engine_rows(result: dict, show_n: bool, arrow: str, failed: str) -> list[li
             v = {True: "yes", False: failed, None: "-"}[r["verified"]]
             way = r.get("path") or []  # the path its requests took: ipc, direct, pages, read
             way = f" ({'+'.join(way)})" if way else ""
-            out.append([f"{r['src_engine']} (TP {r['src_tp']}) {arrow} {r['dst_engine']} (TP {r['dst_tp']}){way}", str(tok)]
-                       + ([str(n)] if show_n else []) + [
-                f"{r['bytes'] / 1e6:.2f}", f"{r['gbps']:.3f}", _ms(r["latency_p50_s"]), _ms(r["latency_p99_s"]),
-                _ms(r["slot_wait_s"]), _ms(r["src_slot_wait_s"]), v])
+            out.append(
+                [f"{r['src_engine']} (TP {r['src_tp']}) {arrow} {r['dst_engine']} (TP {r['dst_tp']}){way}", str(tok)]
+                + ([str(n)] if show_n else [])
+                + [
+                    f"{r['bytes'] / 1e6:.2f}",
+                    f"{r['gbps']:.3f}",
+                    _ms(r["latency_p50_s"]),
+                    _ms(r["latency_p99_s"]),
+                    _ms(r["slot_wait_s"]),
+                    _ms(r["src_slot_wait_s"]),
+                    v,
+                ]
+            )
         flags = [r["verified"] for r in rows]
         v = "-" if None in flags else "yes" if all(flags) else failed
         first = rows[0]
-        out.append([f"all pairs ({engines.replace('->', arrow)})", str(tok)] + ([str(n)] if show_n else []) + [
-            f"{first['step_bytes'] / 1e6 / n:.2f}", f"{first['step_gbps']:.3f}", "-", "-",
-            _ms(sum(r["slot_wait_s"] for r in rows)), _ms(sum(r["src_slot_wait_s"] for r in rows)), v])
+        out.append(
+            [f"all pairs ({engines.replace('->', arrow)})", str(tok)]
+            + ([str(n)] if show_n else [])
+            + [
+                f"{first['step_bytes'] / 1e6 / n:.2f}",
+                f"{first['step_gbps']:.3f}",
+                "-",
+                "-",
+                _ms(sum(r["slot_wait_s"] for r in rows)),
+                _ms(sum(r["src_slot_wait_s"] for r in rows)),
+                v,
+            ]
+        )
     return out
 
 
@@ -170,24 +307,34 @@ def _engine_notes(result: dict) -> list[str]:
         rates = [r["gbps"] for r in rows]
         if len(rows) > 1:
             slow, fast = min(rows, key=lambda r: r["gbps"]), max(rows, key=lambda r: r["gbps"])
-            parts.append(f"slowest pair / fastest pair: {min(rates) / max(rates):.2f} "
-                         f"({slow['src_engine']}->{slow['dst_engine']} / {fast['src_engine']}->{fast['dst_engine']})")
-        served = {**{r["src_engine"]: r.get("src_peer_engines") for r in rows},
-                  **{r["dst_engine"]: r.get("dst_peer_engines") for r in rows}}
+            parts.append(
+                f"slowest pair / fastest pair: {min(rates) / max(rates):.2f} "
+                f"({slow['src_engine']}->{slow['dst_engine']} / {fast['src_engine']}->{fast['dst_engine']})"
+            )
+        served = {
+            **{r["src_engine"]: r.get("src_peer_engines") for r in rows},
+            **{r["dst_engine"]: r.get("dst_peer_engines") for r in rows},
+        }
         served = {e: v for e, v in served.items() if v}  # (0: the endpoint does not count them)
         if served:
-            parts.append("peer engines each rank's one endpoint served: " + ", ".join(f"{e} {v}" for e, v in served.items()))
+            parts.append(
+                "peer engines each rank's one endpoint served: " + ", ".join(f"{e} {v}" for e, v in served.items())
+            )
         copies = sorted({c for r in rows for c in r.get("copier") or []})
         if copies:
             parts.append("copies " + "+".join(copies))
         if parts:
-            out.append((f"{engines} {tok} tok{f' x{n}' if n > 1 else ''}: " if len(points) > 1 else "") + "; ".join(parts))
-    out.append("Every source engine sends its requests to every destination engine at once (request k to d0, d1, "
-               "..., then k+1), each engine's ranks through one endpoint per rank. GB/s per pair: the pair's bytes "
-               "over its wall time (its first send to its last completion); all pairs: every pair's bytes over the "
-               "step's wall time (1e9 B/s). Slot wait: time the pair's requests waited for a free arena slot, "
-               "summed over requests and ranks, on the destination (dst) and on the sources (src). Latency: "
-               "nearest-rank p50/p99 over the pair's requests x measured iterations.")
+            out.append(
+                (f"{engines} {tok} tok{f' x{n}' if n > 1 else ''}: " if len(points) > 1 else "") + "; ".join(parts)
+            )
+    out.append(
+        "Every source engine sends its requests to every destination engine at once (request k to d0, d1, "
+        "..., then k+1), each engine's ranks through one endpoint per rank. GB/s per pair: the pair's bytes "
+        "over its wall time (its first send to its last completion); all pairs: every pair's bytes over the "
+        "step's wall time (1e9 B/s). Slot wait: time the pair's requests waited for a free arena slot, "
+        "summed over requests and ranks, on the destination (dst) and on the sources (src). Latency: "
+        "nearest-rank p50/p99 over the pair's requests x measured iterations."
+    )
     return out
 
 
@@ -197,8 +344,10 @@ def notes(result: dict) -> list[str]:
         out = _engine_notes(result)
         clock = result.get("clock") or {}
         if clock.get("synced_ranks"):
-            out.append(f"clocks: {clock['synced_ranks']} rank processes on another clock, offsets measured at start; "
-                       f"timestamps may be off by up to {clock['max_offset_error_s'] * 1e6:.0f} us")
+            out.append(
+                f"clocks: {clock['synced_ranks']} rank processes on another clock, offsets measured at start; "
+                f"timestamps may be off by up to {clock['max_offset_error_s'] * 1e6:.0f} us"
+            )
         return out
     out = []
     points: dict = {}
@@ -209,37 +358,82 @@ def notes(result: dict) -> list[str]:
         parts = []
         if "staged" in modes and "per-slice" in modes:
             parts.append(f"staged / per-slice: {modes['staged']['gbps'] / modes['per-slice']['gbps']:.1f}x")
-        st = modes.get("staged", {}).get("stages")
-        if st:
+        if "staged" in modes and "streamed" in modes:
+            parts.append(_exposed_note(modes["staged"], modes["streamed"]))
+        for mode in ("staged", "streamed"):
+            st = modes.get(mode, {}).get("stages")
+            if not st:
+                continue
             ms = {k: v for k, v in st.items() if k != "overlap"}
-            parts.append("staged ms, summed over ranks: " + ", ".join(f"{k} {v * 1e3:.1f}" for k, v in ms.items()))
-            if st.get("overlap"):
+            parts.append(f"{mode} ms, summed over ranks: " + ", ".join(f"{k} {v * 1e3:.1f}" for k, v in ms.items()))
+            if st.get("overlap") and mode == "staged":  # streamed's stages run under the forward, not one after another
                 parts.append(f"stage overlap {st['overlap']:.2f}x")
-            if modes["staged"].get("copier"):
-                parts.append("copies " + "+".join(modes["staged"]["copier"]))
+            if modes[mode].get("copier") and (mode == "staged" or "staged" not in modes):
+                parts.append("copies " + "+".join(modes[mode]["copier"]))
         bulk = modes.get("bulk")
         if bulk and bulk.get("bulk_degraded"):
-            parts.append(f"bulk ran at {bulk['gbps']:.3g} GB/s, far below what the link should give: the baseline is "
-                         "degraded (see the link WARNING above), so no ratio to it is shown")
+            parts.append(
+                f"bulk ran at {bulk['gbps']:.3g} GB/s, far below what the link should give: the baseline is "
+                "degraded (see the link WARNING above), so no ratio to it is shown"
+            )
         if parts:
             prefix = f"{s}->{d} {tok} tok{f' x{n}' if n > 1 else ''}: " if many else ""
             out.append(prefix + "; ".join(parts))
-    out.append("GB/s: bytes of all requests in flight / wall time of the step (1e9 B/s). Latency: first source rank "
-               "issuing a request to the last destination rank holding all of it; nearest-rank p50/p99 over "
-               "requests x measured iterations.")
+    out.append(
+        "GB/s: bytes of all requests in flight / wall time of the step (1e9 B/s). Latency: first source rank "
+        "issuing a request to the last destination rank holding all of it; nearest-rank p50/p99 over "
+        "requests x measured iterations."
+    )
+    prefill_ms = result["config"].get("prefill_ms")
+    if prefill_ms:
+        out.append(
+            f"Each step runs a simulated prefill forward of {prefill_ms:g} ms on every source rank, its layers "
+            "finished evenly (a GPU kernel or a CPU wait per layer); wall time and latency start with it. "
+            "Exposed: the last source rank's forward end to the last destination rank holding every byte "
+            "(median over iterations)."
+        )
+    elif shows_exposed(result):
+        out.append(
+            "Exposed: the step's start (no simulated forward: --prefill-ms 0) to the last destination rank "
+            "holding every byte (median over iterations)."
+        )
     clock = result.get("clock") or {}
     if clock.get("synced_ranks"):
-        out.append(f"clocks: {clock['synced_ranks']} rank processes on another clock, offsets measured at start; "
-                   f"timestamps may be off by up to {clock['max_offset_error_s'] * 1e6:.0f} us")
+        out.append(
+            f"clocks: {clock['synced_ranks']} rank processes on another clock, offsets measured at start; "
+            f"timestamps may be off by up to {clock['max_offset_error_s'] * 1e6:.0f} us"
+        )
     for s in result.get("skipped", []):
         out.append(f"skipped: {s}")
     return out
 
 
+def _exposed_note(staged: dict, streamed: dict) -> str:
+    """Streamed against staged exposed time at one point of one run, with the streamed groups."""
+    groups = streamed.get("layer_groups") or []
+    sizes = sorted({stop - start for start, stop in groups})
+    how = (
+        (
+            f"; streamed in {len(groups)} layer group{'s' if len(groups) != 1 else ''}"
+            + (f" of {'/'.join(map(str, sizes))} layer{'s' if sizes != [1] else ''}" if sizes else "")
+        )
+        if groups
+        else ""
+    )
+    ratio = f"{streamed['exposed_s'] / staged['exposed_s']:.2f}x" if staged.get("exposed_s") else "-"
+    return (
+        f"streamed / staged exposed: {ratio} ({_ms(streamed.get('exposed_s'))} / {_ms(staged.get('exposed_s'))} ms"
+        f"{how})"
+    )
+
+
 def link_warnings(result: dict) -> list[str]:
     """One line per distinct connect-time WARNING or ERROR of the run's ranks, naming them."""
-    return [f"{f['line']} [ranks: {', '.join(f['ranks'])}]" for f in result.get("links", [])
-            if f.get("severity") in ("WARNING", "ERROR")]
+    return [
+        f"{f['line']} [ranks: {', '.join(f['ranks'])}]"
+        for f in result.get("links", [])
+        if f.get("severity") in ("WARNING", "ERROR")
+    ]
 
 
 def markdown(result: dict, title: str | None = None, command: str | None = None) -> str:
@@ -250,16 +444,23 @@ def markdown(result: dict, title: str | None = None, command: str | None = None)
     if multi:
         head = [("in flight" if h == "conc" else h) for h in ENGINE_HEAD if show_n or h != "conc"]
     else:
-        head = ["mode", "TP", "tokens"] + (["in flight"] if show_n else []) + [
-            "MB/req", "GB/s", "p50 ms", "p99 ms", "desc/req", "arena MiB", "vs bulk", "verified"]
+        head = _head(result, show_n, "in flight")
     lines = []
     if title:
         lines += [f"**{title}**", ""]
     if command:
         lines += ["```", command, "```", ""]
-    lines += [_geometry_line(result["config"]) + ".", "",
-              "| " + " | ".join(head) + " |", "|" + "|".join("---" if h in ("mode", "pair") else "--:" for h in head) + "|"]
-    cells = _engine_rows(result, show_n, "→", "**NO**") if multi else [_cells(r, show_n, "→", "**NO**") for r in rows]
+    lines += [
+        _geometry_line(result["config"]) + ".",
+        "",
+        "| " + " | ".join(head) + " |",
+        "|" + "|".join("---" if h in ("mode", "pair") else "--:" for h in head) + "|",
+    ]
+    cells = (
+        _engine_rows(result, show_n, "→", "**NO**")
+        if multi
+        else [_cells(r, show_n, "→", "**NO**", shows_exposed(result)) for r in rows]
+    )
     for c in cells:
         lines.append("| " + " | ".join(c) + " |")
     lines.append("")
@@ -275,21 +476,58 @@ def csv_rows(result: dict) -> list[dict]:
     out = []
     for r in result["results"]:
         st = r.get("stages") or {}
-        out.append({
-            **{k: r.get(k) for k in ("mode", "src_tp", "dst_tp", "tokens", "concurrency", "bytes", "total_bytes",
-                                      "seconds", "gbps", "latency_samples", "arena_bytes", "ratio_to_bulk", "verified")},
-            "latency_p50_ms": r["latency_p50_s"] * 1e3, "latency_p99_ms": r["latency_p99_s"] * 1e3,
-            "descriptors_per_request": r["descriptors"], "path": "+".join(r.get("path") or []),
-            "arena": "+".join(r.get("arena") or []), "copier": "+".join(r.get("copier") or []),
-            "bulk_degraded": r.get("bulk_degraded"),
-            "gather_s": st.get("gather"), "read_s": st.get("read"), "slot_wait_s": st.get("slot_wait"),
-            "scatter_s": st.get("scatter"), "gather_gpu_s": st.get("gather_gpu"),
-            "read_gpu_s": st.get("read_gpu"), "scatter_gpu_s": st.get("scatter_gpu"), "stage_overlap": st.get("overlap"),
-            "layers": g["layers"], "kv_heads": g["kv_heads"], "head_dim": g["head_dim"], "dtype": g["dtype"],
-            "mla": g["mla"], "device": cfg["device"], "src_page_size": cfg["src_page"]["page_size"],
-            "src_layout": cfg["src_page"]["order"], "dst_page_size": cfg["dst_page"]["page_size"],
-            "dst_layout": cfg["dst_page"]["order"], "iters": cfg["iters"], "warmup": cfg["warmup"],
-        })
+        out.append(
+            {
+                **{
+                    k: r.get(k)
+                    for k in (
+                        "mode",
+                        "src_tp",
+                        "dst_tp",
+                        "tokens",
+                        "concurrency",
+                        "bytes",
+                        "total_bytes",
+                        "seconds",
+                        "gbps",
+                        "latency_samples",
+                        "exposed_s",
+                        "arena_bytes",
+                        "ratio_to_bulk",
+                        "verified",
+                    )
+                },
+                "latency_p50_ms": r["latency_p50_s"] * 1e3,
+                "latency_p99_ms": r["latency_p99_s"] * 1e3,
+                "descriptors_per_request": r["descriptors"],
+                "path": "+".join(r.get("path") or []),
+                "arena": "+".join(r.get("arena") or []),
+                "copier": "+".join(r.get("copier") or []),
+                "bulk_degraded": r.get("bulk_degraded"),
+                "gather_s": st.get("gather"),
+                "read_s": st.get("read"),
+                "slot_wait_s": st.get("slot_wait"),
+                "scatter_s": st.get("scatter"),
+                "gather_gpu_s": st.get("gather_gpu"),
+                "read_gpu_s": st.get("read_gpu"),
+                "scatter_gpu_s": st.get("scatter_gpu"),
+                "stage_overlap": st.get("overlap"),
+                "layers": g["layers"],
+                "kv_heads": g["kv_heads"],
+                "head_dim": g["head_dim"],
+                "dtype": g["dtype"],
+                "mla": g["mla"],
+                "device": cfg["device"],
+                "src_page_size": cfg["src_page"]["page_size"],
+                "src_layout": cfg["src_page"]["order"],
+                "dst_page_size": cfg["dst_page"]["page_size"],
+                "dst_layout": cfg["dst_page"]["order"],
+                "iters": cfg["iters"],
+                "warmup": cfg["warmup"],
+                "prefill_ms": cfg.get("prefill_ms"),
+                "layer_groups": " ".join(f"{a}-{b}" for a, b in r["layer_groups"]) if r.get("layer_groups") else None,
+            }
+        )
     return out
 
 
@@ -299,22 +537,61 @@ def _engine_csv_rows(result: dict) -> list[dict]:
     out = []
     for r in result["results"]:
         st = r.get("stages") or {}
-        out.append({
-            **{k: r.get(k) for k in ("mode", "engines", "src_engine", "dst_engine", "src_tp", "dst_tp", "tokens",
-                                      "concurrency", "bytes", "total_bytes", "seconds", "gbps", "latency_samples",
-                                      "slot_wait_s", "src_slot_wait_s", "step_bytes", "step_seconds", "step_gbps",
-                                      "arena_bytes", "verified", "src_peer_engines", "dst_peer_engines")},
-            "latency_p50_ms": r["latency_p50_s"] * 1e3, "latency_p99_ms": r["latency_p99_s"] * 1e3,
-            "descriptors_per_request": r["descriptors"], "path": "+".join(r.get("path") or []),
-            "arena": "+".join(r.get("arena") or []), "copier": "+".join(r.get("copier") or []),
-            "gather_s": st.get("gather"), "read_s": st.get("read"), "scatter_s": st.get("scatter"),
-            "gather_gpu_s": st.get("gather_gpu"), "read_gpu_s": st.get("read_gpu"),
-            "scatter_gpu_s": st.get("scatter_gpu"),
-            "layers": g["layers"], "kv_heads": g["kv_heads"], "head_dim": g["head_dim"], "dtype": g["dtype"],
-            "mla": g["mla"], "device": cfg["device"], "src_page_size": cfg["src_page"]["page_size"],
-            "src_layout": cfg["src_page"]["order"], "dst_page_size": cfg["dst_page"]["page_size"],
-            "dst_layout": cfg["dst_page"]["order"], "iters": cfg["iters"], "warmup": cfg["warmup"],
-        })
+        out.append(
+            {
+                **{
+                    k: r.get(k)
+                    for k in (
+                        "mode",
+                        "engines",
+                        "src_engine",
+                        "dst_engine",
+                        "src_tp",
+                        "dst_tp",
+                        "tokens",
+                        "concurrency",
+                        "bytes",
+                        "total_bytes",
+                        "seconds",
+                        "gbps",
+                        "latency_samples",
+                        "slot_wait_s",
+                        "src_slot_wait_s",
+                        "step_bytes",
+                        "step_seconds",
+                        "step_gbps",
+                        "arena_bytes",
+                        "verified",
+                        "src_peer_engines",
+                        "dst_peer_engines",
+                    )
+                },
+                "latency_p50_ms": r["latency_p50_s"] * 1e3,
+                "latency_p99_ms": r["latency_p99_s"] * 1e3,
+                "descriptors_per_request": r["descriptors"],
+                "path": "+".join(r.get("path") or []),
+                "arena": "+".join(r.get("arena") or []),
+                "copier": "+".join(r.get("copier") or []),
+                "gather_s": st.get("gather"),
+                "read_s": st.get("read"),
+                "scatter_s": st.get("scatter"),
+                "gather_gpu_s": st.get("gather_gpu"),
+                "read_gpu_s": st.get("read_gpu"),
+                "scatter_gpu_s": st.get("scatter_gpu"),
+                "layers": g["layers"],
+                "kv_heads": g["kv_heads"],
+                "head_dim": g["head_dim"],
+                "dtype": g["dtype"],
+                "mla": g["mla"],
+                "device": cfg["device"],
+                "src_page_size": cfg["src_page"]["page_size"],
+                "src_layout": cfg["src_page"]["order"],
+                "dst_page_size": cfg["dst_page"]["page_size"],
+                "dst_layout": cfg["dst_page"]["order"],
+                "iters": cfg["iters"],
+                "warmup": cfg["warmup"],
+            }
+        )
     return out
 
 
@@ -336,7 +613,7 @@ def check_plot_available() -> None:
         raise ConfigError("plot: matplotlib is not installed; `pip install 'kvstage[plot]'` or drop --plot") from None
 
 
-_COLORS = {"staged": "tab:blue", "bulk": "tab:green", "per-slice": "tab:red"}
+_COLORS = {"staged": "tab:blue", "bulk": "tab:green", "per-slice": "tab:red", "streamed": "tab:purple"}
 
 
 def write_plot(result: dict, path: str, title: str | None = None) -> None:
@@ -359,8 +636,11 @@ def write_plot(result: dict, path: str, title: str | None = None) -> None:
     rows = result["results"]
     multi = is_multi(result)
     if multi:  # one panel per set of engines, one line per engine pair and one for all pairs together
-        rows = rows + [dict(r, src_engine="all", dst_engine="pairs", gbps=r["step_gbps"])
-                       for r in rows if (r["src_engine"], r["dst_engine"]) == ("s0", "d0")]
+        rows = rows + [
+            dict(r, src_engine="all", dst_engine="pairs", gbps=r["step_gbps"])
+            for r in rows
+            if (r["src_engine"], r["dst_engine"]) == ("s0", "d0")
+        ]
     panel_of = (lambda r: r["engines"]) if multi else (lambda r: (r["src_tp"], r["dst_tp"]))
     pairs = list(dict.fromkeys(panel_of(r) for r in rows))
     tokens = sorted({r["tokens"] for r in rows})
@@ -373,7 +653,7 @@ def write_plot(result: dict, path: str, title: str | None = None) -> None:
     fig, axes = plt.subplots(nrow, ncol, figsize=(max(7.5, 5.2 * ncol), 4.0 * nrow + 0.4), squeeze=False, sharey=True)
     styles = ["-", "--", ":", "-."]
     markers = ["o", "s", "^", "D"]
-    for ax, panel in zip(axes.flat, pairs):
+    for ax, panel in zip(axes.flat, pairs, strict=False):  # the grid may have more axes than panels
         if multi:
             _plot_pairs(ax, [r for r in rows if r["engines"] == panel], x_of, by_conc, concs, styles, markers)
         else:
@@ -392,7 +672,7 @@ def write_plot(result: dict, path: str, title: str | None = None) -> None:
         ax.legend(fontsize=8)
     for ax in axes[:, 0]:
         ax.set_ylabel("GB/s (1e9 B/s)")
-    for ax in list(axes.flat)[len(pairs):]:
+    for ax in list(axes.flat)[len(pairs) :]:
         ax.set_visible(False)
     head = (title + "\n" if title else "") + _geometry_line(result["config"])
     fig.suptitle(head, fontsize=10)
@@ -406,15 +686,24 @@ def _plot_modes(ax, rows, panel, x_of, series, concs, styles, markers) -> None:
     s, d = panel
     for mode in MODES:
         for ci, c in enumerate(series):
-            sel = [r for r in rows if (r["src_tp"], r["dst_tp"], r["mode"]) == (s, d, mode)
-                   and (c is None or r["concurrency"] == c)]
+            sel = [
+                r
+                for r in rows
+                if (r["src_tp"], r["dst_tp"], r["mode"]) == (s, d, mode) and (c is None or r["concurrency"] == c)
+            ]
             if not sel:
                 continue
             pts = sorted((x_of(r), r["gbps"]) for r in sel)
             label = _mode_label(mode, sel)
             label += f", {c} in flight" if c is not None and len(concs) > 1 else ""
-            ax.plot([p[0] for p in pts], [p[1] for p in pts], linestyle=styles[ci % 4], marker=markers[ci % 4],
-                    color=_COLORS[mode], label=label)
+            ax.plot(
+                [p[0] for p in pts],
+                [p[1] for p in pts],
+                linestyle=styles[ci % 4],
+                marker=markers[ci % 4],
+                color=_COLORS[mode],
+                label=label,
+            )
 
 
 def _plot_pairs(ax, rows, x_of, by_conc, concs, styles, markers) -> None:
@@ -423,15 +712,26 @@ def _plot_pairs(ax, rows, x_of, by_conc, concs, styles, markers) -> None:
     series = [None] if by_conc else concs
     for pi, key in enumerate(keys):
         for ci, c in enumerate(series):
-            sel = [r for r in rows if (r["src_engine"], r["dst_engine"]) == key and (c is None or r["concurrency"] == c)]
+            sel = [
+                r for r in rows if (r["src_engine"], r["dst_engine"]) == key and (c is None or r["concurrency"] == c)
+            ]
             if not sel:
                 continue
             pts = sorted((x_of(r), r["gbps"]) for r in sel)
-            label = "all pairs" if key == ("all", "pairs") else \
-                f"{key[0]} (TP {sel[0]['src_tp']}) \u2192 {key[1]} (TP {sel[0]['dst_tp']})"
+            label = (
+                "all pairs"
+                if key == ("all", "pairs")
+                else f"{key[0]} (TP {sel[0]['src_tp']}) \u2192 {key[1]} (TP {sel[0]['dst_tp']})"
+            )
             label += f", {c} in flight" if c is not None and len(concs) > 1 else ""
-            ax.plot([p[0] for p in pts], [p[1] for p in pts], linestyle=styles[ci % 4], marker=markers[ci % 4],
-                    color="black" if key == ("all", "pairs") else f"C{pi}", label=label)
+            ax.plot(
+                [p[0] for p in pts],
+                [p[1] for p in pts],
+                linestyle=styles[ci % 4],
+                marker=markers[ci % 4],
+                color="black" if key == ("all", "pairs") else f"C{pi}",
+                label=label,
+            )
 
 
 class Progress:
@@ -445,28 +745,39 @@ class Progress:
         self.enabled = self.tty if enabled is None else enabled
         self.delay = delay
         self.start = time.monotonic()
-        self._bar = None
-        self._task = None
+        self._bar: RichProgress | None = None  # rich is imported only once a bar is shown
+        self._task: TaskID | None = None
 
     def __call__(self, done: int, total: int, what: str, phase: bool = False) -> None:
         if not self.enabled:
             return
         if not self.tty:
             if phase:
-                print(f"kvstage bench: [{done}/{total} steps, {time.monotonic() - self.start:.0f} s] {what}",
-                      file=sys.stderr, flush=True)
+                print(
+                    f"kvstage bench: [{done}/{total} steps, {time.monotonic() - self.start:.0f} s] {what}",
+                    file=sys.stderr,
+                    flush=True,
+                )
             return
         if self._bar is None:
             if time.monotonic() - self.start < self.delay:
                 return
             from rich.console import Console
-            from rich.progress import BarColumn, MofNCompleteColumn, Progress as RichProgress, TextColumn, TimeElapsedColumn
+            from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeElapsedColumn
+            from rich.progress import Progress as RichProgress
 
-            self._bar = RichProgress(TextColumn("[progress.description]{task.description}"), BarColumn(),
-                                     MofNCompleteColumn(), TimeElapsedColumn(),
-                                     console=Console(stderr=True), transient=True, refresh_per_second=4)
+            self._bar = RichProgress(
+                TextColumn("[progress.description]{task.description}"),
+                BarColumn(),
+                MofNCompleteColumn(),
+                TimeElapsedColumn(),
+                console=Console(stderr=True),
+                transient=True,
+                refresh_per_second=4,
+            )
             self._bar.start()
             self._task = self._bar.add_task(what, total=total)
+        assert self._task is not None, "added with the bar"
         self._bar.update(self._task, completed=done, total=total, description=what)
 
     def close(self) -> None:

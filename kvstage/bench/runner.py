@@ -14,7 +14,9 @@ Each group (one TP pair, or one set of engines: ``--src-engines`` /
 ``--dst-engines``) runs in fresh rank processes; its points (token counts,
 concurrencies) reuse them. A rank process is known by its role, its engine
 (None in a one-engine group) and its rank. Wall time of one step is from the earliest
-source start to the latest destination completion, on the coordinator's clock.
+source start to the latest destination completion, on the coordinator's clock; its exposed time
+from the latest source rank's forward end (``--prefill-ms``; without it, the step's start) to
+the same completion.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ import sys
 import time
 
 from kvstage.bench.control import BenchError, Coordinator, Link, Peer, rank_name, wildcard
-from kvstage.bench.scenario import Group, Scenario, Sweep, engine_id
+from kvstage.bench.scenario import KVSTAGE_MODES, Group, Scenario, Sweep, engine_id
 from kvstage.link.paths import LOW_FRACTION
 
 WAIT_S = 600.0
@@ -51,8 +53,7 @@ class Children:
     ``clock_sync``: they measure their clock offset to the coordinator even on its kernel;
     ``token``: the auth token their endpoints use, ``KVSTAGE_AUTH_TOKEN`` in their environment)."""
 
-    def __init__(self, coord: tuple[str, int], log_level: str = "WARNING", clock_sync: bool = False,
-                 token: str = ""):
+    def __init__(self, coord: tuple[str, int], log_level: str = "WARNING", clock_sync: bool = False, token: str = ""):
         self.coord, self.log_level, self.clock_sync = coord, log_level, clock_sync
         self.env = dict(os.environ, KVSTAGE_AUTH_TOKEN=token) if token else None
         self.procs: dict[tuple[int, str, int | None, int], subprocess.Popen] = {}
@@ -60,16 +61,34 @@ class Children:
     def start(self, group: int, role: str, ranks, engine: int | None = None) -> None:
         """Start ranks ``ranks`` of ``role`` (of engine ``engine`` in a multi-engine group)."""
         for r in ranks:
-            cmd = [sys.executable, "-m", "kvstage.bench.worker", "--coord", f"{self.coord[0]}:{self.coord[1]}",
-                   "--role", role, "--rank", str(r), "--group", str(group), "--parent", str(os.getpid()),
-                   "--log-level", self.log_level] + (["--clock-sync"] if self.clock_sync else []) + (
-                   ["--engine", str(engine)] if engine is not None else [])
+            cmd = (
+                [
+                    sys.executable,
+                    "-m",
+                    "kvstage.bench.worker",
+                    "--coord",
+                    f"{self.coord[0]}:{self.coord[1]}",
+                    "--role",
+                    role,
+                    "--rank",
+                    str(r),
+                    "--group",
+                    str(group),
+                    "--parent",
+                    str(os.getpid()),
+                    "--log-level",
+                    self.log_level,
+                ]
+                + (["--clock-sync"] if self.clock_sync else [])
+                + (["--engine", str(engine)] if engine is not None else [])
+            )
             # own session: a terminal's Ctrl-C reaches only us, and we end the ranks in order
-            self.procs[(group, role, engine, r)] = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=_child_stdout(),
-                                                                    start_new_session=True, env=self.env)
+            self.procs[(group, role, engine, r)] = subprocess.Popen(
+                cmd, stdin=subprocess.DEVNULL, stdout=_child_stdout(), start_new_session=True, env=self.env
+            )
 
     def failed(self) -> str | None:
-        for (g, role, engine, r), p in self.procs.items():
+        for (_g, role, engine, r), p in self.procs.items():
             rc = p.poll()
             if rc not in (None, 0):
                 return f"{rank_name(role, r, engine)} exited with code {rc}"
@@ -105,14 +124,22 @@ class Children:
 class Session:
     """The coordinator's side of a run: groups one after another."""
 
-    def __init__(self, coord: Coordinator, children: Children, listen_host: str, agents: list[Peer] | None = None,
-                 progress=None, metrics: bool = False):
+    def __init__(
+        self,
+        coord: Coordinator,
+        children: Children,
+        listen_host: str,
+        agents: list[Peer] | None = None,
+        progress=None,
+        metrics: bool = False,
+    ):
         self.coord, self.children, self.listen_host = coord, children, listen_host
         self.agents = agents or []  # source hosts; empty: source ranks are ours too
         self.progress = progress
         self.metrics = metrics  # each rank sends its metrics' exposition text with its bye
         self.expositions: list[tuple[str, str, int, str, str]] = []  # (group label, role, rank, engine, text)
-        self.group_peers: dict[tuple[str, int], Peer] = {}
+        #: (role, engine, rank) -> its rank process; the key of a peer's hello, whose fields may be None
+        self.group_peers: dict[tuple[str | None, int | None, int | None], Peer] = {}
         self.gi = -1
         self.clock_error_s = 0.0  # largest offset error of a rank on another clock
         self.synced_ranks = 0
@@ -151,7 +178,7 @@ class Session:
 
     def _gather(self, peers, kind: str, what: str) -> dict:
         """Wait for one ``kind`` message from each of ``peers``; return {peer: msg}."""
-        got = {}
+        got: dict[Peer, dict] = {}
         while len(got) < len(peers):
             ev = self._next(what)
             if ev[0] != "msg" or ev[1] not in peers:
@@ -167,13 +194,17 @@ class Session:
         b = group.base
         self.group_peers = {}
         src_procs, dst_procs = group.processes("src"), group.processes("dst")
-        self._tick(done_steps, total_steps, f"{group.label}: starting {len(src_procs) + len(dst_procs)} rank processes",
-                   phase=True)
+        self._tick(
+            done_steps,
+            total_steps,
+            f"{group.label}: starting {len(src_procs) + len(dst_procs)} rank processes",
+            phase=True,
+        )
         for engine, ranks in _by_engine(dst_procs):
             self.children.start(gi, "dst", ranks, engine)
         if self.agents:
             share = _contiguous(len(src_procs), len(self.agents))
-            for agent, idx in zip(self.agents, share):
+            for agent, idx in zip(self.agents, share, strict=True):  # one share per agent
                 if not idx:
                     continue
                 if b.multi:  # (engine, rank) of each
@@ -203,8 +234,9 @@ class Session:
         srcs = [self.group_peers[("src", e, r)] for e, r in src_procs]
         dsts = [self.group_peers[("dst", e, r)] for e, r in dst_procs]
         if self.agents:  # two hosts: say where the destination ranks are (kvstage probe --peer can use them)
-            where = ", ".join(f"{rank_name('dst', r, e)} at {d['address'][0]}:{d['address'][1]}"
-                              for (e, r), d in ready_dst.items())
+            where = ", ".join(
+                f"{rank_name('dst', r, e)} at {d['address'][0]}:{d['address'][1]}" for (e, r), d in ready_dst.items()
+            )
             print(f"kvstage bench: {group.label}: {where}", file=sys.stderr, flush=True)
 
         def seen_by(p: Peer, d: dict) -> dict:  # a wildcard listen address, as this source reaches it
@@ -213,8 +245,14 @@ class Session:
 
         for p in srcs:
             if b.multi:  # every destination engine's ranks, in order
-                p.send({"type": "dsts", "engines": [[seen_by(p, ready_dst[(e, r)]) for r in range(tp)]
-                                                    for e, tp in enumerate(b.engines("dst"))]})
+                p.send(
+                    {
+                        "type": "dsts",
+                        "engines": [
+                            [seen_by(p, ready_dst[(e, r)]) for r in range(tp)] for e, tp in enumerate(b.engines("dst"))
+                        ],
+                    }
+                )
             else:
                 p.send({"type": "dsts", "dsts": {r: seen_by(p, d) for (_, r), d in ready_dst.items()}})
         agents = {}  # source rank -> its baseline transport's id (two-sided destinations post receives for it)
@@ -227,16 +265,22 @@ class Session:
         self._tick(done_steps, total_steps, f"{group.label}: measuring, {len(steps)} steps", phase=True)
         for i, (pi, mode, it) in enumerate(steps):
             sc = group.points[pi]
-            self._tick(done_steps + i, total_steps,
-                       f"{group.label} {sc.tokens} tok{f' x{sc.concurrency}' if sc.concurrency > 1 else ''} {mode}")
+            self._tick(
+                done_steps + i,
+                total_steps,
+                f"{group.label} {sc.tokens} tok{f' x{sc.concurrency}' if sc.concurrency > 1 else ''} {mode}",
+            )
             for p in everyone:
                 p.send({"type": "prep", "step": i} | ({"agents": agents} if p.role == "dst" else {}))
             armed = self._gather(everyone, "armed", f"step {i} to be armed")
             for p in everyone:
                 go = {"type": "go", "step": i}
                 if p.role == "src":  # receive tickets of two-sided transports, per destination rank
-                    go["tickets"] = {str(d.rank): m["tickets"][str(p.rank)] for d, m in armed.items()
-                                     if d.role == "dst" and str(p.rank) in (m.get("tickets") or {})}
+                    go["tickets"] = {
+                        str(d.rank): m["tickets"][str(p.rank)]
+                        for d, m in armed.items()
+                        if d.role == "dst" and str(p.rank) in (m.get("tickets") or {})
+                    }
                 p.send(go)
             for p, msg in self._gather(everyone, "result", f"results of step {i} ({mode})").items():
                 data = msg["data"] if p.engine is None else dict(msg["data"], engine=p.engine)
@@ -246,6 +290,7 @@ class Session:
         byes = self._gather(everyone, "bye", "rank processes to finish")
         if self.metrics:
             for p in sorted(everyone, key=lambda p: (p.role != "dst", p.engine or 0, p.rank)):
+                assert p.role is not None and p.rank is not None, "a rank process: its (role, engine, rank) was wanted"
                 engine = "" if p.engine is None else engine_id(p.role, p.engine)
                 self.expositions.append((group.label, p.role, p.rank, engine, byes[p].get("metrics") or ""))
         self.children.reap(gi)
@@ -291,8 +336,17 @@ def _sweep_of(target) -> Sweep:
     return Sweep([Group(list(g)) for g in target])
 
 
-def run_sweep(target, progress=None, role: str = "local", listen: tuple[str, int] | None = None, src_hosts: int = 1,
-              on_listen=None, log_level: str = "WARNING", clock_sync: bool = False, metrics: str | None = None) -> dict:
+def run_sweep(
+    target,
+    progress=None,
+    role: str = "local",
+    listen: tuple[str, int] | None = None,
+    src_hosts: int = 1,
+    on_listen=None,
+    log_level: str = "WARNING",
+    clock_sync: bool = False,
+    metrics: str | None = None,
+) -> dict:
     """Run every group of ``target`` (a ``Sweep``, a ``Scenario`` or a list of
     point lists); return ``{"config", "results"}``. ``metrics``: a file to write
     every rank's Prometheus exposition text into at the end (``write_metrics``).
@@ -313,13 +367,17 @@ def run_sweep(target, progress=None, role: str = "local", listen: tuple[str, int
     elif role == "dst":
         from kvstage.protocol.gate import check_listen
 
-        check_listen(Settings(), listen, "kvstage bench --role dst")  # before anything listens: the ranks would refuse it anyway
+        assert listen is not None, "role dst listens: its caller gives the address"
+        check_listen(
+            Settings(), listen, "kvstage bench --role dst"
+        )  # before anything listens: the ranks would refuse it anyway
         coord = Coordinator(listen, token)
         listen_host = listen[0]
     else:
         raise ValueError(f"role={role!r}")
-    children = Children(("127.0.0.1", coord.address[1]) if wildcard(coord.address[0]) else coord.address,
-                        log_level, clock_sync, token)
+    children = Children(
+        ("127.0.0.1", coord.address[1]) if wildcard(coord.address[0]) else coord.address, log_level, clock_sync, token
+    )
     total = sum(len(g.schedule()) for g in sweep.groups)
     host = host_facts(sweep.groups[0].base.device)
     agents: list[Peer] = []
@@ -345,13 +403,19 @@ def run_sweep(target, progress=None, role: str = "local", listen: tuple[str, int
             rep = session.run_group(gi, g, done, total)
             done += len(g.schedule())
             reports.append((g, rep))
-        result = {"config": _config(sweep), "results": [r for g, rep in reports for r in summarize(g, rep)],
-                  "links": links_of(reports)}
+        result = {
+            "config": _config(sweep),
+            "results": [r for g, rep in reports for r in summarize(g, rep)],
+            "links": links_of(reports),
+        }
         if sweep.skipped:
             result["skipped"] = sweep.skipped
         result["host"] = dict(host, load_end=_load())
-        result["clock"] = {"hosts": len({p.boot_id for p in coord.peers}), "synced_ranks": session.synced_ranks,
-                           "max_offset_error_s": session.clock_error_s}
+        result["clock"] = {
+            "hosts": len({p.boot_id for p in coord.peers}),
+            "synced_ranks": session.synced_ranks,
+            "max_offset_error_s": session.clock_error_s,
+        }
         if metrics is not None:
             write_metrics(metrics, session.expositions)
         for agent in agents:
@@ -391,8 +455,12 @@ def host_facts(device: str = "cpu") -> dict:
 
     import kvstage
 
-    facts = {"cpus": os.cpu_count(), "load_start": _load(), "python": sys.version.split()[0],
-             "kvstage": getattr(kvstage, "__version__", None)}
+    facts = {
+        "cpus": os.cpu_count(),
+        "load_start": _load(),
+        "python": sys.version.split()[0],
+        "kvstage": getattr(kvstage, "__version__", None),
+    }
     try:
         with open("/proc/cpuinfo") as f:
             facts["cpu_model"] = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), None)
@@ -400,8 +468,9 @@ def host_facts(device: str = "cpu") -> dict:
         pass
     if device == "cuda":
         try:
-            out = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
-                                 text=True, timeout=10)
+            out = subprocess.run(
+                ["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True, text=True, timeout=10
+            )
             facts["gpus"] = [ln.strip() for ln in out.stdout.splitlines() if ln.strip()]
         except (OSError, subprocess.SubprocessError):
             pass
@@ -434,7 +503,9 @@ def _config(sweep: Sweep) -> dict:
             d.pop(k)
     if len(pts) == 1:
         return d
-    for k in ("tokens", "concurrency") + (("src_engines", "dst_engines") if multi else ("src_tp", "dst_tp", "payload_bytes")):
+    for k in ("tokens", "concurrency") + (
+        ("src_engines", "dst_engines") if multi else ("src_tp", "dst_tp", "payload_bytes")
+    ):
         d.pop(k)
     if multi:
         d["engines"] = [[list(g.base.engines("src")), list(g.base.engines("dst"))] for g in sweep.groups]
@@ -470,29 +541,46 @@ def summarize(group: Group, reports: list) -> list[dict]:
         n = sc.concurrency
         payload = sc.payload_bytes()
         rows = []
-        for mode in sc.modes:
-            walls, descs, writes, stage_rows, lat, verified, errors, paths, arenas = [], [], [], [], [], None, [], set(), set()
-            copies, arena_bytes = set(), 0
+        for mode in sc.run_modes:
+            walls, descs, writes, stage_rows, lat, verified, errors, paths, arenas = (
+                [],
+                [],
+                [],
+                [],
+                [],
+                None,
+                [],
+                set(),
+                set(),
+            )
+            copies, arena_bytes, exposed, layer_groups = set(), 0, [], None
             for it in range(sc.warmup, sc.warmup + sc.iters):
                 got = by[(pi, mode, it)]
                 srcs = [d for role, _, d in got if role == "src"]
                 dsts = [d for role, _, d in got if role == "dst"]
                 walls.append(max(d["t1"] for d in dsts) - min(d["t0"] for d in srcs))
-                # the kvstage path's descriptors and transfers are the destination's reads; a baseline's, the sources' writes
-                moved = dsts if mode == "staged" else srcs
+                # the forward ends with the last source rank's last layer; what is left of the transfer then is exposed
+                exposed.append(max(d["t1"] for d in dsts) - max(d["forward_end"] for d in srcs))
+                layer_groups = next((d["layer_groups"] for d in srcs if d.get("layer_groups")), layer_groups)
+                # the kvstage path's descriptors and transfers are the destination's reads; a baseline's,
+                # the sources' writes
+                moved = dsts if mode in KVSTAGE_MODES else srcs
                 descs.append(sum(d["descriptors"] for d in moved))
                 writes.append(sum(d["writes"] for d in moved))
                 for k in range(n):
                     lat.append(max(d["done"][k] for d in dsts) - min(d["sent"][k] for d in srcs))
                 st = {"gather": sum(d["stages"].get("gather", 0.0) for d in srcs)}
                 st |= {k: sum(d["stages"].get(k, 0.0) for d in dsts) for k in ("read", "slot_wait", "scatter")}
-                for k, side in (("gather_gpu", srcs), ("read_gpu", dsts), ("scatter_gpu", dsts)):
-                    if any(k in d["stages"] for d in side):
-                        st[k] = sum(d["stages"].get(k, 0.0) for d in side)
+                for stage, side in (("gather_gpu", srcs), ("read_gpu", dsts), ("scatter_gpu", dsts)):
+                    if any(stage in d["stages"] for d in side):
+                        st[stage] = sum(d["stages"].get(stage, 0.0) for d in side)
                 # stages one after another: a source rank's gather, then a destination rank's reads and scatter
                 # (each the mean over its side's ranks); over the wall time, >1 means they overlapped
-                serial = (st["gather"] / len(srcs) + (st["read"] + st["scatter"]) / len(dsts))
-                st["overlap"] = serial / walls[-1] if walls[-1] > 0 else None
+                serial = st["gather"] / len(srcs) + (st["read"] + st["scatter"]) / len(dsts)
+                # (after a forward the transfer's own time is the exposed time; a streamed transfer runs under
+                # the forward, where stages one after another mean nothing)
+                span = exposed[-1] if sc.prefill_ms else walls[-1]
+                st["overlap"] = serial / span if span > 0 and mode != "streamed" else None
                 arenas |= {d.get("arena") for d in srcs + dsts if d.get("arena")}
                 copies |= {d.get("copier") for d in srcs + dsts if d.get("copier")}
                 arena_bytes = max([arena_bytes] + [d.get("arena_bytes") or 0 for d in dsts])
@@ -505,14 +593,29 @@ def summarize(group: Group, reports: list) -> list[dict]:
             wall = statistics.median(walls)
             mid = walls.index(sorted(walls)[len(walls) // 2])
             row = {
-                "mode": mode, "src_tp": sc.src_tp, "dst_tp": sc.dst_tp, "tokens": sc.tokens, "concurrency": n,
-                "bytes": payload, "total_bytes": payload * n, "seconds": wall, "seconds_all": walls,
+                "mode": mode,
+                "src_tp": sc.src_tp,
+                "dst_tp": sc.dst_tp,
+                "tokens": sc.tokens,
+                "concurrency": n,
+                "bytes": payload,
+                "total_bytes": payload * n,
+                "seconds": wall,
+                "seconds_all": walls,
                 "gbps": payload * n / wall / 1e9,
-                "latency_p50_s": percentile(lat, 50), "latency_p99_s": percentile(lat, 99), "latency_samples": len(lat),
-                "descriptors": _per_request(descs[mid], n), "writes": _per_request(writes[mid], n),
-                "verified": verified, "arena_bytes": (arena_bytes or sc.arena_bytes()) if mode == "staged" else None,
+                "latency_p50_s": percentile(lat, 50),
+                "latency_p99_s": percentile(lat, 99),
+                "latency_samples": len(lat),
+                "exposed_s": statistics.median(exposed),
+                "exposed_s_all": exposed,
+                "descriptors": _per_request(descs[mid], n),
+                "writes": _per_request(writes[mid], n),
+                "verified": verified,
+                "arena_bytes": (arena_bytes or sc.arena_bytes()) if mode in KVSTAGE_MODES else None,
             }
-            if mode == "staged":
+            if mode == "streamed":
+                row["layer_groups"] = layer_groups  # [start, stop) of each group, by the core's rule
+            if mode in KVSTAGE_MODES:
                 row["stages"] = stage_rows[mid]
                 row["path"] = sorted(paths)
                 row["arena"] = sorted(arenas)
@@ -526,8 +629,12 @@ def summarize(group: Group, reports: list) -> list[dict]:
             r["ratio_to_bulk"] = r["gbps"] / bulk["gbps"] if bulk else None
             # bulk far below what the link should give: a ratio to it is no speed-up, and the table says so
             # (judged where one write is large enough to run at the link's speed, not its per-write cost)
-            r["bulk_degraded"] = bool(bulk and expected and payload / max(1, bulk["writes"]) >= JUDGED_BYTES
-                                      and bulk["gbps"] < LOW_FRACTION * expected)
+            r["bulk_degraded"] = bool(
+                bulk
+                and expected
+                and payload / max(1, bulk["writes"]) >= JUDGED_BYTES
+                and bulk["gbps"] < LOW_FRACTION * expected
+            )
         results += rows
     return results
 
@@ -543,7 +650,7 @@ def summarize_engines(group: Group, reports: list) -> list[dict]:
     median iteration, as ``stages``."""
     by: dict = {}
     served: dict = {}  # (role, engine) -> peer engines its ranks' endpoints served, the least of its ranks
-    for role, rank, pi, mode, it, data in reports:
+    for role, _rank, pi, mode, it, data in reports:
         by.setdefault((pi, mode, it), []).append((role, data))
         if data.get("endpoint"):
             key = (role, data["engine"])
@@ -553,14 +660,19 @@ def summarize_engines(group: Group, reports: list) -> list[dict]:
         n = sc.concurrency
         src_tps, dst_tps = sc.engines("src"), sc.engines("dst")
         step_bytes = n * sum(sc.payload_bytes(j) for _, j in sc.pairs())
-        for mode in sc.modes:
+        for mode in sc.run_modes:
             steps = []  # per measured iteration: source ranks by engine, destination ranks by engine
             for it in range(sc.warmup, sc.warmup + sc.iters):
                 got = by[(pi, mode, it)]
-                steps.append(([[d for role, d in got if role == "src" and d["engine"] == e] for e in range(len(src_tps))],
-                              [[d for role, d in got if role == "dst" and d["engine"] == e] for e in range(len(dst_tps))]))
-            step_walls = [max(d["t1"] for e in dsts for d in e) - min(d["t0"] for e in srcs for d in e)
-                          for srcs, dsts in steps]
+                steps.append(
+                    (
+                        [[d for role, d in got if role == "src" and d["engine"] == e] for e in range(len(src_tps))],
+                        [[d for role, d in got if role == "dst" and d["engine"] == e] for e in range(len(dst_tps))],
+                    )
+                )
+            step_walls = [
+                max(d["t1"] for e in dsts for d in e) - min(d["t0"] for e in srcs for d in e) for srcs, dsts in steps
+            ]
             step_wall = statistics.median(step_walls)
             for i, j in sc.pairs():
                 walls, lat, dst_wait, stage_rows, descs, writes = [], [], [], [], [], []
@@ -573,9 +685,9 @@ def summarize_engines(group: Group, reports: list) -> list[dict]:
                     dst_wait.append(sum(d["stages"][i].get("slot_wait", 0.0) for d in D))
                     st = {k: sum(d["stages"][j].get(k, 0.0) for d in S) for k in ("gather", "slot_wait")}
                     st |= {k: sum(d["stages"][i].get(k, 0.0) for d in D) for k in ("read", "scatter")}
-                    for k, side, e in (("gather_gpu", S, j), ("read_gpu", D, i), ("scatter_gpu", D, i)):
-                        if any(k in d["stages"][e] for d in side):
-                            st[k] = sum(d["stages"][e].get(k, 0.0) for d in side)
+                    for stage, side, e in (("gather_gpu", S, j), ("read_gpu", D, i), ("scatter_gpu", D, i)):
+                        if any(stage in d["stages"][e] for d in side):
+                            st[stage] = sum(d["stages"][e].get(stage, 0.0) for d in side)
                     stage_rows.append(st)
                     descs.append(sum(d["descriptors"][i] for d in D))
                     writes.append(sum(d["writes"][i] for d in D))
@@ -591,18 +703,40 @@ def summarize_engines(group: Group, reports: list) -> list[dict]:
                 mid = walls.index(sorted(walls)[len(walls) // 2])
                 payload = sc.payload_bytes(j)
                 row = {
-                    "mode": mode, "engines": group.label, "src_engine": engine_id("src", i), "dst_engine": engine_id("dst", j), "src_tp": src_tps[i], "dst_tp": dst_tps[j],
-                    "tokens": sc.tokens, "concurrency": n, "bytes": payload, "total_bytes": payload * n,
-                    "seconds": wall, "seconds_all": walls, "gbps": payload * n / wall / 1e9,
-                    "latency_p50_s": percentile(lat, 50), "latency_p99_s": percentile(lat, 99), "latency_samples": len(lat),
-                    "slot_wait_s": dst_wait[mid], "src_slot_wait_s": stage_rows[mid]["slot_wait"],
-                    "descriptors": _per_request(descs[mid], n), "writes": _per_request(writes[mid], n),
-                    "verified": verified, "arena_bytes": arena_bytes or sc.arena_bytes("dst", j),
-                    "stages": stage_rows[mid], "path": sorted(paths), "arena": sorted(arenas), "copier": sorted(copies),
-                    "step_bytes": step_bytes, "step_seconds": step_wall, "step_seconds_all": step_walls,
+                    "mode": mode,
+                    "engines": group.label,
+                    "src_engine": engine_id("src", i),
+                    "dst_engine": engine_id("dst", j),
+                    "src_tp": src_tps[i],
+                    "dst_tp": dst_tps[j],
+                    "tokens": sc.tokens,
+                    "concurrency": n,
+                    "bytes": payload,
+                    "total_bytes": payload * n,
+                    "seconds": wall,
+                    "seconds_all": walls,
+                    "gbps": payload * n / wall / 1e9,
+                    "latency_p50_s": percentile(lat, 50),
+                    "latency_p99_s": percentile(lat, 99),
+                    "latency_samples": len(lat),
+                    "slot_wait_s": dst_wait[mid],
+                    "src_slot_wait_s": stage_rows[mid]["slot_wait"],
+                    "descriptors": _per_request(descs[mid], n),
+                    "writes": _per_request(writes[mid], n),
+                    "verified": verified,
+                    "arena_bytes": arena_bytes or sc.arena_bytes("dst", j),
+                    "stages": stage_rows[mid],
+                    "path": sorted(paths),
+                    "arena": sorted(arenas),
+                    "copier": sorted(copies),
+                    "step_bytes": step_bytes,
+                    "step_seconds": step_wall,
+                    "step_seconds_all": step_walls,
                     "step_gbps": step_bytes / step_wall / 1e9,
-                    "src_peer_engines": served.get(("src", i)), "dst_peer_engines": served.get(("dst", j)),
-                    "ratio_to_bulk": None, "bulk_degraded": False,
+                    "src_peer_engines": served.get(("src", i)),
+                    "dst_peer_engines": served.get(("dst", j)),
+                    "ratio_to_bulk": None,
+                    "bulk_degraded": False,
                 }
                 if errors:
                     row["errors"] = errors[:10]
@@ -631,17 +765,24 @@ def links_of(reports) -> list[dict]:
     """Every rank's link findings, the same finding of several ranks once, naming them
     (``src1``, or ``s0.src1`` in a multi-engine group)."""
     by: dict = {}
-    for g, rep in reports:
+    for _g, rep in reports:
         for role, rank, f in _rank_links(rep):
             key = (f["severity"], f["path"], f.get("cause"), f.get("fix"))
             entry = by.setdefault(key, {**{k: v for k, v in f.items() if k != "engine"}, "ranks": []})
-            entry["ranks"].append(f"{role}{rank}" if f.get("engine") is None else f"{role[0]}{f['engine']}.{role}{rank}")
+            entry["ranks"].append(
+                f"{role}{rank}" if f.get("engine") is None else f"{role[0]}{f['engine']}.{role}{rank}"
+            )
     return list(by.values())
 
 
 # -- the source host of a two-host run ---------------------------------------------------
-def run_source_host(connect: tuple[str, int], on_event=None, connect_wait_s: float = 120.0,
-                    log_level: str = "WARNING", clock_sync: bool = False) -> dict:
+def run_source_host(
+    connect: tuple[str, int],
+    on_event=None,
+    connect_wait_s: float = 120.0,
+    log_level: str = "WARNING",
+    clock_sync: bool = False,
+) -> dict:
     """Serve a ``--role dst`` run at ``connect``: start the source ranks it asks
     for, on this host; return the run's results when it ends. Retries a refused
     connection for ``connect_wait_s`` seconds (the dst side may start later)."""
@@ -657,7 +798,6 @@ def run_source_host(connect: tuple[str, int], on_event=None, connect_wait_s: flo
                 raise
             time.sleep(0.5)
     children = Children(connect, log_level, clock_sync, Settings().auth_token)
-    ok = False
     try:
         while True:
             try:
@@ -673,18 +813,16 @@ def run_source_host(connect: tuple[str, int], on_event=None, connect_wait_s: flo
                 if on_event:
                     on_event("joined", msg)
             elif kind == "spawn" and "procs" in msg:  # a multi-engine group: (engine, rank) of each
-                for e, r in msg["procs"]:
-                    children.start(int(msg["group"]), "src", [int(r)], int(e))
+                for engine, r in msg["procs"]:
+                    children.start(int(msg["group"]), "src", [int(r)], int(engine))
             elif kind == "spawn":
                 children.start(int(msg["group"]), "src", [int(r) for r in msg["ranks"]])
             elif kind == "reap":
                 children.reap(int(msg["group"]))
             elif kind == "results":
-                ok = True
                 return msg["result"]
             else:
                 raise BenchError(f"unexpected {kind!r} from the coordinator")
     finally:
         link.close()
         children.stop_all()
-

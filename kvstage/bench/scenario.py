@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import asdict, dataclass, field
+from typing import Any
 
 from kvstage.config import Settings
 from kvstage.errors import ConfigError, IncompatibleGeometry
@@ -23,7 +24,15 @@ from kvstage.layout import KVGeometry, PageLayout, pages_needed, token_bytes
 from kvstage.staging.arena import arena_size
 from kvstage.tp import SideSpec, TransferPlan, plan
 
-MODES = ("staged", "bulk", "per-slice")
+#: every mode a run can measure; ``content_seed`` numbers them, so a new one goes at the end
+MODES = ("staged", "bulk", "per-slice", "streamed")
+
+#: what ``--mode all`` runs: ``streamed`` is named on its own (it differs from staged only while a
+#: forward runs, ``--prefill-ms``)
+ALL_MODES = ("staged", "bulk", "per-slice")
+
+#: the modes that move the bytes through kvstage (``Source`` and ``Destination``), not a baseline's writes
+KVSTAGE_MODES = ("staged", "streamed")
 
 #: engines per side a multi-engine run may have (each is TP-many rank processes on this host)
 MAX_ENGINES = 16
@@ -62,22 +71,35 @@ class Scenario:
     #: ``src_tp`` is set to the first engine's TP
     src_engines: tuple[int, ...] = ()
     dst_engines: tuple[int, ...] = ()  # the same for the destination engines
+    #: a simulated prefill forward before (staged, bulk, per-slice) or under (streamed) each step's
+    #: transfer, its layers finished evenly over this many milliseconds (``bench.forward``); 0: none
+    prefill_ms: float = 0.0
 
     def __post_init__(self) -> None:
         self.src_engines, self.dst_engines = tuple(self.src_engines), tuple(self.dst_engines)
         if self.multi:
             self._check_engines()
-        self.modes = (("staged",) if self.multi else MODES) if self.modes is None else tuple(self.modes)
+        self.modes = (("staged",) if self.multi else ALL_MODES) if self.modes is None else tuple(self.modes)
         bad = [m for m in self.modes if m not in MODES]
         if bad or not self.modes:
-            raise ConfigError(f"mode={','.join(bad)}: must be one of {', '.join(MODES)} or all")
+            raise ConfigError(
+                f"mode={','.join(bad)}: must be one of {', '.join(MODES)}, or all ({','.join(ALL_MODES)})"
+            )
         if len(set(self.modes)) != len(self.modes):
             raise ConfigError(f"mode={','.join(self.modes)}: a mode is named twice")
         if self.multi and self.modes != ("staged",):
             raise ConfigError(
                 f"mode={','.join(self.modes)}: a run with several engines ({self.engines_text()}) measures staged "
                 "only; bulk and per-slice are baselines of one engine pair (run kvstage bench --src-tp S --dst-tp D "
-                "--mode staged,bulk for each pair); drop --mode or give --mode staged")
+                "--mode staged,bulk for each pair); drop --mode or give --mode staged"
+            )
+        if not 0 <= self.prefill_ms < float("inf"):
+            raise ConfigError(f"prefill_ms={self.prefill_ms}: must be >= 0 (milliseconds of simulated forward)")
+        if self.multi and self.prefill_ms:
+            raise ConfigError(
+                f"prefill_ms={self.prefill_ms:g}: a run with several engines ({self.engines_text()}) "
+                "has no simulated forward; give --prefill-ms to a run of one engine pair"
+            )
         if self.tokens < 1:
             raise ConfigError(f"tokens={self.tokens}: must be >= 1")
         if self.concurrency < 1:
@@ -93,13 +115,19 @@ class Scenario:
                 raise ConfigError(f"{name}={getattr(self, name)}: must be a CUDA device index >= 0")
         self.settings()  # validates arena and slot sizes
         if not self.multi:
-            self.plan  # validates the pair before any process or memory exists
+            _ = self.plan  # validates the pair before any process or memory exists
             return
         for i, j in self.pairs():  # every pair, each named
             try:
                 self.pair_plan(i, j)
             except IncompatibleGeometry as e:
                 raise IncompatibleGeometry(f"{self.pair_name(i, j)}: {e}") from None
+
+    @property
+    def run_modes(self) -> tuple[str, ...]:
+        """``modes`` as ``__post_init__`` resolved it: None (every mode) is only ever given, never kept."""
+        assert self.modes is not None, "__post_init__ resolves modes"
+        return self.modes
 
     def _check_engines(self) -> None:
         for name in ("src_engines", "dst_engines"):
@@ -139,11 +167,15 @@ class Scenario:
         return plan(self.side("src", i), self.side("dst", j))
 
     def pair_name(self, i: int, j: int) -> str:
-        return (f"source engine s{i} (TP {self.engines('src')[i]}) -> "
-                f"destination engine d{j} (TP {self.engines('dst')[j]})")
+        return (
+            f"source engine s{i} (TP {self.engines('src')[i]}) -> destination engine d{j} (TP {self.engines('dst')[j]})"
+        )
 
     def engines_text(self) -> str:
-        return f"src_engines={','.join(map(str, self.engines('src')))}, dst_engines={','.join(map(str, self.engines('dst')))}"
+        return (
+            f"src_engines={','.join(map(str, self.engines('src')))}, "
+            f"dst_engines={','.join(map(str, self.engines('dst')))}"
+        )
 
     def requests_per_rank(self, role: str) -> int:
         """Requests one rank of ``role`` holds in a step: ``concurrency`` to or from every peer engine."""
@@ -199,7 +231,7 @@ class Scenario:
 
     def to_dict(self) -> dict:
         d = asdict(self)
-        d["modes"] = list(self.modes)
+        d["modes"] = list(self.run_modes)
         for k in ("src_engines", "dst_engines"):  # a one-engine run's record is as it always was
             if d[k]:
                 d[k] = list(d[k])
@@ -209,7 +241,7 @@ class Scenario:
         return d
 
     @classmethod
-    def from_dict(cls, d: dict) -> "Scenario":
+    def from_dict(cls, d: dict) -> Scenario:
         d = dict(d)
         d.pop("payload_bytes", None)
         d["geometry"] = KVGeometry(**d["geometry"])
@@ -255,13 +287,13 @@ class Group:
 
     def schedule(self) -> list[tuple[int, str, int]]:
         """Every (point, mode, iteration) step, in the order all ranks walk them."""
-        return [(i, m, it) for i, p in enumerate(self.points) for m in p.modes for it in range(p.warmup + p.iters)]
+        return [(i, m, it) for i, p in enumerate(self.points) for m in p.run_modes for it in range(p.warmup + p.iters)]
 
     def to_wire(self) -> dict:
         return {"points": [p.to_dict() for p in self.points]}
 
     @classmethod
-    def from_wire(cls, d: dict) -> "Group":
+    def from_wire(cls, d: dict) -> Group:
         return cls([Scenario.from_dict(p) for p in d["points"]])
 
     def host_bytes(self, roles=("src", "dst")) -> int:
@@ -274,7 +306,7 @@ class Group:
                 side = b.side(role, e)
                 cache = self.pages(side, role) * side.page.page_size * token_bytes(b.geometry, side.local_heads())
                 bulk = max(p.concurrency * p.tokens for p in self.points) * token_bytes(b.geometry, side.local_heads())
-                total += tp * (cache + b.arena_bytes(role, e) + (bulk if "bulk" in b.modes else 0))
+                total += tp * (cache + b.arena_bytes(role, e) + (bulk if "bulk" in b.run_modes else 0))
         return total
 
 
@@ -283,6 +315,7 @@ def parse_int_list(name: str, text, duplicates: bool = False) -> list[int]:
     ``duplicates``: ``--src-engines 2,2`` is two engines), order kept."""
     if isinstance(text, bool):
         raise ConfigError(f"{name}={text!r}: must be an integer or a comma list of integers")
+    items: list[Any]  # a given list's entries may be anything: each is checked below
     if isinstance(text, int):
         items = [text]
     elif isinstance(text, (list, tuple)):
@@ -292,7 +325,7 @@ def parse_int_list(name: str, text, duplicates: bool = False) -> list[int]:
         if not parts or any(not s for s in parts):
             raise ConfigError(f"{name}={text!r}: must be an integer or a comma list of integers, like 1,2,8")
         items = parts
-    out = []
+    out: list[int] = []
     for s in items:
         try:
             v = int(s) if not isinstance(s, bool) else None
@@ -319,7 +352,7 @@ class Sweep:
         return [p for g in self.groups for p in g.points]
 
     @classmethod
-    def build(cls, src_tps, dst_tps, tokens, concurrency, skip_invalid: bool = False, **common) -> "Sweep":
+    def build(cls, src_tps, dst_tps, tokens, concurrency, skip_invalid: bool = False, **common) -> Sweep:
         """Validate every point before anything runs.
 
         Errors that do not depend on the TP pair (a bad dtype, tokens=0) are
@@ -334,22 +367,37 @@ class Sweep:
         for name, tps in (("src", src_tps), ("dst", dst_tps)):
             engines = tuple(common.get(f"{name}_engines") or ())
             if engines and list(tps) != [engines[0]]:
-                raise ConfigError(f"{name}_tp={','.join(map(str, tps))} with {name}_engines={','.join(map(str, engines))}: "
-                                  f"{name}_engines gives each engine's TP size; give one or the other")
+                raise ConfigError(
+                    f"{name}_tp={','.join(map(str, tps))} with {name}_engines={','.join(map(str, engines))}: "
+                    f"{name}_engines gives each engine's TP size; give one or the other"
+                )
         for s, d in itertools.product(src_tps, dst_tps):
             points = []
             try:
                 for t, c in itertools.product(tokens, concurrency):
                     points.append(Scenario(src_tp=s, dst_tp=d, tokens=t, concurrency=c, **common))
             except IncompatibleGeometry as e:
-                src = f"src_engines={','.join(map(str, common['src_engines']))}" if common.get("src_engines") else f"src_tp={s}"
-                dst = f"dst_engines={','.join(map(str, common['dst_engines']))}" if common.get("dst_engines") else f"dst_tp={d}"
+                src = (
+                    f"src_engines={','.join(map(str, common['src_engines']))}"
+                    if common.get("src_engines")
+                    else f"src_tp={s}"
+                )
+                dst = (
+                    f"dst_engines={','.join(map(str, common['dst_engines']))}"
+                    if common.get("dst_engines")
+                    else f"dst_tp={d}"
+                )
                 bad_pairs.append(f"{src} -> {dst}: {e}")
                 continue
             groups.append(Group(points))
         if bad_pairs and (not skip_invalid or not groups):
             n = len(src_tps) * len(dst_tps)
-            head = "" if n == 1 else f"{len(bad_pairs)} of {n} TP pairs cannot run (nothing was started; --skip-invalid runs the others):\n  "
+            head = (
+                ""
+                if n == 1
+                else f"{len(bad_pairs)} of {n} TP pairs cannot run "
+                "(nothing was started; --skip-invalid runs the others):\n  "
+            )
             raise IncompatibleGeometry(head + "\n  ".join(bad_pairs) if n > 1 else bad_pairs[0].split(": ", 1)[1])
         return cls(groups, bad_pairs)
 

@@ -35,11 +35,12 @@ import signal
 import sys
 import time
 import traceback
+from typing import Any, cast
 
 import numpy as np
 
 from kvstage.bench.control import Aborted, BenchError, Link, parse_hostport
-from kvstage.bench.scenario import MAX_ENGINES, MODES, Group, engine_id
+from kvstage.bench.scenario import KVSTAGE_MODES, MAX_ENGINES, MODES, Group, engine_id
 from kvstage.layout import pages_needed
 
 WAIT_S = 600.0
@@ -101,8 +102,14 @@ class _NotLinkLines(logging.Filter):
     WARNING once above the table: a rank does not print them too."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        return not (isinstance(record.msg, str) and record.args and str(record.args[0]).startswith(
-            ("INFO kvstage link to", "WARNING kvstage link to", "ERROR kvstage link to")))
+        return not (
+            isinstance(record.msg, str)
+            and isinstance(record.args, tuple)  # a lone mapping argument makes args that mapping
+            and bool(record.args)
+            and str(record.args[0]).startswith(
+                ("INFO kvstage link to", "WARNING kvstage link to", "ERROR kvstage link to")
+            )
+        )
 
 
 def _setup(label: str, level: str) -> None:
@@ -138,7 +145,7 @@ def _wait_writes(transport, handles) -> None:
 
 
 def _stages(handles) -> dict:
-    out = {}
+    out: dict[str, float] = {}
     for h in handles:
         for k, v in h.stages.items():
             out[k] = out.get(k, 0.0) + v
@@ -149,8 +156,13 @@ def _links(ep, step: int, g: Group) -> dict:
     """The endpoint's connect-time link findings, with the last step's result (all peers connected by then)."""
     if step != len(g.schedule()) - 1:
         return {}
-    return {"links": [{k: f[k] for k in ("severity", "peer", "path", "cause", "fix", "line")}
-                      | {"expected_gbps": f["details"].get("expected_gbps")} for f in ep.stats().links]}
+    return {
+        "links": [
+            {k: f[k] for k in ("severity", "peer", "path", "cause", "fix", "line")}
+            | {"expected_gbps": f["details"].get("expected_gbps")}
+            for f in ep.stats().links
+        ]
+    }
 
 
 def _bulk_buffer(g: Group, token_bytes: int, dev, base) -> tuple:
@@ -159,7 +171,7 @@ def _bulk_buffer(g: Group, token_bytes: int, dev, base) -> tuple:
     yet. A source reading it reads the kernel's one shared zero page, which stays in cache
     (a 64 MiB copy: ~27 GB/s against ~17.5 from real pages), and a first write into it
     page-faults inside bulk's first timed step."""
-    nbytes = max((p.concurrency * p.tokens for p in g.points if "bulk" in p.modes), default=0) * token_bytes
+    nbytes = max((p.concurrency * p.tokens for p in g.points if "bulk" in p.run_modes), default=0) * token_bytes
     if not nbytes:
         return None, None
     import torch
@@ -196,12 +208,20 @@ def dst_main(link: Link, g: Group, rank: int, listen_host: str, want_metrics: bo
     base = make_transport(b.transport, f"kvstage-bench-dst{rank}")
     plan = b.plan
     writers = plan.writers_of(rank)
-    kv = [base.register(t) for t in cache.buffers] if "per-slice" in b.modes else []
+    kv = [base.register(t) for t in cache.buffers] if "per-slice" in b.run_modes else []
     bulk, bulk_region = _bulk_buffer(g, plan.dst_token_bytes(), dev, base)
-    link.send({"type": "ready", "clock_error_s": link.sync_error, "info": {
-        "address": list(ep.address), "metadata": base64.b64encode(base.metadata()).decode(),
-        "kv": [r.to_wire() for r in kv], "bulk": bulk_region.to_wire() if bulk_region else None,
-    }})
+    link.send(
+        {
+            "type": "ready",
+            "clock_error_s": link.sync_error,
+            "info": {
+                "address": list(ep.address),
+                "metadata": base64.b64encode(base.metadata()).decode(),
+                "kv": [r.to_wire() for r in kv],
+                "bulk": bulk_region.to_wire() if bulk_region else None,
+            },
+        }
+    )
     dirty = np.zeros(0, dtype=np.int64)
     for step, (pi, mode, it) in enumerate(g.schedule()):
         msg = link.recv("prep")
@@ -214,9 +234,9 @@ def dst_main(link: Link, g: Group, rank: int, listen_host: str, want_metrics: bo
             idx = torch.from_numpy(dirty).to(dev)
             for t in cache.buffers:
                 t.view(torch.uint8)[idx] = 0
-        handles = [ep.expect(tag(pi, mode, it, k), reqs[k], tokens) for k in range(n)] if mode == "staged" else []
+        handles = [ep.expect(tag(pi, mode, it, k), reqs[k], tokens) for k in range(n)] if mode in KVSTAGE_MODES else []
         tickets = {}
-        if mode != "staged" and not base.one_sided:  # post the receives of this step's baseline writes
+        if mode not in KVSTAGE_MODES and not base.one_sided:  # post the receives of this step's baseline writes
             agents = msg["agents"]
             for p in writers:
                 ts = []
@@ -232,6 +252,7 @@ def dst_main(link: Link, g: Group, rank: int, listen_host: str, want_metrics: bo
         _sync(dev)
         link.send({"type": "armed", "step": step, "tickets": tickets})
         link.recv("go")
+        done: list[float | None]
         path, stages, done = None, {}, [None] * n
         if handles:
             for h in handles:
@@ -239,7 +260,7 @@ def dst_main(link: Link, g: Group, rank: int, listen_host: str, want_metrics: bo
             done = [link.to_coord(h.finished) for h in handles]
             stages, path = _stages(handles), handles[0].path
         else:
-            want = {}
+            want: dict[bytes, int] = {}  # notice -> its request
             for k in range(n):
                 for p in writers:
                     want[f"{tag(pi, mode, it, k)}-{p.src_rank}".encode()] = k
@@ -247,32 +268,53 @@ def dst_main(link: Link, g: Group, rank: int, listen_host: str, want_metrics: bo
             deadline = time.monotonic() + WAIT_S
             while want:
                 for _, note in base.notifications():
-                    k = want.pop(note, None)
-                    if k is not None:
-                        left[k] -= 1
-                        if not left[k]:
-                            done[k] = link.now()
+                    which = want.pop(note, None)
+                    if which is not None:
+                        left[which] -= 1
+                        if not left[which]:
+                            done[which] = link.now()
                 if want:
                     os.sched_yield()
                 if want and time.monotonic() > deadline:
                     raise TimeoutError(f"{mode}: notices {sorted(want)[:4]} missing after {WAIT_S} s")
         _sync(dev)
-        t1 = max(done)
+        t1 = max(cast("list[float]", done))  # every request's end by now: each waited for, or a TimeoutError
         verified, errors = None, []
         if sc.verify and mode != "bulk" and last:
             written = np.concatenate(reqs)
             for k in range(n):
-                errs = check_shard(cache, content_seed(g, pi, mode, it, k), reqs[k], tokens,
-                                   untouched_fill=0 if k == 0 else None, written=written)
+                errs = check_shard(
+                    cache,
+                    content_seed(g, pi, mode, it, k),
+                    reqs[k],
+                    tokens,
+                    untouched_fill=0 if k == 0 else None,
+                    written=written,
+                )
                 errors += [f"request {k}: {e}" if n > 1 else e for e in errs]
             verified = not errors
         if mode != "bulk":
             dirty = np.concatenate(reqs)
-        link.send({"type": "result", "step": step, "data": {
-            "t1": t1, "done": done, "verified": verified, "errors": errors[:5], "stages": stages, "path": path,
-            "descriptors": sum(h.descriptors for h in handles), "writes": sum(h.writes for h in handles),
-            "arena": ep.arena_location, "arena_bytes": ep.arena.buffer.nbytes, "copier": ep.copier.name,
-        } | _links(ep, step, g)})
+        link.send(
+            {
+                "type": "result",
+                "step": step,
+                "data": {
+                    "t1": t1,
+                    "done": done,
+                    "verified": verified,
+                    "errors": errors[:5],
+                    "stages": stages,
+                    "path": path,
+                    "descriptors": sum(h.descriptors for h in handles),
+                    "writes": sum(h.writes for h in handles),
+                    "arena": ep.arena_location,
+                    "arena_bytes": ep.arena.buffer.nbytes,
+                    "copier": ep.copier.name,
+                }
+                | _links(ep, step, g),
+            }
+        )
     link.recv("end")
     text = _exposition(want_metrics)  # before the endpoint closes: its gauges and links are still there
     ep.close()
@@ -284,6 +326,7 @@ def src_main(link: Link, g: Group, rank: int, want_metrics: bool = False) -> str
     import torch
 
     from kvstage.bench.baselines import slice_spans
+    from kvstage.bench.forward import SimulatedForward
     from kvstage.bench.reference import fill_shard
     from kvstage.protocol.source import Source
     from kvstage.staging.cache import RankCache
@@ -302,10 +345,11 @@ def src_main(link: Link, g: Group, rank: int, want_metrics: bool = False) -> str
     plan = b.plan
     targets = plan.targets_of(rank)
     peers = {p.dst_rank: base.connect(base64.b64decode(dsts[p.dst_rank]["metadata"])) for p in targets}
-    kv = [base.register(t) for t in cache.buffers] if "per-slice" in b.modes else []
+    kv = [base.register(t) for t in cache.buffers] if "per-slice" in b.run_modes else []
     dkv = {d: [Region.from_wire(r) for r in info["kv"]] for d, info in dsts.items()}
     mine_tok = sum(plan.piece_token_bytes(p) for p in targets)
     bulk, bulk_region = _bulk_buffer(g, mine_tok, dev, base)
+    forward = SimulatedForward(b.geometry.layers, b.prefill_ms, dev)  # a GPU's is calibrated now, outside any step
     link.send({"type": "ready", "clock_error_s": link.sync_error, "agent": base.id})
     for step, (pi, mode, it) in enumerate(g.schedule()):
         msg = link.recv("prep")
@@ -316,7 +360,7 @@ def src_main(link: Link, g: Group, rank: int, want_metrics: bool = False) -> str
         if mode != "bulk":
             for k in range(n):
                 fill_shard(cache, content_seed(g, pi, mode, it, k), reqs[k], tokens)
-        prepared = [[] for _ in range(n)]
+        prepared: list[list[tuple[Any, int]]] = [[] for _ in range(n)]  # per request: (prepared write, its span count)
         if mode == "per-slice" and base.one_sided:  # a two-sided transport's receives are posted after "armed"
             for p in targets:
                 dreqs = request_pages(g, pi, "dst", p.dst_rank, it)
@@ -329,7 +373,7 @@ def src_main(link: Link, g: Group, rank: int, want_metrics: bool = False) -> str
         link.send({"type": "armed", "step": step})
         tickets = link.recv("go").get("tickets") or {}
 
-        def ticket(d: int, k: int) -> bytes:  # from the destination's expect() (two-sided transports)
+        def ticket(d: int, k: int, tickets=tickets) -> bytes:  # from the destination's expect() (two-sided transports)
             return base64.b64decode(tickets[str(d)][k]) if str(d) in tickets else b""
 
         if mode == "per-slice" and not base.one_sided:  # the receives are posted only now: prepare against them
@@ -340,41 +384,72 @@ def src_main(link: Link, g: Group, rank: int, want_metrics: bool = False) -> str
                 for p in targets:
                     dreqs = request_pages(g, pi, "dst", p.dst_rank, it)
                     local, remote = slice_spans(p, sc.src, sc.dst, reqs[k], dreqs[k], tokens, kv, dkv[p.dst_rank])
-                    prepared[k].append((base.prepare_write(peers[p.dst_rank], local, remote,
-                                                           f"{tag(pi, mode, it, k)}-{rank}".encode(), ticket(p.dst_rank, k)),
-                                        len(local)))
+                    prepared[k].append(
+                        (
+                            base.prepare_write(
+                                peers[p.dst_rank],
+                                local,
+                                remote,
+                                f"{tag(pi, mode, it, k)}-{rank}".encode(),
+                                ticket(p.dst_rank, k),
+                            ),
+                            len(local),
+                        )
+                    )
 
         t0 = link.now()
-        sent, stages, descriptors, writes = [], {}, 0, 0
-        if mode == "staged":
+        sent, stages, descriptors, writes, groups = [], {}, 0, 0, None
+        if mode == "streamed":  # each layer group is sent as the forward writes it
+            streams = [ep.stream(tag(pi, mode, it, k), reqs[k], tokens) for k in range(n)]
+            sent = [t0] * n
+            forward.run(lambda layers_written, streams=streams: [s.written(layers_written) for s in streams])
+            forward.wait()
+            for s in streams:
+                s.wait(WAIT_S)
+            hs = [h for s in streams for h in s.handles]
+            groups = [[r.start, r.stop] for r in streams[0].groups]
+            stages, descriptors, writes = _stages(hs), sum(h.descriptors for h in hs), sum(h.writes for h in hs)
+        elif mode == "staged":  # the forward first, then the whole request
+            forward.run()
             hs = []
             for k in range(n):
-                sent.append(link.now())
+                sent.append(t0 if b.prefill_ms else link.now())
                 hs.append(ep.send(tag(pi, mode, it, k), reqs[k], tokens))
+            forward.wait()
             for h in hs:
                 h.wait(WAIT_S)
             stages, descriptors, writes = _stages(hs), sum(h.descriptors for h in hs), sum(h.writes for h in hs)
         elif mode == "bulk":
+            forward.run()
+            forward.wait()  # a baseline's writes do not follow the forward's stream: they leave after it
             handles = []
             mine = mine_tok * tokens
             for k in range(n):
-                sent.append(link.now())
+                sent.append(t0 if b.prefill_ms else link.now())
                 at = k * mine
                 for p in targets:
                     size = plan.piece_token_bytes(p) * tokens
                     off = k * plan.dst_token_bytes() * tokens + plan.writer_offsets(p.dst_rank, tokens)[rank]
-                    remote = Region.from_wire(dsts[p.dst_rank]["bulk"])
-                    handles.append(base.write(peers[p.dst_rank], Spans.single(bulk_region, [at], [size]),
-                                              Spans.single(remote, [off], [size]),
-                                              f"{tag(pi, mode, it, k)}-{rank}".encode(), ticket(p.dst_rank, k)))
+                    dst_region = Region.from_wire(dsts[p.dst_rank]["bulk"])
+                    handles.append(
+                        base.write(
+                            peers[p.dst_rank],
+                            Spans.single(bulk_region, [at], [size]),
+                            Spans.single(dst_region, [off], [size]),
+                            f"{tag(pi, mode, it, k)}-{rank}".encode(),
+                            ticket(p.dst_rank, k),
+                        )
+                    )
                     at += size
                     descriptors += 1
             writes = len(handles)
             _wait_writes(base, handles)
         else:
+            forward.run()
+            forward.wait()
             handles = []
             for k in range(n):
-                sent.append(link.now())
+                sent.append(t0 if b.prefill_ms else link.now())
                 for w, spans in prepared[k]:
                     handles.append(w.post())
                     descriptors += spans
@@ -382,11 +457,25 @@ def src_main(link: Link, g: Group, rank: int, want_metrics: bool = False) -> str
             _wait_writes(base, handles)
         _sync(dev)
         t_end = link.now()
-        link.send({"type": "result", "step": step, "data": {
-            "t0": t0, "sent": sent, "t_end": t_end, "descriptors": descriptors,
-            "writes": writes, "stages": stages,
-            "arena": ep.arena_location, "copier": ep.copier.name,
-        } | _links(ep, step, g)})
+        link.send(
+            {
+                "type": "result",
+                "step": step,
+                "data": {
+                    "t0": t0,
+                    "sent": sent,
+                    "t_end": t_end,
+                    "forward_end": link.to_coord(forward.end),
+                    "descriptors": descriptors,
+                    "writes": writes,
+                    "stages": stages,
+                    "layer_groups": groups,
+                    "arena": ep.arena_location,
+                    "copier": ep.copier.name,
+                }
+                | _links(ep, step, g),
+            }
+        )
         del prepared
     link.recv("end")
     text = _exposition(want_metrics)  # before the endpoint closes: its gauges and links are still there
@@ -404,8 +493,9 @@ def _endpoint(ep, step: int, g: Group) -> dict:
     return {"endpoint": {"engines": st.engines, "peers": st.peers, "slots_total": st.slots_total}}
 
 
-def dst_engines_main(link: Link, g: Group, rank: int, engine: int, listen_host: str,
-                     want_metrics: bool = False) -> str | None:
+def dst_engines_main(
+    link: Link, g: Group, rank: int, engine: int, listen_host: str, want_metrics: bool = False
+) -> str | None:
     """Rank ``rank`` of destination engine ``d{engine}``: one ``Destination`` expects every source
     engine's requests; results per source engine (``done[i][k]``, ``stages[i]``, ``verified[i]``)."""
     import torch
@@ -435,8 +525,13 @@ def dst_engines_main(link: Link, g: Group, rank: int, engine: int, listen_host: 
             idx = torch.from_numpy(dirty).to(dev)
             for t in cache.buffers:
                 t.view(torch.uint8)[idx] = 0
-        handles = [[ep.expect(tag(pi, mode, it, k), reqs[request_index(sc, i, k)], tokens, engine=engine_id("src", i))
-                    for k in range(n)] for i in range(sources)]
+        handles = [
+            [
+                ep.expect(tag(pi, mode, it, k), reqs[request_index(sc, i, k)], tokens, engine=engine_id("src", i))
+                for k in range(n)
+            ]
+            for i in range(sources)
+        ]
         _sync(dev)
         link.send({"type": "armed", "step": step, "tickets": {}})
         link.recv("go")
@@ -445,23 +540,45 @@ def dst_engines_main(link: Link, g: Group, rank: int, engine: int, listen_host: 
                 h.wait(WAIT_S)
         done = [[link.to_coord(h.finished) for h in row] for row in handles]
         _sync(dev)
+        errors: list[list[str]]  # per source engine
         verified, errors = None, [[] for _ in range(sources)]
         if sc.verify and last:
             written = np.concatenate(reqs)
             for i in range(sources):
                 for k in range(n):
-                    errs = check_shard(cache, content_seed(g, pi, mode, it, k, (i, engine)), reqs[request_index(sc, i, k)],
-                                       tokens, untouched_fill=0 if (i, k) == (0, 0) else None, written=written)
+                    errs = check_shard(
+                        cache,
+                        content_seed(g, pi, mode, it, k, (i, engine)),
+                        reqs[request_index(sc, i, k)],
+                        tokens,
+                        untouched_fill=0 if (i, k) == (0, 0) else None,
+                        written=written,
+                    )
                     errors[i] += [f"request {k} from engine s{i}: {e}" for e in errs]
             verified = [not e for e in errors]
         dirty = np.concatenate(reqs)
-        link.send({"type": "result", "step": step, "data": {
-            "t1": max(max(row) for row in done), "done": done, "verified": verified, "errors": [e[:5] for e in errors],
-            "stages": [_stages(row) for row in handles], "path": [row[0].path for row in handles],
-            "descriptors": [sum(h.descriptors for h in row) for row in handles],
-            "writes": [sum(h.writes for h in row) for row in handles],
-            "arena": ep.arena_location, "arena_bytes": ep.arena.buffer.nbytes, "copier": ep.copier.name,
-        } | _links(ep, step, g) | _endpoint(ep, step, g)})
+        link.send(
+            {
+                "type": "result",
+                "step": step,
+                "data": {
+                    # each handle waited for above: its end is set
+                    "t1": max(max(row) for row in cast("list[list[float]]", done)),
+                    "done": done,
+                    "verified": verified,
+                    "errors": [e[:5] for e in errors],
+                    "stages": [_stages(row) for row in handles],
+                    "path": [row[0].path for row in handles],
+                    "descriptors": [sum(h.descriptors for h in row) for row in handles],
+                    "writes": [sum(h.writes for h in row) for row in handles],
+                    "arena": ep.arena_location,
+                    "arena_bytes": ep.arena.buffer.nbytes,
+                    "copier": ep.copier.name,
+                }
+                | _links(ep, step, g)
+                | _endpoint(ep, step, g),
+            }
+        )
     link.recv("end")
     text = _exposition(want_metrics)  # before the endpoint closes: its gauges and links are still there
     ep.close()
@@ -503,21 +620,35 @@ def src_engines_main(link: Link, g: Group, rank: int, engine: int, want_metrics:
         link.recv("go")
         t0 = link.now()
         sent = [[0.0] * n for _ in range(dests)]
-        hs = [[None] * n for _ in range(dests)]
+        hs: list[list[Any]] = [[None] * n for _ in range(dests)]  # [destination][request]: its TransferHandle
         for k in range(n):
             for j in range(dests):
                 sent[j][k] = link.now()
-                hs[j][k] = ep.send(tag(pi, mode, it, k), reqs[request_index(sc, j, k)], tokens, engine=engine_id("dst", j))
+                hs[j][k] = ep.send(
+                    tag(pi, mode, it, k), reqs[request_index(sc, j, k)], tokens, engine=engine_id("dst", j)
+                )
         for row in hs:
             for h in row:
                 h.wait(WAIT_S)
         _sync(dev)
-        link.send({"type": "result", "step": step, "data": {
-            "t0": t0, "sent": sent, "t_end": link.now(), "stages": [_stages(row) for row in hs],
-            "descriptors": [sum(h.descriptors for h in row) for row in hs],
-            "writes": [sum(h.writes for h in row) for row in hs],
-            "arena": ep.arena_location, "copier": ep.copier.name,
-        } | _links(ep, step, g) | _endpoint(ep, step, g)})
+        link.send(
+            {
+                "type": "result",
+                "step": step,
+                "data": {
+                    "t0": t0,
+                    "sent": sent,
+                    "t_end": link.now(),
+                    "stages": [_stages(row) for row in hs],
+                    "descriptors": [sum(h.descriptors for h in row) for row in hs],
+                    "writes": [sum(h.writes for h in row) for row in hs],
+                    "arena": ep.arena_location,
+                    "copier": ep.copier.name,
+                }
+                | _links(ep, step, g)
+                | _endpoint(ep, step, g),
+            }
+        )
     link.recv("end")
     text = _exposition(want_metrics)  # before the endpoint closes: its gauges and links are still there
     ep.close()
@@ -533,7 +664,9 @@ def main(argv=None) -> int:
     ap.add_argument("--engine", type=int, default=None, help="the rank's engine in a multi-engine group (s0, d1, ...)")
     ap.add_argument("--parent", type=int, default=0)
     ap.add_argument("--log-level", default="WARNING")
-    ap.add_argument("--clock-sync", action="store_true", help="measure the clock offset even on the coordinator's kernel")
+    ap.add_argument(
+        "--clock-sync", action="store_true", help="measure the clock offset even on the coordinator's kernel"
+    )
     a = ap.parse_args(argv)
     _die_with_parent(a.parent)
     _setup(f"{a.role}{a.rank}" + (f"@{engine_id(a.role, a.engine)}" if a.engine is not None else ""), a.log_level)
@@ -546,8 +679,13 @@ def main(argv=None) -> int:
         hello = {"kind": "rank", "role": a.role, "rank": a.rank, "group": a.group}
         if a.engine is not None:
             hello["engine"] = a.engine
-        link = Link(parse_hostport(a.coord, "--coord"), hello, token=Settings().auth_token, on_lost=lost,
-                    clock_sync=a.clock_sync)
+        link = Link(
+            parse_hostport(a.coord, "--coord"),
+            hello,
+            token=Settings().auth_token,
+            on_lost=lost,
+            clock_sync=a.clock_sync,
+        )
     except BenchError as e:  # the run ended (or failed) before this rank joined
         of = f" of engine {engine_id(a.role, a.engine)}" if a.engine is not None else ""
         print(f"kvstage bench {a.role} rank {a.rank}{of}: {e}", file=sys.stderr)
@@ -573,8 +711,11 @@ def main(argv=None) -> int:
         # a failure kvstage names itself (a transfer that failed, with peer, stage and cause) needs no traceback
         known = isinstance(e, (KVStageError, TimeoutError))
         try:
-            link.send({"type": "error", "reason": f"{type(e).__name__}: {e}"} if known
-                      else {"type": "error", "trace": traceback.format_exc()})
+            link.send(
+                {"type": "error", "reason": f"{type(e).__name__}: {e}"}
+                if known
+                else {"type": "error", "trace": traceback.format_exc()}
+            )
         except Exception:
             pass
         link.close()

@@ -37,12 +37,26 @@ def expected_best(ctx: LinkContext):
             if ctx.same_gpu or ctx.peer_access is not False:
                 via = "one GPU" if ctx.same_gpu else ("NVLink" if ctx.nvlink else "peer access")
                 return {"cuda_ipc"}, "cuda_ipc", f"same host, GPU memory, {via}: cuda_ipc is the fastest path"
-            return {"cuda_ipc", "cuda_copy"}, "cuda_copy", "no peer access between the GPUs: a copy through host memory is the best path"
+            return (
+                {"cuda_ipc", "cuda_copy"},
+                "cuda_copy",
+                "no peer access between the GPUs: a copy through host memory is the best path",
+            )
         return {"cuda_ipc", "cuda_copy", "shm"}, "cuda_copy", "same host, host and GPU memory: CUDA copies are the path"
     if ctx.rdma_both:
         if ctx.gpu and ctx.gpudirect_capable is False:
-            return {"rdma", "rdma_staged"}, "rdma_staged", "different hosts, RDMA, GPU memory the driver calls not GPUDirect capable"
-        return {"rdma"}, "rdma", "different hosts with ACTIVE RDMA ports on both: RDMA" + (" with GPUDirect" if ctx.gpu else "") + " is the fastest path"
+            return (
+                {"rdma", "rdma_staged"},
+                "rdma_staged",
+                "different hosts, RDMA, GPU memory the driver calls not GPUDirect capable",
+            )
+        return (
+            {"rdma"},
+            "rdma",
+            "different hosts with ACTIVE RDMA ports on both: RDMA"
+            + (" with GPUDirect" if ctx.gpu else "")
+            + " is the fastest path",
+        )
     return {"tcp", "emulated", "other"}, "tcp", "different hosts without ACTIVE RDMA ports on both: TCP is the path"
 
 
@@ -68,9 +82,22 @@ def _path_text(kind: str | None, selection: dict | None, ctx: LinkContext) -> st
         return pair
     name = paths.kind_name(kind, ctx.gpu)
     if kind == "cuda_ipc":
-        name += " (one GPU)" if ctx.same_gpu else " over NVLink" if ctx.nvlink else " over PCIe" if ctx.nvlink is False else ""
-    ucx = (f" ({selection['mover']})" if selection and selection.get("mover")
-           else f" (UCX: {selection['summary']})" if selection and selection.get("summary") else "")
+        name += (
+            " (one GPU)"
+            if ctx.same_gpu
+            else " over NVLink"
+            if ctx.nvlink
+            else " over PCIe"
+            if ctx.nvlink is False
+            else ""
+        )
+    ucx = (
+        f" ({selection['mover']})"
+        if selection and selection.get("mover")
+        else f" (UCX: {selection['summary']})"
+        if selection and selection.get("summary")
+        else ""
+    )
     return f"{pair} via {name}{ucx}"
 
 
@@ -82,37 +109,75 @@ def _diagnose(kind: str | None, best: str, ctx: LinkContext, env: dict, local: d
     want = paths.kind_name(best, ctx.gpu)
     nvl = "NVLink is up between the GPUs but " if ctx.nvlink and best == "cuda_ipc" else ""
     if tls and not paths.tls_allows(tls, best):
-        return (f"{nvl}UCX_TLS={tls} leaves out {paths.TLS_LEFT_OUT.get(best, want)}, so UCX fell back to {took}",
-                paths.tls_fix(tls, best), {"UCX_TLS": None})
+        return (
+            f"{nvl}UCX_TLS={tls} leaves out {paths.TLS_LEFT_OUT.get(best, want)}, so UCX fell back to {took}",
+            paths.tls_fix(tls, best),
+            {"UCX_TLS": None},
+        )
     if best == "cuda_ipc" and "vmm" in ctx.memory_ipc:
-        var = next((k for k in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF") if "expandable_segments" in (env.get(k) or "")), None)
+        var = next(
+            (
+                k
+                for k in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
+                if "expandable_segments" in (env.get(k) or "")
+            ),
+            None,
+        )
         why = f" ({var}={env[var]})" if var else ""
-        return (f"{nvl}the registered GPU memory is VMM (expandable segments){why}, not legacy-IPC capable, "
-                f"so UCX cannot use cuda_ipc and took {took}", _VMM_FIX, {var: None} if var else None)
+        return (
+            f"{nvl}the registered GPU memory is VMM (expandable segments){why}, not legacy-IPC capable, "
+            f"so UCX cannot use cuda_ipc and took {took}",
+            _VMM_FIX,
+            {var: None} if var else None,
+        )
     if best == "cuda_ipc" and "cuda" not in (value(local, "ucx_modules") or ["cuda"]):
-        return f"{nvl}UCX has no cuda module (libuct_cuda), so it cannot use cuda_ipc", "install a CUDA build of NIXL (pip install nixl-cu13 or nixl-cu12)", None
+        return (
+            f"{nvl}UCX has no cuda module (libuct_cuda), so it cannot use cuda_ipc",
+            "install a CUDA build of NIXL (pip install nixl-cu13 or nixl-cu12)",
+            None,
+        )
     if best == "shm" and ctx.same_pidns is False:
-        return ("the two processes are in different PID namespaces, so cma cannot reach the peer",
-                "run both in one PID namespace (e.g. docker --pid=host, or containers of one pod sharing the PID namespace)", None)
+        return (
+            "the two processes are in different PID namespaces, so cma cannot reach the peer",
+            "run both in one PID namespace (e.g. docker --pid=host, "
+            "or containers of one pod sharing the PID namespace)",
+            None,
+        )
     scope = value(local, "ptrace_scope")
     if best == "shm" and isinstance(scope, int) and scope >= 2:
-        return (f"kernel.yama.ptrace_scope={scope} forbids the cross-process access cma needs",
-                "sysctl kernel.yama.ptrace_scope=1 (or give the processes CAP_SYS_PTRACE)", None)
+        return (
+            f"kernel.yama.ptrace_scope={scope} forbids the cross-process access cma needs",
+            "sysctl kernel.yama.ptrace_scope=1 (or give the processes CAP_SYS_PTRACE)",
+            None,
+        )
     if best in ("rdma", "rdma_staged"):
         if "ib" not in (value(local, "ucx_modules") or ["ib"]):
-            return "UCX has no ib module (libuct_ib), so it cannot use the RDMA devices", "install NIXL's UCX with verbs support (nixl-cu13 bundles libuct_ib) and rdma-core", None
+            return (
+                "UCX has no ib module (libuct_ib), so it cannot use the RDMA devices",
+                "install NIXL's UCX with verbs support (nixl-cu13 bundles libuct_ib) and rdma-core",
+                None,
+            )
         nd = env.get("UCX_NET_DEVICES")
         active = [p["device"] for p in ctx.rdma_active[0]]
         if nd and nd != "all" and not set(re.split(r"\s*,\s*", nd)) & set(active):
-            return (f"UCX_NET_DEVICES={nd} names none of the ACTIVE RDMA ports ({', '.join(active)})",
-                    f"set UCX_NET_DEVICES to the RDMA ports, e.g. UCX_NET_DEVICES={active[0]}, or unset it", {"UCX_NET_DEVICES": None})
+            return (
+                f"UCX_NET_DEVICES={nd} names none of the ACTIVE RDMA ports ({', '.join(active)})",
+                f"set UCX_NET_DEVICES to the RDMA ports, e.g. UCX_NET_DEVICES={active[0]}, or unset it",
+                {"UCX_NET_DEVICES": None},
+            )
         if kind == "rdma_staged":
             mods = value(local, "gpudirect_rdma") or {}
             missing = " and no nvidia_peermem / nv_peer_mem module is loaded" if mods and not any(mods.values()) else ""
-            return (f"GPUDirect RDMA is not in use: UCX bounces GPU memory through host memory{missing}",
-                    "load nvidia_peermem (modprobe nvidia_peermem), or use a driver and kernel with dma-buf support", None)
-    return (f"{nvl}UCX chose {took} where {want} is expected; none of the probe's checks explains why",
-            f"rerun with UCX_LOG_LEVEL=info and UCX_PROTO_INFO=y to see why UCX left out {want}", None)
+            return (
+                f"GPUDirect RDMA is not in use: UCX bounces GPU memory through host memory{missing}",
+                "load nvidia_peermem (modprobe nvidia_peermem), or use a driver and kernel with dma-buf support",
+                None,
+            )
+    return (
+        f"{nvl}UCX chose {took} where {want} is expected; none of the probe's checks explains why",
+        f"rerun with UCX_LOG_LEVEL=info and UCX_PROTO_INFO=y to see why UCX left out {want}",
+        None,
+    )
 
 
 def blocked(best: str, ctx: LinkContext, env: dict, local: dict) -> bool:
@@ -136,9 +201,15 @@ def _ucx_fix(messages: list[str], env: dict, local: dict) -> str:
     for m in messages:
         avail = re.search(r"please use one or more of: (.*)$", m)
         if avail:
-            return f"UCX_TLS={env.get('UCX_TLS', '')} names transports this host lacks; unset UCX_TLS or use only: {avail.group(1)}"
+            return (
+                f"UCX_TLS={env.get('UCX_TLS', '')} names transports this host lacks; "
+                f"unset UCX_TLS or use only: {avail.group(1)}"
+            )
     if "UCX" not in (value(local, "nixl_plugins") or ["UCX"]):
-        return "NIXL has no UCX plugin: reinstall nixl-cu13 (or point NIXL_PLUGIN_DIR at a folder holding libplugin_UCX.so)"
+        return (
+            "NIXL has no UCX plugin: reinstall nixl-cu13 "
+            "(or point NIXL_PLUGIN_DIR at a folder holding libplugin_UCX.so)"
+        )
     if any("No zero-copy protocol found" in m for m in messages):
         return _CUDAMALLOC + ", or allow emulation with UCX_PROTO_EMULATION_ENABLE=y"
     return "read the UCX and NIXL messages in the evidence; rerun with UCX_LOG_LEVEL=info for more"
@@ -177,20 +248,37 @@ def assess(
     if write_error:
         msgs = list(ucx_messages)
         ev.extend(Evidence("measured", m) for m in msgs[:3])  # the first few say why
-        return Finding(Severity.ERROR, peer_name, f"{_MEM[ctx.src_mem]}->{_MEM[ctx.dst_mem]}: no working path", gbps,
-                       ev, cause=write_error, fix=_ucx_fix(msgs, env, local), details=details)
+        return Finding(
+            Severity.ERROR,
+            peer_name,
+            f"{_MEM[ctx.src_mem]}->{_MEM[ctx.dst_mem]}: no working path",
+            gbps,
+            ev,
+            cause=write_error,
+            fix=_ucx_fix(msgs, env, local),
+            details=details,
+        )
 
     gpu_mem = ctx.gpu
     kind = paths.transport_kind(sel.get("transports", []), sel.get("descriptions", []), gpu_mem) if sel else None
     if sel:
-        ev.insert(0, Evidence(selection_source, f"{sel['mover']} moves the writes" if sel.get("mover") else
-                              f"UCX selected {sel.get('summary') or ', '.join(sel.get('transports', []))}"
-                              + (f" for {sel['src']}->{sel['dst']} writes" if sel.get("src") else "")))
+        ev.insert(
+            0,
+            Evidence(
+                selection_source,
+                f"{sel['mover']} moves the writes"
+                if sel.get("mover")
+                else f"UCX selected {sel.get('summary') or ', '.join(sel.get('transports', []))}"
+                + (f" for {sel['src']}->{sel['dst']} writes" if sel.get("src") else ""),
+            ),
+        )
     best = expected_best(ctx)
     path = _path_text(kind, sel, ctx)
     if best is None:
         ev.append(Evidence("expected", "cannot tell whether this is the best path: the peer's facts are missing"))
-        return Finding(Severity.INFO, peer_name, path if kind else f"{path} (transport not observed)", gbps, ev, details=details)
+        return Finding(
+            Severity.INFO, peer_name, path if kind else f"{path} (transport not observed)", gbps, ev, details=details
+        )
     ok_kinds, best_kind, why = best
     details["best_kind"] = best_kind
     ev.append(Evidence("expected", why))
@@ -202,9 +290,17 @@ def assess(
         if exp:
             details["expected_gbps"] = exp
         ev.append(Evidence("expected", f"UCX cannot use {paths.kind_name(best_kind, gpu_mem)} here (the cause below)"))
-        return Finding(Severity.WARNING, peer_name,
-                       f"{path}; expected not to use {paths.kind_name(best_kind, gpu_mem)}, the fastest path here", gbps,
-                       ev, cause=cause, fix=fix, best=paths.kind_name(best_kind, gpu_mem), details=details)
+        return Finding(
+            Severity.WARNING,
+            peer_name,
+            f"{path}; expected not to use {paths.kind_name(best_kind, gpu_mem)}, the fastest path here",
+            gbps,
+            ev,
+            cause=cause,
+            fix=fix,
+            best=paths.kind_name(best_kind, gpu_mem),
+            details=details,
+        )
     if kind is None or kind in ok_kinds:
         shown = kind or best_kind
         exp, src = expected_gbps(shown, ctx)
@@ -214,17 +310,37 @@ def assess(
             details["expected_gbps"] = exp
             ev.append(Evidence("expected", f"{paths.kind_name(shown, gpu_mem)} should give about {exp:g} GB/s ({src})"))
         if gbps is not None and exp and gbps < paths.LOW_FRACTION * exp:
-            return Finding(Severity.WARNING, peer_name, path, gbps, ev, best=paths.kind_name(best_kind, gpu_mem),
-                           cause=f"measured {gbps:.2f} GB/s is under {paths.LOW_FRACTION:.0%} of the ~{exp:g} GB/s {paths.kind_name(shown, gpu_mem)} should give",
-                           fix="look for other traffic on the link or busy cores/GPU, check NUMA placement, and rerun `kvstage probe`"
-                           + ("" if kind else "; run `kvstage probe` to see which transport UCX really selects"),
-                           details=details)
-        return Finding(Severity.INFO, peer_name, path, gbps, ev, best=paths.kind_name(best_kind, gpu_mem), details=details)
+            return Finding(
+                Severity.WARNING,
+                peer_name,
+                path,
+                gbps,
+                ev,
+                best=paths.kind_name(best_kind, gpu_mem),
+                cause=f"measured {gbps:.2f} GB/s is under {paths.LOW_FRACTION:.0%} of the ~{exp:g} GB/s "
+                f"{paths.kind_name(shown, gpu_mem)} should give",
+                fix="look for other traffic on the link or busy cores/GPU, check NUMA placement, "
+                "and rerun `kvstage probe`"
+                + ("" if kind else "; run `kvstage probe` to see which transport UCX really selects"),
+                details=details,
+            )
+        return Finding(
+            Severity.INFO, peer_name, path, gbps, ev, best=paths.kind_name(best_kind, gpu_mem), details=details
+        )
 
     cause, fix, change = _diagnose(kind, best_kind, ctx, env, local)
     details["fix_env"] = change
-    finding = Finding(Severity.WARNING, peer_name, f"{path}; faster path not used: {paths.kind_name(best_kind, gpu_mem)}", gbps, ev,
-                      cause=cause, fix=fix, best=paths.kind_name(best_kind, gpu_mem), details=details)
+    finding = Finding(
+        Severity.WARNING,
+        peer_name,
+        f"{path}; faster path not used: {paths.kind_name(best_kind, gpu_mem)}",
+        gbps,
+        ev,
+        cause=cause,
+        fix=fix,
+        best=paths.kind_name(best_kind, gpu_mem),
+        details=details,
+    )
     if fix_check is not None:
         _apply_fix_check(finding, fix_check, ok_kinds, gpu_mem)
     return finding
@@ -240,7 +356,9 @@ def _apply_fix_check(finding: Finding, check: dict, ok_kinds: set[str], gpu_mem:
         finding.evidence.append(Evidence("measured", f"with {check['change']}: UCX selected {sel.get('summary')}{bw}"))
         return
     seen = sel.get("summary") if sel else check.get("error") or "no working path"
-    finding.evidence.append(Evidence("measured", f"with {check['change']}: still {seen}{bw}, so the expected path does not work here"))
+    finding.evidence.append(
+        Evidence("measured", f"with {check['change']}: still {seen}{bw}, so the expected path does not work here")
+    )
     finding.severity = Severity.INFO
     finding.path = finding.path.split("; faster path not used")[0] + " (best path that works here)"
     finding.cause = finding.fix = None

@@ -30,10 +30,19 @@ def connect_line(
     name = (transport_name or "").strip()
     selection = None
     if name.lower() in _OWN:
-        selection = {"summary": name.lower(), "transports": [name.lower()], "descriptions": [], "mover": _OWN[name.lower()]}
+        selection = {
+            "summary": name.lower(),
+            "transports": [name.lower()],
+            "descriptions": [],
+            "mover": _OWN[name.lower()],
+        }
     elif name.lower() not in _OPAQUE:
         tls = paths.transports_in(name)
-        selection = {"summary": name, "transports": tls, "descriptions": ["software emulation"] if "emulation" in name else []}
+        selection = {
+            "summary": name,
+            "transports": tls,
+            "descriptions": ["software emulation"] if "emulation" in name else [],
+        }
     if peer_name is None:
         host = ((peer_facts or {}).get("host") or {}).get("value") or {}
         pid = ((peer_facts or {}).get("pid") or {}).get("value")

@@ -42,7 +42,9 @@ def _active_ports(facts) -> list[dict]:
     for dev in value(facts, "rdma", []) or []:
         for p in dev.get("ports", []):
             if p.get("state") == "ACTIVE":
-                out.append({"device": f"{dev['name']}:{p['port']}", "rate": p.get("rate"), "link_layer": p.get("link_layer")})
+                out.append(
+                    {"device": f"{dev['name']}:{p['port']}", "rate": p.get("rate"), "link_layer": p.get("link_layer")}
+                )
     return out
 
 
@@ -63,7 +65,9 @@ def link_context(local: dict, peer: dict | None) -> LinkContext:
     ln, pn = value(local, "pid_namespace"), value(peer, "pid_namespace")
     if same_host and ln and pn:
         same_pidns = ln == pn
-        ev.append(Evidence("queried", "same PID namespace" if same_pidns else f"different PID namespaces ({ln} vs {pn})"))
+        ev.append(
+            Evidence("queried", "same PID namespace" if same_pidns else f"different PID namespaces ({ln} vs {pn})")
+        )
     ctx = LinkContext(_mem(local), _mem(peer), same_host, same_pidns, evidence=ev)
 
     lg, pg = value(local, "memory", {}).get("gpu"), value(peer, "memory", {}).get("gpu")
@@ -78,13 +82,25 @@ def link_context(local: dict, peer: dict | None) -> LinkContext:
             acc = value(local, "peer_access", {}).get(pci_key(pg.get("pci")))
             if acc is not None:
                 ctx.peer_access = bool(acc)
-                ev.append(Evidence("queried", f"peer access {lg.get('pci')} -> {pg.get('pci')}: {'yes' if acc else 'no'}"))
+                ev.append(
+                    Evidence("queried", f"peer access {lg.get('pci')} -> {pg.get('pci')}: {'yes' if acc else 'no'}")
+                )
 
     li, pi = value(local, "memory_ipc", {}), value(peer, "memory_ipc", {})
     ctx.memory_ipc = (li.get("ipc"), pi.get("ipc"))
     for who, ipc in (("local", ctx.memory_ipc[0]), ("peer", ctx.memory_ipc[1])):
         if ipc in ("legacy-ipc", "vmm"):
-            ev.append(Evidence("queried", f"{who} GPU memory is " + ("legacy-IPC capable (cudaMalloc)" if ipc == "legacy-ipc" else "VMM (cuMemCreate / expandable segments), not legacy-IPC capable")))
+            ev.append(
+                Evidence(
+                    "queried",
+                    f"{who} GPU memory is "
+                    + (
+                        "legacy-IPC capable (cudaMalloc)"
+                        if ipc == "legacy-ipc"
+                        else "VMM (cuMemCreate / expandable segments), not legacy-IPC capable"
+                    ),
+                )
+            )
     gd = [x.get("gpudirect_rdma") for x in (li, pi) if x.get("gpudirect_rdma") is not None]
     ctx.gpudirect_capable = all(gd) if gd else None
 

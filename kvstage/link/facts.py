@@ -35,7 +35,11 @@ def _read(path: str) -> str | None:
 def host_identity() -> dict:
     boot = _read("/proc/sys/kernel/random/boot_id")
     value = {"hostname": socket.gethostname(), "boot_id": boot}
-    how = "hostname + /proc/sys/kernel/random/boot_id" if boot else "hostname only (/proc/sys/kernel/random/boot_id unreadable)"
+    how = (
+        "hostname + /proc/sys/kernel/random/boot_id"
+        if boot
+        else "hostname only (/proc/sys/kernel/random/boot_id unreadable)"
+    )
     return fact(value, "queried", how)
 
 
@@ -65,13 +69,15 @@ def rdma_devices(root: str = "/sys/class/infiniband") -> dict:
         for port in sorted(os.listdir(pdir)) if os.path.isdir(pdir) else []:
             p = os.path.join(pdir, port)
             state = _read(os.path.join(p, "state")) or ""
-            ports.append({
-                "port": int(port) if port.isdigit() else port,
-                "state": state.split(":")[-1].strip() or None,  # "4: ACTIVE" -> "ACTIVE"
-                "phys_state": (_read(os.path.join(p, "phys_state")) or "").split(":")[-1].strip() or None,
-                "link_layer": _read(os.path.join(p, "link_layer")),
-                "rate": _read(os.path.join(p, "rate")),
-            })
+            ports.append(
+                {
+                    "port": int(port) if port.isdigit() else port,
+                    "state": state.split(":")[-1].strip() or None,  # "4: ACTIVE" -> "ACTIVE"
+                    "phys_state": (_read(os.path.join(p, "phys_state")) or "").split(":")[-1].strip() or None,
+                    "link_layer": _read(os.path.join(p, "link_layer")),
+                    "rate": _read(os.path.join(p, "rate")),
+                }
+            )
         devices.append({"name": dev, "ports": ports})
     return fact(devices, "queried", f"{root}/*/ports/*/{{state,phys_state,link_layer,rate}}")
 
@@ -89,7 +95,9 @@ def environment(environ=None) -> dict:
     src = os.environ if environ is None else environ
     env = {k: src[k] for k in ENV_VARS if k in src}
     env.update({k: v for k, v in src.items() if k.startswith("UCX_") and k != "UCX_PROTO_INFO"})
-    return fact(env, "queried", "environment of this process" if environ is None else "environment given to the processes")
+    return fact(
+        env, "queried", "environment of this process" if environ is None else "environment given to the processes"
+    )
 
 
 def collect_local(tensor=None, agent_plugins: list[str] | None = None, with_gpus: bool = True) -> dict:
@@ -116,7 +124,11 @@ def memory_facts(tensor, nvml_list) -> dict:
     """Facts about a registered tensor's memory (``nvml_list``: the ``gpus`` fact's value)."""
     return {
         "memory": fact(
-            {"device": "cuda" if tensor.is_cuda else "cpu", "nbytes": int(tensor.nbytes), "gpu": _resolve_gpu(tensor, nvml_list)},
+            {
+                "device": "cuda" if tensor.is_cuda else "cpu",
+                "nbytes": int(tensor.nbytes),
+                "gpu": _resolve_gpu(tensor, nvml_list),
+            },
             "queried",
             "the registered tensor",
         ),

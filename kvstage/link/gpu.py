@@ -42,7 +42,7 @@ def _links(nv, handle) -> dict:
             break
         except nv.NVMLError:  # past the last link of this GPU
             break
-        entry = {"link": link, "up": bool(up)}
+        entry: dict[str, object] = {"link": link, "up": bool(up)}
         if up:
             try:
                 entry["remote_pci"] = pci_key(_s(nv.nvmlDeviceGetNvLinkRemotePciInfo_v2(handle, link).busId))
@@ -71,14 +71,18 @@ def nvml_gpus() -> dict:
         gpus = []
         for i in range(nv.nvmlDeviceGetCount()):
             h = nv.nvmlDeviceGetHandleByIndex(i)
-            gpus.append({
-                "index": i,
-                "name": _s(nv.nvmlDeviceGetName(h)),
-                "pci": pci_key(_s(nv.nvmlDeviceGetPciInfo(h).busId)),
-                "uuid": _s(nv.nvmlDeviceGetUUID(h)),
-                "nvlink": _links(nv, h),
-            })
-        return fact(gpus, "queried", "NVML (nvmlDeviceGetPciInfo, nvmlDeviceGetNvLinkState, nvmlDeviceGetNvLinkRemotePciInfo)")
+            gpus.append(
+                {
+                    "index": i,
+                    "name": _s(nv.nvmlDeviceGetName(h)),
+                    "pci": pci_key(_s(nv.nvmlDeviceGetPciInfo(h).busId)),
+                    "uuid": _s(nv.nvmlDeviceGetUUID(h)),
+                    "nvlink": _links(nv, h),
+                }
+            )
+        return fact(
+            gpus, "queried", "NVML (nvmlDeviceGetPciInfo, nvmlDeviceGetNvLinkState, nvmlDeviceGetNvLinkRemotePciInfo)"
+        )
     except nv.NVMLError as e:
         return fact(None, "queried", f"NVML failed: {e}")
     finally:
@@ -98,12 +102,12 @@ def nvlink_between(gpus: list[dict] | None, a_pci: str | None, b_pci: str | None
         return None, "unknown: NVML does not list both GPUs"
     if a is b:
         return False, f"one GPU ({a['name']} {a['pci']}): the link is its own memory"
-    up_a = [l for l in a["nvlink"]["links"] if l["up"]]
-    direct = [l for l in up_a if l.get("remote_pci") == b["pci"]]
+    up_a = [link for link in a["nvlink"]["links"] if link["up"]]
+    direct = [link for link in up_a if link.get("remote_pci") == b["pci"]]
     if direct:
         return True, f"{len(direct)} NVLink link(s) up from {a['pci']} to {b['pci']}"
-    sw_a = sum(l.get("remote_type") == "switch" for l in up_a)
-    sw_b = sum(l.get("remote_type") == "switch" for l in b["nvlink"]["links"] if l["up"])
+    sw_a = sum(link.get("remote_type") == "switch" for link in up_a)
+    sw_b = sum(link.get("remote_type") == "switch" for link in b["nvlink"]["links"] if link["up"])
     if sw_a and sw_b:
         return True, f"{a['pci']} and {b['pci']} have {sw_a} and {sw_b} NVLink links up to NVSwitch"
     if not a["nvlink"]["supported"]:
@@ -139,7 +143,9 @@ def peer_access(tensor) -> dict:
         if j != idx:
             key = _torch_pci(torch.cuda.get_device_properties(j)) or str(j)
             out[key] = bool(torch.cuda.can_device_access_peer(idx, j))
-    return fact(out, "queried", "torch.cuda.can_device_access_peer (cudaDeviceCanAccessPeer), keyed by the other GPU's PCI id")
+    return fact(
+        out, "queried", "torch.cuda.can_device_access_peer (cudaDeviceCanAccessPeer), keyed by the other GPU's PCI id"
+    )
 
 
 def _libcuda():
@@ -163,7 +169,11 @@ def pointer_ipc(ptr: int) -> dict:
     f.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_uint64]
     rc = f(ctypes.byref(ipc), _CU_POINTER_ATTRIBUTE_IS_LEGACY_CUDA_IPC_CAPABLE, ctypes.c_uint64(ptr))
     if rc != 0:
-        return fact({"ipc": f"unknown (cuPointerGetAttribute returned {rc})", "gpudirect_rdma": None}, "queried", "cuPointerGetAttribute")
+        return fact(
+            {"ipc": f"unknown (cuPointerGetAttribute returned {rc})", "gpudirect_rdma": None},
+            "queried",
+            "cuPointerGetAttribute",
+        )
     rc2 = f(ctypes.byref(gdr), _CU_POINTER_ATTRIBUTE_IS_GPU_DIRECT_RDMA_CAPABLE, ctypes.c_uint64(ptr))
     value = {"ipc": "legacy-ipc" if ipc.value else "vmm", "gpudirect_rdma": bool(gdr.value) if rc2 == 0 else None}
     return fact(value, "queried", "cuPointerGetAttribute(IS_LEGACY_CUDA_IPC_CAPABLE, IS_GPU_DIRECT_RDMA_CAPABLE)")

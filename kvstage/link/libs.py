@@ -38,7 +38,11 @@ def ucx_version() -> dict:
         try:
             lib = ctypes.CDLL(found[0])
             lib.ucp_get_version_string.restype = ctypes.c_char_p
-            return fact(lib.ucp_get_version_string().decode(), "queried", f"ucp_get_version_string() of the libucp bundled with {pkg}")
+            return fact(
+                lib.ucp_get_version_string().decode(),
+                "queried",
+                f"ucp_get_version_string() of the libucp bundled with {pkg}",
+            )
         except (OSError, AttributeError) as e:
             err = f"the libucp bundled with {pkg} did not answer: {e}"
     else:
@@ -60,8 +64,12 @@ def ucx_modules() -> dict:
     pkg, libs = nixl_libs_dir()
     if not libs:
         return fact(None, "queried", "no NIXL package with bundled UCX found")
-    names = sorted({re.sub(r"\.so.*$", "", os.path.basename(p))[len("libuct_"):]
-                    for p in glob.glob(os.path.join(libs, "ucx", "libuct_*.so*"))})
+    names = sorted(
+        {
+            re.sub(r"\.so.*$", "", os.path.basename(p))[len("libuct_") :]
+            for p in glob.glob(os.path.join(libs, "ucx", "libuct_*.so*"))
+        }
+    )
     return fact(names, "queried", f"libuct_*.so in the UCX modules folder bundled with {pkg}")
 
 
@@ -74,7 +82,11 @@ def nixl_plugins(agent_plugins: list[str] | None = None) -> dict:
     folder = env_dir or (os.path.join(libs, "nixl") if libs else None)
     if not folder or not os.path.isdir(folder):
         return fact(None, "queried", "no NIXL plugin folder found (NIXL not installed?)")
-    names = sorted({re.sub(r"\.so.*$", "", os.path.basename(p))[len("libplugin_"):]
-                    for p in glob.glob(os.path.join(folder, "libplugin_*.so*"))})
+    names = sorted(
+        {
+            re.sub(r"\.so.*$", "", os.path.basename(p))[len("libplugin_") :]
+            for p in glob.glob(os.path.join(folder, "libplugin_*.so*"))
+        }
+    )
     where = "NIXL_PLUGIN_DIR" if env_dir else f"the plugin folder bundled with {pkg}"
     return fact(names, "queried", f"libplugin_*.so in {where}")

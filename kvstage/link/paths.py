@@ -37,8 +37,27 @@ _TLS_ENABLING = {
     "shm": ({"cma", "sm", "shm", "all"}, "sm"),
     "cuda_ipc": ({"cuda_ipc", "cuda", "all"}, "cuda"),
     "cuda_copy": ({"cuda_copy", "cuda", "all"}, "cuda"),
-    "rdma": ({"rc", "rc_v", "rc_x", "rc_verbs", "rc_mlx5", "dc", "dc_x", "dc_mlx5", "ud", "ud_v", "ud_x",
-              "ud_verbs", "ud_mlx5", "ib", "srd", "all"}, "rc"),
+    "rdma": (
+        {
+            "rc",
+            "rc_v",
+            "rc_x",
+            "rc_verbs",
+            "rc_mlx5",
+            "dc",
+            "dc_x",
+            "dc_mlx5",
+            "ud",
+            "ud_v",
+            "ud_x",
+            "ud_verbs",
+            "ud_mlx5",
+            "ib",
+            "srd",
+            "all",
+        },
+        "rc",
+    ),
 }
 
 # What a path should give, for the bandwidth check. A WARNING needs the

@@ -213,7 +213,10 @@ class Selection:
             "summary": self.summary,
             "transports": self.transports,
             "descriptions": self.descriptions,
-            "tables": [f"{t.worker} {t.scope} cfg#{t.cfg}: {t.operation} by {t.api} from {t.src_raw} to {t.dst_raw}" for t in self.tables],
+            "tables": [
+                f"{t.worker} {t.scope} cfg#{t.cfg}: {t.operation} by {t.api} from {t.src_raw} to {t.dst_raw}"
+                for t in self.tables
+            ],
         }
 
 

@@ -18,18 +18,32 @@ EXIT_OK, EXIT_NO_PATH, EXIT_USAGE, EXIT_WARNING = 0, 1, 2, 3
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
-                        help="memory to register and write: host DRAM or GPU VRAM (default: cpu)")
+    parser.add_argument(
+        "--device",
+        choices=("cpu", "cuda"),
+        default="cpu",
+        help="memory to register and write: host DRAM or GPU VRAM (default: cpu)",
+    )
     parser.add_argument("--size-mb", type=int, default=64, help="bytes of the measured write, in MiB (default: 64)")
     parser.add_argument("--iters", type=int, default=3, help="timed writes; the best one counts (default: 3)")
-    parser.add_argument("--peer", metavar="HOST:PORT",
-                        help="probe a running destination rank (its control port) instead of a local self-test; "
-                             "it lends one arena slot for the measured write (KVSTAGE_AUTH_TOKEN must match)")
+    parser.add_argument(
+        "--peer",
+        metavar="HOST:PORT|URL",
+        help="probe a running destination rank (its control port) instead of a local self-test; "
+        "it lends one arena slot for the measured write. Its address as it hands it out "
+        "(kvstage://SECRET@HOST:PORT) carries its secret; HOST:PORT presents KVSTAGE_AUTH_TOKEN",
+    )
     parser.add_argument("--json", metavar="PATH", help="also write the findings and every fact as JSON to PATH")
-    parser.add_argument("--env", action="append", default=[], metavar="NAME=VALUE",
-                        help="set NAME in both self-test processes (NAME= unsets it); e.g. --env UCX_TLS=tcp")
-    parser.add_argument("--no-verify-fix", action="store_true",
-                        help="do not rerun with a WARNING's fix applied to confirm it")
+    parser.add_argument(
+        "--env",
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help="set NAME in both self-test processes (NAME= unsets it); e.g. --env UCX_TLS=tcp",
+    )
+    parser.add_argument(
+        "--no-verify-fix", action="store_true", help="do not rerun with a WARNING's fix applied to confirm it"
+    )
     parser.add_argument("--facts", action="store_true", help="also print the facts behind the line")
     parser.add_argument("--strict", action="store_true", help="exit 3 when there is a WARNING")
     parser.add_argument("--timeout", type=float, default=90.0, help="seconds one self-test run may take (default: 90)")
@@ -45,11 +59,21 @@ def _parse_env(items: list[str]) -> dict:
     return env
 
 
-def _parse_peer(text: str) -> tuple[str, int]:
+def _parse_peer(text: str) -> tuple[str, int, str]:
+    """(host, port, secret) of ``--peer``: a destination's ``kvstage://`` address (its secret), or HOST:PORT
+    (secret "": the auth token is presented)."""
+    from kvstage.protocol.address import SCHEME, Address
+
+    if text.startswith(SCHEME):
+        try:
+            a = Address.parse(text)
+        except KVStageError as e:
+            raise ValueError(f"--peer: {e}") from None
+        return a.host, a.port, a.secret
     host, sep, port = text.rpartition(":")
     if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise ValueError(f"--peer {text!r}: expected HOST:PORT with a port in 1..65535")
-    return host.strip("[]"), int(port)
+        raise ValueError(f"--peer {text!r}: expected HOST:PORT with a port in 1..65535, or kvstage://SECRET@HOST:PORT")
+    return host.strip("[]"), int(port), ""
 
 
 def _print(findings: list[Finding], facts: dict | None) -> None:
@@ -75,14 +99,21 @@ def run(args: argparse.Namespace) -> int:
     if args.size_mb < 1 or args.iters < 1:
         raise ValueError("--size-mb and --iters must be at least 1")
     if args.peer:
-        host, port = _parse_peer(args.peer)
+        host, port, secret = _parse_peer(args.peer)
         if args.env:
             raise ValueError("--env applies to the local self-test only; set variables in the environment for --peer")
         from kvstage.config import Settings
         from kvstage.probe.peer import run_peer_probe
 
-        result = run_peer_probe(host, port, device=args.device, size_mb=args.size_mb, iters=args.iters,
-                                token=Settings().auth_token, timeout=args.timeout)
+        result = run_peer_probe(
+            host,
+            port,
+            device=args.device,
+            size_mb=args.size_mb,
+            iters=args.iters,
+            token=secret or Settings().auth_token,
+            timeout=args.timeout,
+        )
         return _report(args, result)
     if args.size_mb < 1 or args.iters < 1:
         raise ValueError("--size-mb and --iters must be at least 1")
@@ -91,11 +122,19 @@ def run(args: argparse.Namespace) -> int:
         import torch
 
         if not torch.cuda.is_available():
-            raise KVStageError("--device cuda: torch sees no CUDA device on this host (probe host memory with --device cpu)")
+            raise KVStageError(
+                "--device cuda: torch sees no CUDA device on this host (probe host memory with --device cpu)"
+            )
     from kvstage.probe.selftest import run_selftest
 
-    result = run_selftest(device=args.device, size_mb=args.size_mb, iters=args.iters, env=env,
-                          timeout=args.timeout, verify_fix=not args.no_verify_fix)
+    result = run_selftest(
+        device=args.device,
+        size_mb=args.size_mb,
+        iters=args.iters,
+        env=env,
+        timeout=args.timeout,
+        verify_fix=not args.no_verify_fix,
+    )
     return _report(args, result)
 
 

@@ -13,6 +13,7 @@ import random
 import socket
 import tempfile
 import time
+from typing import Any
 
 from kvstage.errors import KVStageError
 from kvstage.link import ucx_info
@@ -25,7 +26,7 @@ class PeerProbeFailed(KVStageError):
     """The peer could not be reached or refused the probe."""
 
 
-def _ask_peer(host: str, port: int, hello: dict, token: str, nbytes: int, timeout: float) -> tuple[dict, object]:
+def _ask_peer(host: str, port: int, hello: dict, token: str, nbytes: int, timeout: float) -> tuple[dict, Any]:
     from kvstage.protocol.messages import PROTOCOL_VERSION
     from kvstage.protocol.wire import Connection
 
@@ -34,8 +35,17 @@ def _ask_peer(host: str, port: int, hello: dict, token: str, nbytes: int, timeou
     except OSError as e:
         raise PeerProbeFailed(f"cannot connect to {host}:{port}: {e}") from e
     conn = Connection(sock, f"{host}:{port}")
-    conn.send({"type": "probe", "version": PROTOCOL_VERSION, "token": token, "transport": "nixl", "nbytes": nbytes,
-               "agent": hello["agent"], "facts": hello["facts"]})
+    conn.send(
+        {
+            "type": "probe",
+            "version": PROTOCOL_VERSION,
+            "token": token,
+            "transport": "nixl",
+            "nbytes": nbytes,
+            "agent": hello["agent"],
+            "facts": hello["facts"],
+        }
+    )
     try:
         reply = conn.recv()
     except (OSError, ConnectionError, KVStageError) as e:
@@ -47,16 +57,31 @@ def _ask_peer(host: str, port: int, hello: dict, token: str, nbytes: int, timeou
     return reply, conn
 
 
-def run_peer_probe(host: str, port: int, device: str = "cpu", size_mb: int = 64, iters: int = 3,
-                   token: str = "", timeout: float = 90.0, gpu: int = 0) -> SelfTestResult:
+def run_peer_probe(
+    host: str,
+    port: int,
+    device: str = "cpu",
+    size_mb: int = 64,
+    iters: int = 3,
+    token: str = "",
+    timeout: float = 90.0,
+    gpu: int = 0,
+) -> SelfTestResult:
     """Measure writes from a local process into a slot lent by the destination at ``host:port``."""
     deadline = time.monotonic() + timeout
     env = child_env(None)
     with tempfile.TemporaryDirectory(prefix="kvstage-probe-") as tmp:
-        cfg = {"device": device, "nbytes": size_mb << 20, "iters": iters, "timeout": timeout,
-               "salt": random.randrange(251), "gpu": gpu}
+        cfg: dict[str, Any] = {
+            "device": device,
+            "nbytes": size_mb << 20,
+            "iters": iters,
+            "timeout": timeout,
+            "salt": random.randrange(251),
+            "gpu": gpu,
+        }
         writer = _Child("writer", cfg, env, tmp)
-        conn, error, res, hello = None, None, {}, None
+        conn, error, hello = None, None, None
+        res: dict[str, Any] = {}
         try:
             hello = writer.recv(deadline)
             error = _failed("writer", hello)
@@ -86,8 +111,23 @@ def run_peer_probe(host: str, port: int, device: str = "cpu", size_mb: int = 64,
     gbps = nbytes / min(secs) / 1e9 if secs and not error else None
     peer_name = f"{host}:{port} ({(value(peer, 'host', {}) or {}).get('hostname', 'peer')})"
     msgs = list(dict.fromkeys(ucx_info.ucx_messages(output)))
-    finding = assess(local or {}, peer, sel.to_dict() if sel else None, gbps, environment(env)["value"],
-                     peer_name=peer_name, write_error=error, ucx_messages=msgs)
-    return SelfTestResult(finding=finding, writer_facts=local, target_facts=peer,
-                          selection=sel.to_dict() if sel else None, seconds=secs,
-                          tables=ucx_info.by_memory_pair(tables, nbytes), ucx_messages=msgs, output={"writer": output})
+    finding = assess(
+        local or {},
+        peer,
+        sel.to_dict() if sel else None,
+        gbps,
+        environment(env)["value"],
+        peer_name=peer_name,
+        write_error=error,
+        ucx_messages=msgs,
+    )
+    return SelfTestResult(
+        finding=finding,
+        writer_facts=local,
+        target_facts=peer,
+        selection=sel.to_dict() if sel else None,
+        seconds=secs,
+        tables=ucx_info.by_memory_pair(tables, nbytes),
+        ucx_messages=msgs,
+        output={"writer": output},
+    )

@@ -62,7 +62,11 @@ class _Child:
         with open(self.out_path, "wb") as out, open(self.err_path, "wb") as err:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "kvstage.probe.worker", json.dumps({**cfg, "role": role, "ctrl_fd": wfd})],
-                stdin=subprocess.PIPE, stdout=out, stderr=err, env=env, pass_fds=(wfd,),
+                stdin=subprocess.PIPE,
+                stdout=out,
+                stderr=err,
+                env=env,
+                pass_fds=(wfd,),
             )
         os.close(wfd)
         self.ctrl = os.fdopen(rfd, "r")
@@ -80,18 +84,24 @@ class _Child:
                     line = self.ctrl.readline()
                     if not line:
                         code = self.proc.wait(timeout=10)
-                        return {"type": "error", "stage": "exit", "error": f"the {self.role} exited with code {code} without an answer"}
+                        return {
+                            "type": "error",
+                            "stage": "exit",
+                            "error": f"the {self.role} exited with code {code} without an answer",
+                        }
                     return json.loads(line)
         finally:
             sel.close()
 
     def send(self, msg: dict) -> None:
+        assert self.proc.stdin is not None  # Popen(stdin=PIPE)
         self.proc.stdin.write((json.dumps(msg) + "\n").encode())
         self.proc.stdin.flush()
 
     def finish(self, deadline: float, abort: bool = False) -> str:
         """Wait for the child (interrupt it first if ``abort``); return its stdout + stderr."""
         try:
+            assert self.proc.stdin is not None  # Popen(stdin=PIPE)
             self.proc.stdin.close()  # a writer still waiting for the target's metadata reads EOF
         except OSError:
             pass
@@ -150,7 +160,9 @@ def _exchange(target: _Child, writer: _Child, deadline: float, res: dict) -> str
     return None if res["verified"] else "the bytes that arrived differ from the bytes written"
 
 
-def _measure(device: str, nbytes: int, iters: int, overrides: dict | None, timeout: float, gpus: tuple[int, int]) -> dict:
+def _measure(
+    device: str, nbytes: int, iters: int, overrides: dict | None, timeout: float, gpus: tuple[int, int]
+) -> dict:
     """Run the two children once; return everything they said and printed."""
     deadline = time.monotonic() + timeout
     cfg = {"device": device, "nbytes": nbytes, "iters": iters, "timeout": timeout, "salt": random.randrange(251)}
@@ -168,7 +180,9 @@ def _measure(device: str, nbytes: int, iters: int, overrides: dict | None, timeo
             res["target_output"] = target.finish(deadline, abort=bool(res["error"]))
     tables = ucx_info.parse_proto_info(res["writer_output"])
     mem = {"cpu": "host", "cuda": "cuda"}[device]
-    sel = ucx_info.select(tables, mem, mem, nbytes, worker=res.get("writer_agent")) or ucx_info.select(tables, mem, mem, nbytes)
+    sel = ucx_info.select(tables, mem, mem, nbytes, worker=res.get("writer_agent")) or ucx_info.select(
+        tables, mem, mem, nbytes
+    )
     res["selection"] = sel.to_dict() if sel else None
     res["tables"] = ucx_info.by_memory_pair(tables, nbytes)
     msgs = ucx_info.ucx_messages(res["writer_output"] + "\n" + res["target_output"])
@@ -232,12 +246,19 @@ def run_selftest(
         change = _fix_overrides(finding)
         if change:
             again = _measure(device, nbytes, iters, {**(env or {}), **change[0]}, timeout, gpus)
-            check = {"change": change[1], "selection": again["selection"], "gbps": again["gbps"], "error": again["error"]}
+            check = {
+                "change": change[1],
+                "selection": again["selection"],
+                "gbps": again["gbps"],
+                "error": again["error"],
+            }
             finding = assess(local, peer, res["selection"], res["gbps"], child_env_fact, fix_check=check, **kw)
     finding.details["tables"] = res["tables"]
     if res.get("verified"):
         at = 1 if finding.evidence and finding.evidence[0].text.startswith("UCX selected") else 0
-        finding.evidence.insert(at, Evidence("measured", f"{size_mb} MiB write, best of {iters}, every byte checked on the peer"))
+        finding.evidence.insert(
+            at, Evidence("measured", f"{size_mb} MiB write, best of {iters}, every byte checked on the peer")
+        )
     return SelfTestResult(
         finding=finding,
         writer_facts=res.get("writer_facts"),

@@ -93,8 +93,13 @@ def main() -> int:
         stage = "register"
         region = tr.register(buf)
         facts = collect_local(buf, agent_plugins=tr.plugins())
-        send(type="hello", facts=facts, agent=tr.agent_name, region=region.to_wire(),
-             metadata=base64.b64encode(tr.metadata()).decode())
+        send(
+            type="hello",
+            facts=facts,
+            agent=tr.agent_name,
+            region=region.to_wire(),
+            metadata=base64.b64encode(tr.metadata()).decode(),
+        )
         stage = "write" if cfg["role"] == "writer" else "receive"
         if cfg["role"] == "writer":
             _writer(tr, torch, buf, region, cfg, send)

@@ -22,8 +22,8 @@ import ctypes
 import os
 import threading
 
-from kvstage.native import load as load_native
 from kvstage.config import PING_INTERVAL_S
+from kvstage.native import load as load_native
 
 _lib: ctypes.CDLL | None = None
 _why_not = ""
@@ -69,9 +69,16 @@ def why_unavailable() -> str:
     return _why_not
 
 
+def _loaded() -> ctypes.CDLL:
+    """The native pinger, which the caller found ``available()``."""
+    if _lib is None:
+        raise RuntimeError(f"the native pinger is not loaded: {_why_not or 'available() was not asked'}")
+    return _lib
+
+
 def send(fd: int, data: bytes) -> None:
     """Send one whole frame on socket ``fd`` (without the GIL); never interleaved with a ping."""
-    rc = _lib.kvstage_beat_send(fd, data, len(data))
+    rc = _loaded().kvstage_beat_send(fd, data, len(data))
     if rc:
         raise OSError(-rc, os.strerror(-rc))
 
@@ -89,8 +96,9 @@ class LoopClock:
 
     def watch(self, fd: int) -> None:
         """Ping ``fd`` from now on, with this clock's age."""
-        if _lib.kvstage_beat_watch(fd, ctypes.byref(self._value)):
-            raise OSError(f"the pinger watches {_lib.kvstage_beat_count()} sockets already")
+        lib = _loaded()
+        if lib.kvstage_beat_watch(fd, ctypes.byref(self._value)):
+            raise OSError(f"the pinger watches {lib.kvstage_beat_count()} sockets already")
 
 
 def forget(fd: int) -> None:

@@ -26,6 +26,7 @@ import socket
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 import numpy as np
 
@@ -33,14 +34,45 @@ from kvstage.config import Settings
 from kvstage.errors import IncompatibleGeometry, KVStageError, ProtocolError
 from kvstage.link.context import link_context
 from kvstage.protocol import slots
-from kvstage.protocol.endpoint import (SLOW_S, Endpoint, EndpointStats, check_engine, check_pages, peer_label, rank_name,
-                                      remember)
-from kvstage.protocol.gate import PRE_AUTH_TYPES, check_listen
-from kvstage.protocol.handshake import (HANDSHAKE_TIMEOUT_S, check_hello, check_same_model, check_token, check_version,
-                                        check_transport, md_to_wire, proof, spec_to_wire)
-from kvstage.protocol.incoming import Incoming, Ready, SourceEngine, Writer, add_chunk, check_ready
-from kvstage.protocol.messages import (PROTOCOL_VERSION, Abort, Chunk, Done, Error, Hello, Message, Offer, Opened, Probe,
-                                       Ready as ReadyMessage, Welcome)
+from kvstage.protocol.address import Address, new_secret
+from kvstage.protocol.endpoint import (
+    SLOW_S,
+    Endpoint,
+    EndpointStats,
+    check_engine,
+    check_pages,
+    peer_label,
+    rank_name,
+    remember,
+)
+from kvstage.protocol.gate import PRE_AUTH_TYPES
+from kvstage.protocol.handshake import (
+    HANDSHAKE_TIMEOUT_S,
+    check_hello,
+    check_same_model,
+    check_token,
+    check_transport,
+    check_version,
+    md_to_wire,
+    proof,
+    spec_to_wire,
+)
+from kvstage.protocol.incoming import Group, Incoming, SourceEngine, Writer, add_chunk, check_ready
+from kvstage.protocol.messages import (
+    PROTOCOL_VERSION,
+    Abort,
+    Chunk,
+    Done,
+    Error,
+    Hello,
+    Message,
+    Offer,
+    Opened,
+    Probe,
+    Welcome,
+)
+from kvstage.protocol.messages import Ready as ReadyMessage
+from kvstage.protocol.outgoing import group_piece, overlaps, part_key
 from kvstage.protocol.reads import ArenaMove, DirectMove, IpcMove, Leftover
 from kvstage.protocol.request import State, TransferHandle
 from kvstage.protocol.route import Path, allowed_paths
@@ -79,40 +111,75 @@ def scatter_threads(cores: int) -> int:
 
 
 class Destination(Endpoint):
-    """A destination rank. ``address`` is where sources connect: the ranks of any number of
-    prefill engines (``engine``: this rank's own engine id, told to every source)."""
+    """A destination rank. ``address`` is where sources connect, with the secret they present (an
+    ``Address``: pass it, or its ``url``, to ``Source.connect``): the ranks of any number of prefill
+    engines (``engine``: this rank's own engine id, told to every source)."""
 
     role = "dst"
 
-    def __init__(self, cache, settings=None, transport=None, listen: tuple[str, int] = ("127.0.0.1", 0),
-                 engine: str = "", model: str = ""):
+    def __init__(
+        self,
+        cache,
+        settings=None,
+        transport=None,
+        listen: tuple[str, int] = ("127.0.0.1", 0),
+        engine: str = "",
+        model: str = "",
+    ):
         settings = settings or Settings()
-        check_listen(settings, listen, f"dst {getattr(cache, 'rank', '?')}")
         super().__init__(cache, settings, transport, engine, model)
+        #: what a source must present: the deployment's token, else a secret of this endpoint's own (handed to
+        #: peers in ``address``), or nothing where the operator opted out by name (``allow_unauthenticated``)
+        self.secret = settings.auth_token or ("" if settings.allow_unauthenticated else new_secret())
         self.engines: dict[str, SourceEngine] = {}
         self._writers: dict[Connection, Writer] = {}  # every connected writer, by its control connection
         self.requests: dict[tuple[str, str], Incoming] = {}
         self._early: dict[tuple[str, str], dict] = {}  # (engine, req) -> {source rank: [ready, chunks...]}
         self._gone: dict[str, str] = {}  # prefill engine whose last rank left -> why
-        self._order: list[tuple[str, str]] = []  # requests reading through the arena, in arrival order
+        self._order: list[tuple] = []  # (request, layer group) reading through the arena, in arrival order
         self._leftovers: list[Leftover] = []  # reads of failed requests that may still land
-        self._probes: dict[Connection, tuple[int, str, float]] = {}  # probe connection -> (slot, prober agent, lease end)
-        self._scratch = None  # (tensor, region) a warm read lands in (``_warm_read``)
+        self._probes: dict[
+            Connection, tuple[int, str, float]
+        ] = {}  # probe connection -> (slot, prober agent, lease end)
+        self._scratch: tuple[Any, Region] | None = None  # (tensor, region) a warm read lands in (``_warm_read``)
         self.paths = self._paths()
         self._scatter_threads = self._copy_threads()
         # host scatters run off the loop's thread (``launch_copy``); one at a time, each on ``_scatter_threads``
-        self._host_copies = ThreadPoolExecutor(1, thread_name_prefix=f"kvstage-copy{self.rank}") \
-            if self.cache.device.type == "cpu" else None
+        self._host_copies = (
+            ThreadPoolExecutor(1, thread_name_prefix=f"kvstage-copy{self.rank}")
+            if self.cache.device.type == "cpu"
+            else None
+        )
         self._listener = socket.create_server(listen)
-        self.address = self._listener.getsockname()[:2]
+        host, port = self._listener.getsockname()[:2]
+        #: where sources connect, with the secret they present (none where the deployment set a token: its
+        #: sources hold it): pass it to ``Source.connect`` as it is, or its ``url``
+        self.address = Address(host, port, "" if settings.auth_token else self.secret)
         self._start()
         threading.Thread(target=self._accept, name=f"kvstage-accept{self.rank}", daemon=True).start()
-        log.info("dst %d: listening on %s:%d (%d slots of %d bytes)", self.rank, *self.address,
-                 self.arena.allocator.count, self.arena.slot_bytes)
-        if not self.settings.auth_token:
-            log.warning("dst %d: no auth token: anyone who can reach %s:%d can connect and have its arena read "
-                        "(no page path and no probe lease is offered without one); set KVSTAGE_AUTH_TOKEN, the same "
-                        "on every rank", self.rank, *self.address)
+        auth = (
+            "sources present the auth token"
+            if settings.auth_token
+            else "sources present this rank's own secret, handed to them in its address (no auth token set)"
+            if self.secret
+            else "no authentication"
+        )
+        log.info(
+            "dst %d: listening on %s:%d (%d slots of %d bytes; %s)",
+            self.rank,
+            *self.address,
+            self.arena.allocator.count,
+            self.arena.slot_bytes,
+            auth,
+        )
+        if not self.secret:
+            log.warning(
+                "dst %d: no auth token and allow_unauthenticated=True: anyone who can reach %s:%d can connect "
+                "and have its arena read (no page path and no probe lease is offered without a token); unset "
+                "KVSTAGE_ALLOW_UNAUTHENTICATED to make a secret of this rank's own",
+                self.rank,
+                *self.address,
+            )
 
     def _paths(self) -> frozenset:
         """The paths this rank reads by: its ``path`` setting (auto: all), the page paths only with a token,
@@ -157,8 +224,12 @@ class Destination(Endpoint):
                 if self._closing or self._listener.fileno() < 0:
                     return
                 if not failed:
-                    log.warning("dst %d: accept failed: %s; retrying, backing off up to %g s", self.rank, e,
-                                ACCEPT_BACKOFF_MAX_S)
+                    log.warning(
+                        "dst %d: accept failed: %s; retrying, backing off up to %g s",
+                        self.rank,
+                        e,
+                        ACCEPT_BACKOFF_MAX_S,
+                    )
                 failed, last_failure = failed + 1, time.monotonic()
                 time.sleep(backoff)
                 backoff = min(2 * backoff, ACCEPT_BACKOFF_MAX_S)
@@ -194,15 +265,19 @@ class Destination(Endpoint):
     def connected(self, engine: str = "") -> bool:
         """Whether every source rank of prefill engine ``engine`` that sends to this rank is connected and
         has offered what it sends (a request of it then needs nothing but its ``ready``)."""
+
         def check():
             eng = self.engines.get(engine)
-            return eng is not None and all(p.src_rank in eng.writers and eng.writers[p.src_rank].offered
-                                           for p in eng.pieces(self.rank))
+            return eng is not None and all(
+                p.src_rank in eng.writers and eng.writers[p.src_rank].offered for p in eng.pieces(self.rank)
+            )
+
         return bool(self._call(check))
 
     def release(self, req: str, engine: str = "", reason: str = "released") -> None:
         """Tell the source ranks of ``engine`` that send to this rank that it will not read request ``req``
         (a request it never expected: cached here, or dropped), so they free what they hold for it."""
+
         def tell():
             self._early.pop((engine, req), None)
             eng = self.engines.get(engine)
@@ -210,6 +285,7 @@ class Destination(Endpoint):
                 w = eng.writers.get(p.src_rank)
                 if w is not None:
                     self._tell(w, Abort(req, reason))
+
         self._post("call", tell)
 
     def slots_free(self) -> int:
@@ -221,16 +297,21 @@ class Destination(Endpoint):
         return bool(self._call(lambda: (engine, req) in self.requests))
 
     def _stats(self) -> EndpointStats:
-        return dataclasses.replace(super()._stats(), unknown_announced=len(self._early), engines=len(self.engines),
-                                   announced=sum(inc.announced is not None for inc in self.requests.values()),
-                                   late_holds=len(self._leftovers))
+        return dataclasses.replace(
+            super()._stats(),
+            unknown_announced=len(self._early),
+            engines=len(self.engines),
+            announced=sum(inc.announced is not None for inc in self.requests.values()),
+            late_holds=len(self._leftovers),
+        )
 
     # -- requests (caller's thread or loop, state lock held) --------------------
     def _add(self, handle: TransferHandle, pages: np.ndarray, engine: str, first: int) -> None:
         key = (engine, handle.req)
         if key in self.requests:
-            raise ValueError(f"request {handle.req!r} of engine {engine!r} is already in flight on destination "
-                             f"rank {self.rank}")
+            raise ValueError(
+                f"request {handle.req!r} of engine {engine!r} is already in flight on destination rank {self.rank}"
+            )
         if self._take_abort(key, handle):  # a writer aborted it already: the others hear of it now
             self._early.pop(key, None)
             return
@@ -243,9 +324,11 @@ class Destination(Endpoint):
         eng = self.engines.get(engine)
         lost = [p.src_rank for p in eng.pieces(self.rank) if p.src_rank in eng.lost] if eng is not None else []
         if lost:  # a rank it needs left (a dead prefill's ranks leave one by one): it fails now, not at a timeout
+            assert eng is not None  # lost is empty without an engine
             self._early.pop(key, None)  # the ranks still here hear the abort
-            return self._fail(key, f"source rank {lost[0]} of engine {engine}", "waiting for writers",
-                              eng.lost[lost[0]], tell=True)
+            return self._fail(
+                key, f"source rank {lost[0]} of engine {engine}", "waiting for writers", eng.lost[lost[0]], tell=True
+            )
         for rank, news in self._early.pop(key, {}).items():
             w = self.engines[engine].writers.get(rank) if engine in self.engines else None
             for msg in news:
@@ -253,64 +336,120 @@ class Destination(Endpoint):
                     self._on_request_message(w, inc, msg)
         self._refresh(inc)
 
-    def _on_request_message(self, w: Writer, inc: Incoming, msg: Message) -> None:
+    def _group(self, inc: Incoming, layers: range | None, span: range | None = None) -> Group:
+        """The part of ``inc`` a message names (made at its first ``ready``): every layer and token, or a
+        streamed part (a layer group, a token span, or both), which may not overlap another part of it."""
+        key = part_key(layers, span)
+        g = inc.groups.get(key)
+        if g is not None:
+            return g
+        eng = self.engines[inc.engine]
+        total, tokens = eng.plan.geometry.layers, inc.first + inc.handle.tokens
+        if layers is not None and layers.stop > total:
+            raise ProtocolError(f"layers {layers.start}..{layers.stop} of {inc.handle.req!r}: the model has {total}")
+        if span is not None and (span.stop > tokens or span.start % eng.plan.src.page.page_size):
+            raise ProtocolError(
+                f"tokens {span.start}..{span.stop} of {inc.handle.req!r}: must lie within its {tokens} tokens and "
+                f"start on a page of the source (page size {eng.plan.src.page.page_size})"
+            )
+        g = Group(layers, (), span)
+        clash = next((o for o in inc.groups.values() if overlaps(o.layers, layers) and overlaps(o.span, span)), None)
+        if clash is not None:
+            raise ProtocolError(
+                f"{inc.handle.req!r}:{g.name or ' all of it'} overlaps the part{clash.name or ' of all of it'} "
+                "another source rank (or this one) said ready for"
+            )
+        g.pieces = tuple(x for x in (group_piece(eng.plan, p, layers) for p in eng.pieces(self.rank)) if x is not None)
+        if span is None:
+            g.first, g.count = inc.first, inc.handle.tokens
+        else:  # the span's tokens this rank receives: those from ``first`` on
+            lo, hi = max(span.start, inc.first), min(span.stop, tokens)
+            g.first, g.count, g.dst_start = lo - span.start, max(0, hi - lo), lo - inc.first
+        inc.groups[key] = g
+        return g
+
+    def _on_request_message(self, w: Writer, inc: Incoming, msg: ReadyMessage | Chunk) -> None:
         """A writer's ``ready`` or ``chunk`` for an expected request, checked; a refused one fails the request."""
         p = self.engines[w.engine].plan
-        piece_bytes = p.piece_token_bytes(w.piece)
         try:
             if isinstance(msg, ReadyMessage):
-                if w.rank in inc.readies:
-                    raise ProtocolError(f"ready for {msg.req!r} said twice")
+                g = self._group(inc, msg.group, msg.tokens_span)
+                if w.rank in g.readies:
+                    raise ProtocolError(f"ready for {msg.req!r}{g.name} said twice")
+                piece = next((x for x in g.pieces if x.src_rank == w.rank), None)
+                if piece is None:
+                    raise ProtocolError(
+                        f"ready for {msg.req!r}{g.name}: {w.name} holds none of these layers for this rank"
+                    )
                 if inc.first + inc.handle.tokens != msg.tokens:
-                    raise ProtocolError(f"the source sends {msg.tokens} tokens of {msg.req!r}; this rank expects "
-                                        f"tokens {inc.first}..{inc.first + inc.handle.tokens}")
-                inc.readies[w.rank] = check_ready(msg, w, self.paths, piece_bytes, p.direct)
-                log.debug("dst %d: %s ready from %s (%s)", self.rank, msg.req, w.name, msg.path)
+                    raise ProtocolError(
+                        f"the source sends {msg.tokens} tokens of {msg.req!r}; this rank expects "
+                        f"tokens {inc.first}..{inc.first + inc.handle.tokens}"
+                    )
+                g.readies[w.rank] = check_ready(
+                    msg, w, self.paths, p.piece_token_bytes(piece), p.direct, None if g.span is None else len(g.span)
+                )
+                log.debug("dst %d: %s%s ready from %s (%s)", self.rank, msg.req, g.name, w.name, msg.path)
             else:
-                ready = inc.readies.get(w.rank)
-                if ready is None or ready.path is not Path.READ:
-                    raise ProtocolError(f"chunk {msg.index} of {msg.req!r} from a source that did not say ready "
-                                        "for the read path")
-                add_chunk(ready, w, msg.req, [msg.index, msg.offset, _b64(msg.ticket)], piece_bytes)
+                cg = inc.groups.get(part_key(msg.group, msg.tokens_span))
+                ready = cg.readies.get(w.rank) if cg is not None else None
+                if cg is None or ready is None or ready.path is not Path.READ:
+                    raise ProtocolError(
+                        f"chunk {msg.index} of {msg.req!r} from a source that did not say ready for the read path"
+                    )
+                piece = next(x for x in cg.pieces if x.src_rank == w.rank)
+                add_chunk(ready, w, msg.req, [msg.index, msg.offset, _b64(msg.ticket)], p.piece_token_bytes(piece))
         except ProtocolError as e:
             return self._fail(inc.key, w.name, "ready", str(e), tell=True)
         inc.touched = time.monotonic()
 
     def _refresh(self, inc: Incoming) -> None:
-        """Start the request's moves once every writer it needs is connected and said ``ready``."""
+        """Start each group's moves once every writer it needs is connected and said ``ready`` for it."""
         eng = self.engines.get(inc.engine)
-        if inc.handle.done() or eng is None or inc.moves:
+        if inc.handle.done() or eng is None:
             return
-        pieces = eng.pieces(self.rank)
-        if any(p.src_rank not in inc.readies for p in pieces):
-            return
-        inc.announced = time.monotonic()
+        for g in list(inc.groups.values()):
+            if not g.started and all(p.src_rank in g.readies for p in g.pieces):
+                self._start_group(inc, g, eng)
+                if inc.handle.done():
+                    return
+        self._finish(inc)
+
+    def _start_group(self, inc: Incoming, g: Group, eng: SourceEngine) -> None:
+        g.started = True
+        if inc.announced is None:
+            inc.announced = time.monotonic()
         inc.handle._move(State.TRANSFERRING)
-        groups: dict = {}
-        for p in pieces:
-            w, ready = eng.writers.get(p.src_rank), inc.readies[p.src_rank]
+        paths: dict = {}
+        for p in g.pieces:
+            w, ready = eng.writers.get(p.src_rank), g.readies[p.src_rank]
             if w is None:
-                return self._fail(inc.key, rank_name(inc.engine, "source", p.src_rank), "read", "not connected",
-                                  tell=True)
+                return self._fail(
+                    inc.key, rank_name(inc.engine, "source", p.src_rank), "read", "not connected", tell=True
+                )
             path = ready.path
-            if path is Path.DIRECT and inc.first % self.spec.page.page_size:
+            if g.count == 0 and path is not Path.READ:
+                continue  # a span wholly before ``first`` (cached here): nothing of it to read
+            if path is Path.DIRECT and (g.first % self.spec.page.page_size or g.dst_start % self.spec.page.page_size):
                 path = Path.PAGES  # the tokens received start inside a page: read the head slices instead
-            groups.setdefault(Path.READ if path is Path.PAGES else path, []).append((w, p, ready))
+            paths.setdefault(Path.READ if path is Path.PAGES else path, []).append((w, p, ready))
         try:
-            if Path.IPC in groups:
-                inc.moves.append(IpcMove(inc, groups[Path.IPC]))
-            if Path.DIRECT in groups:
-                inc.moves.append(DirectMove(inc, groups[Path.DIRECT]))
-            if Path.READ in groups:
-                move = ArenaMove(inc, groups[Path.READ], self._own_chunk_tokens(eng, groups[Path.READ]))
+            if Path.IPC in paths:
+                g.moves.append(IpcMove(inc, paths[Path.IPC], g))
+            if Path.DIRECT in paths:
+                g.moves.append(DirectMove(inc, paths[Path.DIRECT], g))
+            if Path.READ in paths:
+                move = ArenaMove(inc, paths[Path.READ], self._own_chunk_tokens(eng, paths[Path.READ]), g)
                 need = move.slot_bytes(move.per)
                 if need > self.arena.slot_bytes:
-                    raise ProtocolError(f"a chunk of {move.per} tokens needs {need} bytes of a slot here, which holds "
-                                        f"{self.arena.slot_bytes}; raise KVSTAGE_ARENA_MB on this rank")
-                inc.moves.append(move)
-                self._order.append(inc.key)
-            inc.handle.path = ",".join(sorted({m.path.value for m in inc.moves}))
-            for m in inc.moves:
+                    raise ProtocolError(
+                        f"a chunk of {move.per} tokens needs {need} bytes of a slot here, which holds "
+                        f"{self.arena.slot_bytes}; raise KVSTAGE_ARENA_MB on this rank"
+                    )
+                g.moves.append(move)
+                self._order.append((inc.key, part_key(g.layers, g.span)))
+            inc.handle.path = ",".join(sorted({m.path.value for m in inc.moves})) or inc.handle.path
+            for m in g.moves:
                 m.start(self)
         except KVStageError as e:
             return self._fail(inc.key, "local", "read", str(e), tell=True)
@@ -318,12 +457,11 @@ class Destination(Endpoint):
             log.exception("dst %d: starting the reads of %s", self.rank, inc.handle.req)
             return self._fail(inc.key, "local", "read", f"{type(e).__name__}: {e}", tell=True)
         inc.stage = "read"
-        log.debug("dst %d: %s reading (%s)", self.rank, inc.handle.req, inc.handle.path)
+        log.debug("dst %d: %s%s reading (%s)", self.rank, inc.handle.req, g.name, inc.handle.path)
         self._start_chunks()
-        for m in inc.moves:  # a move may be done already (a small ipc read): it times itself first
+        for m in g.moves:  # a move may be done already (a small ipc read): it times itself first
             if not inc.handle.done():
                 m.progress(self)
-        self._finish(inc)
 
     def _own_chunk_tokens(self, eng: SourceEngine, writers: list) -> int:
         """Tokens of a chunk this rank cuts itself (every writer on the pages path): what fits a slot,
@@ -346,10 +484,11 @@ class Destination(Endpoint):
     def _start_chunks(self) -> None:
         """Hand free slots to the arena moves' readable chunks in ``slots.slot_order``."""
         waiting, moves = [], {}
-        for key in list(self._order):
-            inc = self.requests.get(key)
-            move = next((m for m in inc.moves if isinstance(m, ArenaMove)), None) if inc is not None else None
-            if move is None or inc.handle.done() or move.done():
+        for key in list(self._order):  # (request key, group key)
+            inc = self.requests.get(key[0])
+            g = inc.groups.get(key[1]) if inc is not None else None
+            move = next((m for m in g.moves if isinstance(m, ArenaMove)), None) if g is not None else None
+            if inc is None or move is None or inc.handle.done() or move.done():  # no inc: no move
                 self._order.remove(key)
                 continue
             move.skip_unwanted(self)
@@ -370,7 +509,7 @@ class Destination(Endpoint):
             try:
                 move.begin(self, chunk, slot)
             except KVStageError as e:  # the chunk holds its slot: the failure's ``stop`` returns it
-                self._fail(key, "local", "read", str(e), tell=True)
+                self._fail(key[0], "local", "read", str(e), tell=True)
 
     def _slots_held(self) -> dict[str, int]:
         """Arena slots each source engine's requests hold now (``slots.slot_order`` shares them by it)."""
@@ -382,26 +521,45 @@ class Destination(Endpoint):
         return held
 
     def _finish(self, inc: Incoming) -> None:
-        """Done once every move is: every byte is in this rank's pages."""
-        if inc.handle.done() or not inc.moves or not all(m.done() for m in inc.moves):
+        """A group is done once its moves are (its writers hear ``done``); the request once every layer is
+        in this rank's pages."""
+        eng = self.engines.get(inc.engine)
+        if inc.handle.done() or eng is None or not inc.groups:
             return
-        eng = self.engines[inc.engine]
+        for g in inc.groups.values():
+            if g.done or not g.started or not all(m.done() for m in g.moves):
+                continue
+            g.done = True
+            if g.layers is not None or g.span is not None:
+                log.debug("dst %d: %s%s in", self.rank, inc.handle.req, g.name)
+                for p in g.pieces:
+                    w = eng.writers.get(p.src_rank)
+                    if w is not None:
+                        self._tell(w, Done(inc.handle.req, *g.wire))
+        total = eng.plan.geometry.layers
+        if inc.area_done(total) < total * inc.handle.tokens:
+            return
         inc.handle.bytes = eng.plan.dst_token_bytes() * inc.handle.tokens
         inc.handle._move(State.DONE)
-        self.metrics.request_finished(peer_label(inc.engine), True, time.monotonic() - (inc.announced or inc.touched),
-                                      inc.handle.bytes)
+        self.metrics.request_finished(
+            peer_label(inc.engine), True, time.monotonic() - (inc.announced or inc.touched), inc.handle.bytes
+        )
         del self.requests[inc.key]
-        for p in eng.pieces(self.rank):
-            w = eng.writers.get(p.src_rank)
-            if w is not None:
-                self._tell(w, Done(inc.handle.req))
+        if None in inc.groups:  # unstreamed: its writers hear ``done`` now (a streamed one's heard it per group)
+            for p in eng.pieces(self.rank):
+                w = eng.writers.get(p.src_rank)
+                if w is not None:
+                    self._tell(w, Done(inc.handle.req))
 
     def _busy(self) -> bool:
         """Poll often while a read, a first read, a probe's lease or a host scatter runs (a host scatter's end is
         polled: the loop must not block on it while chunks become readable)."""
-        return (bool(self._leftovers) or bool(self._probes) or any(w.warm is not None for w in self._writers.values())
-                or any(m.busy() or isinstance(m.fence(), HostFence) for inc in self.requests.values()
-                       for m in inc.moves))
+        return (
+            bool(self._leftovers)
+            or bool(self._probes)
+            or any(w.warm is not None for w in self._writers.values())
+            or any(m.busy() or isinstance(m.fence(), HostFence) for inc in self.requests.values() for m in inc.moves)
+        )
 
     def _copying(self):
         for inc in self.requests.values():
@@ -457,7 +615,11 @@ class Destination(Endpoint):
         writer = self._writers.get(conn)
         if writer is None and msg.TYPE in PRE_AUTH_TYPES:
             try:
-                (self._on_hello if isinstance(msg, Hello) else self._on_probe)(conn, msg)
+                if isinstance(msg, Hello):
+                    self._on_hello(conn, msg)
+                else:
+                    assert isinstance(msg, Probe)  # PRE_AUTH_TYPES: hello and probe
+                    self._on_probe(conn, msg)
             except KVStageError as e:
                 try:  # the peer hears why (one message), then the connection closes
                     conn.send(Error(str(e), msg.TYPE).to_wire())
@@ -498,7 +660,7 @@ class Destination(Endpoint):
         else:
             raise ProtocolError(f"{msg.TYPE} message from a source")
 
-    def _hold_early(self, w: Writer, key: tuple, msg: Message) -> None:
+    def _hold_early(self, w: Writer, key: tuple, msg: ReadyMessage | Chunk) -> None:
         """A ``ready`` (or ``chunk``) for a request not expected yet: kept for ``expect``, at most
         ``MAX_EARLY`` requests (the oldest go)."""
         news = self._early.get(key)
@@ -512,7 +674,7 @@ class Destination(Endpoint):
             raise ProtocolError(f"too many messages for {msg.req!r}, which is not expected here")
 
     def _on_hello(self, conn: Connection, msg: Hello) -> None:
-        src, rank = check_hello(msg, self.settings.auth_token, self.transport.name)
+        src, rank = check_hello(msg, self.secret, self.transport.name)  # nothing of this side is told before it
         check_same_model(msg.model, self.model, "source")
         from kvstage.tp import plan
 
@@ -521,13 +683,26 @@ class Destination(Endpoint):
         eng = self.engines.get(engine)
         if eng is not None and p.src != eng.plan.src:
             if eng.writers or any(inc.engine == engine for inc in self.requests.values()):
-                raise IncompatibleGeometry(f"source spec {src} differs from the spec {eng.plan.src} engine {engine!r}'s "
-                                           "other ranks connected with; one engine's ranks share one spec")
+                raise IncompatibleGeometry(
+                    f"source spec {src} differs from the spec {eng.plan.src} engine {engine!r}'s "
+                    "other ranks connected with; one engine's ranks share one spec"
+                )
             log.info("dst %d: prefill engine %r comes back with spec %s (was %s)", self.rank, engine, src, eng.plan.src)
             eng = None
         piece = next((x for x in p.writers_of(self.rank) if x.src_rank == rank), None)
-        welcome = Welcome(PROTOCOL_VERSION, self.engine, self.model, spec_to_wire(self.spec), self.rank,
-                          self.transport.name, None, None, None, None, piece is not None)
+        welcome = Welcome(
+            PROTOCOL_VERSION,
+            self.engine,
+            self.model,
+            spec_to_wire(self.spec),
+            self.rank,
+            self.transport.name,
+            None,
+            None,
+            None,
+            None,
+            piece is not None,
+        )
         if piece is None:  # nothing to read from it here; the source closes this connection
             self._admit(conn)
             conn.send(welcome.to_wire())
@@ -552,19 +727,32 @@ class Destination(Endpoint):
         writer.local = same_host is True and msg.uid == os.getuid()
         self._writers[conn] = writer
         self._admit(conn)
-        self._log_link(msg.facts, conn.peer, msg.kv_facts, pages=bool(paths - {Path.READ}),
-                       label=peer_label(engine, rank))
+        self._log_link(
+            msg.facts, conn.peer, msg.kv_facts, pages=bool(paths - {Path.READ}), label=peer_label(engine, rank)
+        )
         if p.direct and Path.DIRECT in paths:
             self.kv_regions()  # registered before any direct read lands in these pages
         # a source needs this rank's metadata only to offer its bytes over a two-sided transport: one-sided, it
         # is not given it, so it holds no key to this rank's memory
-        conn.send(dataclasses.replace(
-            welcome, metadata=self.transport.metadata() if self.transport.reads_offered else None,
-            slot_bytes=self.arena.slot_bytes, facts=self.facts,
-            paths=sorted(x.value for x in paths), proof=proof(self.settings.auth_token, msg.nonce)
-            if self.settings.auth_token else None).to_wire())
-        log.debug("dst %d: %s connected, heads %d..%d, buffers %d..%d", self.rank, conn.peer, piece.heads.start,
-                  piece.heads.stop, piece.buffers.start, piece.buffers.stop)
+        conn.send(
+            dataclasses.replace(
+                welcome,
+                metadata=self.transport.metadata() if self.transport.reads_offered else None,
+                slot_bytes=self.arena.slot_bytes,
+                facts=self.facts,
+                paths=sorted(x.value for x in paths),
+                proof=proof(self.secret, msg.nonce) if self.secret else None,
+            ).to_wire()
+        )
+        log.debug(
+            "dst %d: %s connected, heads %d..%d, buffers %d..%d",
+            self.rank,
+            conn.peer,
+            piece.heads.start,
+            piece.heads.stop,
+            piece.buffers.start,
+            piece.buffers.stop,
+        )
 
     def _on_offer(self, w: Writer, msg: Offer) -> None:
         """What the source made readable: its arena, its KV buffers, and on this host its pages and event
@@ -577,7 +765,9 @@ class Destination(Endpoint):
         except (KeyError, TypeError, ValueError) as e:
             raise ProtocolError(f"offer: a region is malformed: {e}") from None
         if w.kv and len(w.kv) != w.spec.geometry.buffers:
-            raise ProtocolError(f"offer: {len(w.kv)} KV regions; the source's spec has {w.spec.geometry.buffers} buffers")
+            raise ProtocolError(
+                f"offer: {len(w.kv)} KV regions; the source's spec has {w.spec.geometry.buffers} buffers"
+            )
         if not w.kv:
             w.paths -= {Path.DIRECT, Path.PAGES}
         why = self._open_pages(w, msg.ipc) if msg.ipc is not None else "not offered"
@@ -679,18 +869,21 @@ class Destination(Endpoint):
         """``kvstage probe --peer``: lend one free arena slot for a measured write.
 
         The prober writes into that slot only, the same memory KV chunks are read
-        into. A lease needs the auth token (a destination without one lends
-        nothing), one per connection, at most ``PROBE_SHARE`` of the slots at
-        once; the slot returns when the prober disconnects or after
-        ``PROBE_LEASE_S``, when its connection is closed."""
+        into. A lease needs this rank's secret (the auth token, or the secret in
+        its address; a destination without either lends nothing), one per
+        connection, at most ``PROBE_SHARE`` of the slots at once; the slot
+        returns when the prober disconnects or after ``PROBE_LEASE_S``, when its
+        connection is closed."""
         if conn in self._probes:
             raise ProtocolError("one probe per connection")
         check_version(msg.version, "prober")
-        check_token(msg.token, self.settings.auth_token)
+        check_token(msg.token, self.secret)
         check_transport(msg.transport, self.transport.name, "prober")
-        if not self.settings.auth_token:
-            raise ProtocolError("probe: this destination has no auth token and lends slots only to peers presenting "
-                                "one; set KVSTAGE_AUTH_TOKEN on both sides")
+        if not self.secret:
+            raise ProtocolError(
+                "probe: this destination has no auth token and lends slots only to peers presenting "
+                "one; set KVSTAGE_AUTH_TOKEN on both sides"
+            )
         if not self.transport.one_sided:
             raise ProtocolError(
                 f"probe: this destination moves bytes with transport={self.transport.name}; `kvstage probe --peer` "
@@ -699,7 +892,9 @@ class Destination(Endpoint):
         nbytes = min(msg.nbytes, self.arena.slot_bytes)
         most = max(1, int(self.arena.allocator.count * PROBE_SHARE))
         if len(self._probes) >= most:
-            raise ProtocolError(f"busy: {len(self._probes)} probes hold the {most} slots probes may use; probe again later")
+            raise ProtocolError(
+                f"busy: {len(self._probes)} probes hold the {most} slots probes may use; probe again later"
+            )
         slot = self.arena.allocator.acquire()
         if slot is None:
             raise ProtocolError(f"busy: all {self.arena.allocator.count} arena slots are in use; probe again later")
@@ -707,16 +902,35 @@ class Destination(Endpoint):
         self._admit(conn)
         base = self.arena_region
         region = Region(base.addr + self.arena.offset(slot), nbytes, base.device, base.device_id)
-        conn.send({"type": "probe_ok", "facts": self.facts, "metadata": md_to_wire(self.transport.metadata()),
-                   "region": region.to_wire(), "rank": self.rank, "lease_s": PROBE_LEASE_S})
-        log.info("dst %d: lent slot %d (%d bytes) to a probe from %s for %g s", self.rank, slot, nbytes, conn.peer,
-                 PROBE_LEASE_S)
+        conn.send(
+            {
+                "type": "probe_ok",
+                "facts": self.facts,
+                "metadata": md_to_wire(self.transport.metadata()),
+                "region": region.to_wire(),
+                "rank": self.rank,
+                "lease_s": PROBE_LEASE_S,
+            }
+        )
+        log.info(
+            "dst %d: lent slot %d (%d bytes) to a probe from %s for %g s",
+            self.rank,
+            slot,
+            nbytes,
+            conn.peer,
+            PROBE_LEASE_S,
+        )
 
     def _end_leases(self, now: float) -> None:
         for conn, (slot, _, until) in list(self._probes.items()):
             if now > until:
-                log.info("dst %d: the probe lease of %s ended after %g s: slot %d returns", self.rank, conn.peer,
-                         PROBE_LEASE_S, slot)
+                log.info(
+                    "dst %d: the probe lease of %s ended after %g s: slot %d returns",
+                    self.rank,
+                    conn.peer,
+                    PROBE_LEASE_S,
+                    slot,
+                )
                 conn.close()
                 self._drop(conn, "probe lease ended")
 
@@ -759,10 +973,16 @@ class Destination(Endpoint):
             del eng.writers[writer.rank]
             eng.lost[writer.rank] = f"{writer.name} left: connection lost ({reason})"
         self.transport.disconnect(writer.agent)
-        live = [k for k, inc in self.requests.items() if inc.engine == writer.engine and not inc.handle.done()
-                and any(p.src_rank == writer.rank for p in eng.pieces(self.rank))]
-        (log.warning if live else log.info)("dst %d: %s disconnected (%s), %d requests affected",
-                                            self.rank, writer.name, reason, len(live))
+        live = [
+            k
+            for k, inc in self.requests.items()
+            if inc.engine == writer.engine
+            and not inc.handle.done()
+            and any(p.src_rank == writer.rank for p in eng.pieces(self.rank))
+        ]
+        (log.warning if live else log.info)(
+            "dst %d: %s disconnected (%s), %d requests affected", self.rank, writer.name, reason, len(live)
+        )
         for key in live:
             inc = self.requests.get(key)
             if inc is not None:
@@ -773,8 +993,13 @@ class Destination(Endpoint):
             writer.opened.close()
         if not eng.writers:  # an engine gone whole: later requests that name it fail at once
             del self.engines[writer.engine]
-            remember(self._gone, writer.engine, f"every rank of prefill engine {writer.engine!r} left: connection "
-                     f"lost with the last, {writer.name} ({reason})", MAX_GONE)
+            remember(
+                self._gone,
+                writer.engine,
+                f"every rank of prefill engine {writer.engine!r} left: connection "
+                f"lost with the last, {writer.name} ({reason})",
+                MAX_GONE,
+            )
             log.info("dst %d: prefill engine %r has no rank connected any more", self.rank, writer.engine)
 
     def _peers(self) -> list:
@@ -791,8 +1016,13 @@ class Destination(Endpoint):
                 continue
             for key, inc in list(self.requests.items()):
                 if inc.engine == w.engine and not inc.handle.done() and self._owes(inc, w):
-                    self._fail(key, w.name, inc.stage, f"no control message for {quiet:.1f} s: the source is "
-                               "stopped or hung, or the link is down", tell=True)
+                    self._fail(
+                        key,
+                        w.name,
+                        inc.stage,
+                        f"no control message for {quiet:.1f} s: the source is stopped or hung, or the link is down",
+                        tell=True,
+                    )
         for key, inc in list(self.requests.items()):
             if inc.handle.done():
                 continue
@@ -800,40 +1030,75 @@ class Destination(Endpoint):
             if inc.announced is None:
                 if waited > self.settings.ready_timeout_s:
                     eng = self.engines.get(inc.engine)
-                    missing = sorted({p.src_rank for p in eng.pieces(self.rank)} - set(inc.readies)) if eng else []
+                    missing = sorted({p.src_rank for p in eng.pieces(self.rank)} - inc.ready_ranks()) if eng else []
                     who = "source ranks " + ",".join(map(str, missing)) if missing else "sources"
                     if inc.engine:
                         who += f" of engine {inc.engine}"
-                    self._fail(key, who, "waiting for writers", f"not ready within {self.settings.ready_timeout_s:g} s",
-                               tell=True)
+                    self._fail(
+                        key,
+                        who,
+                        "waiting for writers",
+                        f"not ready within {self.settings.ready_timeout_s:g} s",
+                        tell=True,
+                    )
                 continue
             if waited <= min(SLOW_S, self.settings.stall_timeout_s):
                 continue
             eng = self.engines.get(inc.engine)
             owing = [w for w in (eng.writers.values() if eng else ()) if self._owes(inc, w)]
             reading = any(m.busy() for m in inc.moves)
-            def runs(since: float) -> bool:  # every writer it waits for runs: what it owes is stuck, not late
+
+            def runs(
+                since: float, owing=owing
+            ) -> bool:  # every writer it waits for runs: what it owes is stuck, not late
                 return all(self._peer_running(w.conn, now, since) for w in owing)
+
             if not inc.slow:
                 inc.slow = True
                 self.metrics.slow(peer_label(inc.engine), "read")
                 who = ", ".join(w.name for w in owing) or "its reads"
-                log.warning("dst %d: request %s is slow: no progress for %.1f s at stage %s; waiting for %s (%s)",
-                            self.rank, inc.handle.req, waited, inc.stage, who,
-                            "this rank's transport" if not owing else "running" if runs(inc.touched + SLOW_S)
-                            else "alive, busy: its loop does not turn")
-            if waited > self.settings.stall_timeout_s and (reading or (owing and runs(
-                    inc.touched + self.settings.stall_timeout_s))):
+                log.warning(
+                    "dst %d: request %s is slow: no progress for %.1f s at stage %s; waiting for %s (%s)",
+                    self.rank,
+                    inc.handle.req,
+                    waited,
+                    inc.stage,
+                    who,
+                    "this rank's transport"
+                    if not owing
+                    else "running"
+                    if runs(inc.touched + SLOW_S)
+                    else "alive, busy: its loop does not turn",
+                )
+            if waited > self.settings.stall_timeout_s and (
+                reading or (owing and runs(inc.touched + self.settings.stall_timeout_s))
+            ):
                 who = owing[0].name if owing else "local"
-                self._fail(key, who, inc.stage, f"no progress for {self.settings.stall_timeout_s:g} s" +
-                           (", while the source runs" if owing else ": a read did not complete"), tell=True)
+                self._fail(
+                    key,
+                    who,
+                    inc.stage,
+                    f"no progress for {self.settings.stall_timeout_s:g} s"
+                    + (", while the source runs" if owing else ": a read did not complete"),
+                    tell=True,
+                )
 
     def _owes(self, inc: Incoming, w: Writer) -> bool:
-        """Whether ``inc`` still waits for something only ``w``'s process sends: its ``ready``, or a chunk."""
-        ready = inc.readies.get(w.rank)
-        if ready is None:
+        """Whether ``inc`` still waits for something only ``w``'s process sends: a ``ready`` (of a part it holds
+        layers of, or of the layers and tokens no part covers yet), or a chunk."""
+        eng = self.engines.get(inc.engine)
+        if eng is None or not any(p.src_rank == w.rank for p in eng.pieces(self.rank)):
+            return False
+        layers = eng.plan.geometry.layers
+        if sum(g.area(layers) for g in inc.groups.values()) < layers * inc.handle.tokens:
             return True
-        return ready.path is Path.READ and len(ready.gathered) < ready.chunks
+        for g in inc.groups.values():
+            ready = g.readies.get(w.rank)
+            if ready is None and any(p.src_rank == w.rank for p in g.pieces):
+                return True
+            if ready is not None and ready.path is Path.READ and len(ready.gathered) < ready.chunks:
+                return True
+        return False
 
     def _forgive(self, gap: float) -> None:
         for inc in self.requests.values():

@@ -28,8 +28,8 @@ import selectors
 import socket
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import numpy as np
 import torch
@@ -82,20 +82,24 @@ SLOW_S = 5.0
 def check_engine(engine) -> str:
     """An engine id as given by a caller: a string of at most ``MAX_ENGINE_ID`` printable characters."""
     if not isinstance(engine, str) or len(engine) > MAX_ENGINE_ID or not engine.isprintable():
-        raise ConfigError(f"engine={str(engine)[:40]!r}: must be a string of at most {MAX_ENGINE_ID} printable "
-                          "characters (the same on every rank of one engine)")
+        raise ConfigError(
+            f"engine={str(engine)[:40]!r}: must be a string of at most {MAX_ENGINE_ID} printable "
+            "characters (the same on every rank of one engine)"
+        )
     return engine
 
 
 def check_model_id(model) -> str:
     """A model identity as an engine gives it (``""``: none, nothing is compared)."""
     if not isinstance(model, str) or len(model) > MAX_MODEL_ID or not model.isprintable():
-        raise ConfigError(f"model={str(model)[:40]!r}: must be a string of at most {MAX_MODEL_ID} printable "
-                          "characters (the engine's model name or path and a hash of what shapes its KV)")
+        raise ConfigError(
+            f"model={str(model)[:40]!r}: must be a string of at most {MAX_MODEL_ID} printable "
+            "characters (the engine's model name or path and a hash of what shapes its KV)"
+        )
     return model
 
 
-def peer_label(engine: str, rank: int | None = None) -> str:
+def peer_label(engine: str | None, rank: int | None = None) -> str:
     """A peer as a metrics label: ``engine/rank``, or ``engine/*`` for every rank of that engine a
     request involves (few distinct values: one per peer engine and rank); the unnamed engine's
     peers are ``rank`` and ``*``."""
@@ -137,7 +141,9 @@ def check_pages(cache: RankCache, page_ids, tokens: int) -> np.ndarray:
     except (ValueError, TypeError) as e:  # ragged, or not a sequence numpy can read
         raise ConfigError(f"page_ids: must be a flat sequence of integers: {e}") from None
     if given.size and given.dtype.kind not in "iu":  # a float would be truncated, a bool or string read as a number
-        raise ConfigError(f"page_ids: must be integers, got {given.dtype} values (e.g. {given.reshape(-1)[:3].tolist()})")
+        raise ConfigError(
+            f"page_ids: must be integers, got {given.dtype} values (e.g. {given.reshape(-1)[:3].tolist()})"
+        )
     ids = given.astype(np.int64, copy=False).reshape(-1) if given.size else np.zeros(0, dtype=np.int64)
     need = pages_needed(int(tokens), cache.spec.page.page_size)
     if len(ids) < need:
@@ -184,8 +190,14 @@ class Endpoint:
 
     role = "endpoint"
 
-    def __init__(self, cache: RankCache, settings: Settings | None = None, transport: Transport | None = None,
-                 engine: str = "", model: str = ""):
+    def __init__(
+        self,
+        cache: RankCache,
+        settings: Settings | None = None,
+        transport: Transport | None = None,
+        engine: str = "",
+        model: str = "",
+    ):
         self.cache, self.spec, self.rank = cache, cache.spec, cache.rank
         self.engine = check_engine(engine)
         self.model = check_model_id(model)
@@ -225,8 +237,10 @@ class Endpoint:
     def _check_cache(self) -> None:
         """The cache suits the transport; its copier is chosen (and logged) now, not on a request's path."""
         if self.transport.host_only and self.cache.device.type == "cuda":
-            raise ConfigError(f"transport={self.transport.name!r} moves host memory only; this rank's cache is on "
-                              f"{self.cache.device}: use nixl or ucx")
+            raise ConfigError(
+                f"transport={self.transport.name!r} moves host memory only; this rank's cache is on "
+                f"{self.cache.device}: use nixl or ucx"
+            )
         self.copier = self.cache.copier
 
     def _local_facts(self) -> dict:
@@ -243,11 +257,29 @@ class Endpoint:
         where, why = choose_arena(self.settings.arena, cache.device, value(self.facts, "ucx_modules"), os.environ)
         on_gpu = where == "device"
         size = self._arena_size(where)
-        arena = StagingArena(size.slot_bytes, size.slots, cache.device if on_gpu else torch.device("cpu"),
-                             pinned=cache.device.type == "cuda")
-        place = f"{cache.device} memory" if on_gpu else "pinned host memory" if cache.device.type == "cuda" else "host memory"
-        log.info("%s %d: staging arena of %d slots x %.4g MiB in %s (%s; %s)", self.role, self.rank, size.slots,
-                 size.slot_bytes / 2**20, place, size.why, why)
+        arena = StagingArena(
+            size.slot_bytes,
+            size.slots,
+            cache.device if on_gpu else torch.device("cpu"),
+            pinned=cache.device.type == "cuda",
+        )
+        place = (
+            f"{cache.device} memory"
+            if on_gpu
+            else "pinned host memory"
+            if cache.device.type == "cuda"
+            else "host memory"
+        )
+        log.info(
+            "%s %d: staging arena of %d slots x %.4g MiB in %s (%s; %s)",
+            self.role,
+            self.rank,
+            size.slots,
+            size.slot_bytes / 2**20,
+            place,
+            size.why,
+            why,
+        )
         return arena, where
 
     def _arena_size(self, where: str) -> ArenaSize:
@@ -265,9 +297,12 @@ class Endpoint:
 
     def _init_loop(self) -> None:
         """The loop's state and thread (started by the subclass, last in its constructor)."""
-        self._aborted: dict[tuple, tuple[str, str]] = {}  # (engine, req) -> (peer, cause): aborted before this side knew it
+        self._aborted: dict[
+            tuple, tuple[str, str]
+        ] = {}  # (engine, req) -> (peer, cause): aborted before this side knew it
         self._events: queue.Queue = queue.Queue()
-        self._selector = None  # epoll over the watched sockets, made only while one is past select's reach
+        # epoll over the watched sockets, made only while one is past select's reach
+        self._selector: selectors.BaseSelector | None = None
         self._wake, self._waker = socket.socketpair()  # a byte on _waker: the queue holds an event
         for s in (self._wake, self._waker):
             s.setblocking(False)
@@ -287,9 +322,13 @@ class Endpoint:
         self.silence_max_s = 0.0  # the longest a connected peer was quiet, as this loop saw it
         self._clock = beat.LoopClock() if beat.available() else None
         if self._clock is None:
-            log.info("%s %d: pings come from this endpoint's loop (%s): while this process's Python is busy they "
-                     "stop, and its peers may take it for stopped after peer_timeout_s", self.role, self.rank,
-                     beat.why_unavailable())
+            log.info(
+                "%s %d: pings come from this endpoint's loop (%s): while this process's Python is busy they "
+                "stop, and its peers may take it for stopped after peer_timeout_s",
+                self.role,
+                self.rank,
+                beat.why_unavailable(),
+            )
         self._closing = False
         self._state = threading.Lock()  # held while state changes: by the loop, or by a caller in ``_here``
         self._thread = threading.Thread(target=self._run, name=f"kvstage-{self.role}{self.rank}", daemon=True)
@@ -380,7 +419,9 @@ class Endpoint:
         The state lock is held except while waiting."""
         with self._state:
             for conn in [c for c in self._watched.values() if c is not None and c.closed]:
-                self._drop(conn, "closed by this side")  # a refused hello, a replaced peer: before a new socket takes its number
+                self._drop(
+                    conn, "closed by this side"
+                )  # a refused hello, a replaced peer: before a new socket takes its number
             fence, busy = self._copying(), self._busy()
             poll_until = self._stirred + self._poll if self._poll and self.requests else 0.0
         readable = self._wait(fence, busy, poll_until)
@@ -427,8 +468,10 @@ class Endpoint:
         if authenticate_within is not None:
             most = pending_cap()
             while len(self._pending) >= most:
-                self._refuse(next(iter(self._pending)), f"dropped for a newer one: at most {most} connections are "
-                                                        "held before they authenticate")
+                self._refuse(
+                    next(iter(self._pending)),
+                    f"dropped for a newer one: at most {most} connections are held before they authenticate",
+                )
             self._pending[conn] = (time.monotonic() + authenticate_within, authenticate_within)
             conn.max_frame = PRE_AUTH_MAX_FRAME
         self._watched[conn.sock] = conn
@@ -445,8 +488,13 @@ class Endpoint:
     def _resumed(self, gap: float) -> None:
         """The loop did not run for ``gap`` seconds: this process was stopped or starved. Every
         deadline is moved on by that much (``_forgive``), so that no peer is blamed for it."""
-        log.warning("%s %d: this process did not run for %.1f s (stopped or starved); its deadlines move on by "
-                    "that much, so its peers are not blamed for the time it lost", self.role, self.rank, gap)
+        log.warning(
+            "%s %d: this process did not run for %.1f s (stopped or starved); its deadlines move on by "
+            "that much, so its peers are not blamed for the time it lost",
+            self.role,
+            self.rank,
+            gap,
+        )
         for conn in self._heard:
             self._heard[conn] += gap
         for conn, (when, age) in self._peer_loop.items():
@@ -469,7 +517,9 @@ class Endpoint:
             ready = self._poll_sockets(poll_until)
             if not ready:  # the window passed quietly: back to sleeping
                 return []
-        elif fence is None:  # the transport is polled every _busy_wait while a transfer is near; a message ends the wait
+        elif (
+            fence is None
+        ):  # the transport is polled every _busy_wait while a transfer is near; a message ends the wait
             ready = self._ready(self._busy_wait if busy else self._idle_wait())
         else:  # messages first; then the copy's end wakes the loop, with no thread in between
             ready = self._ready(0)
@@ -514,6 +564,7 @@ class Endpoint:
         if 0 < timeout < 1e-3:
             time.sleep(timeout)
             timeout = 0
+        assert self._selector is not None  # made by _sockets_changed whenever _low is False
         return [key.fileobj for key, _ in self._selector.select(timeout)]
 
     def _sockets_changed(self) -> None:
@@ -521,9 +572,14 @@ class Endpoint:
         self._socks = list(self._watched)
         low = all(sock.fileno() < _SELECT_LIMIT for sock in self._socks)
         if low != self._low:
-            log.info("%s %d: control sockets %s descriptor %d: the loop waits with %s", self.role, self.rank,
-                     "below" if low else "past", _SELECT_LIMIT - 1,
-                     "select(2) again" if low else "epoll (millisecond timeouts: shorter waits become sleeps)")
+            log.info(
+                "%s %d: control sockets %s descriptor %d: the loop waits with %s",
+                self.role,
+                self.rank,
+                "below" if low else "past",
+                _SELECT_LIMIT - 1,
+                "select(2) again" if low else "epoll (millisecond timeouts: shorter waits become sleeps)",
+            )
         self._low = low
         if self._selector is not None:
             self._selector.close()
@@ -540,8 +596,11 @@ class Endpoint:
         try:
             for raw in conn.feed():
                 if conn in self._pending and raw["type"] not in PRE_AUTH_TYPES:
-                    self._refuse(conn, f"sent {str(raw['type'])[:32]!r} before authenticating (only a hello or a "
-                                       "probe request may come first)")
+                    self._refuse(
+                        conn,
+                        f"sent {str(raw['type'])[:32]!r} before authenticating (only a hello or a "
+                        "probe request may come first)",
+                    )
                     return
                 now = time.monotonic()
                 self.silence_max_s = max(self.silence_max_s, now - self._heard.get(conn, now))
@@ -565,7 +624,9 @@ class Endpoint:
                     try:
                         self._on_message(conn, msg)
                     except OSError as e:  # the peer went away while this side answered it: that is its loss
-                        self._drop(conn, str(e) or type(e).__name__, answered=getattr(e, "errno", None) not in _UNANSWERED)
+                        self._drop(
+                            conn, str(e) or type(e).__name__, answered=getattr(e, "errno", None) not in _UNANSWERED
+                        )
                         return
                     except KVStageError as e:
                         self._reject(conn, raw, e)
@@ -603,8 +664,14 @@ class Endpoint:
     def _replace_peer(self, old: Connection, name: str, new_peer: str) -> None:
         """``name`` (a peer rank) connected again, from ``new_peer``: a restarted or reconnected rank
         with the same identity. Its old connection closes, and what was in flight on it fails."""
-        log.warning("%s %d: %s connected again (%s); its connection %s is closed", self.role, self.rank, name,
-                    new_peer, old.peer)
+        log.warning(
+            "%s %d: %s connected again (%s); its connection %s is closed",
+            self.role,
+            self.rank,
+            name,
+            new_peer,
+            old.peer,
+        )
         old.close()
         self._drop(old, f"replaced by a new connection of {name}")
 
@@ -643,8 +710,10 @@ class Endpoint:
         never come. At most ``MAX_ABORTED`` are kept, the oldest dropped first."""
         remember(self._aborted, key, (peer, cause), MAX_ABORTED)
 
-    def _take_abort(self, key: tuple, handle) -> bool:
-        got = self._aborted.pop(key, None)
+    def _take_abort(self, key: tuple, handle, keep: bool = False) -> bool:
+        """Fail ``handle`` if its peer aborted request ``key`` already; ``keep``: the abort is kept for a
+        later layer group of the same request."""
+        got = self._aborted.get(key) if keep else self._aborted.pop(key, None)
         if got is not None:
             handle._fail(got[0], "abort", got[1])
         return got is not None
@@ -702,8 +771,9 @@ class Endpoint:
             self._kv_facts = memory_facts(self.cache.buffers[0], value(self.facts, "gpus"))
         return self._kv_facts
 
-    def _judge_link(self, peer_facts, peer_name: str, peer_kv_facts=None, kv: bool = False,
-                    label: str = "") -> Finding | None:
+    def _judge_link(
+        self, peer_facts, peer_name: str, peer_kv_facts=None, kv: bool = False, label: str = ""
+    ) -> Finding | None:
         """The connect-time judgement of the link to one peer (docs/probe.md), logged once, kept
         for ``stats``: of the arenas, or with ``kv`` of the KV buffers the page paths read. None
         when the peer's facts are unreadable (said in one line)."""
@@ -750,9 +820,18 @@ class Endpoint:
 
     def _stats(self) -> EndpointStats:
         a = self.arena.allocator
-        return EndpointStats(self.role, self.rank, a.count, a.free, len(self.requests), len(self._peers()),
-                             aborts_remembered=len(self._aborted), polling=self._busy(),
-                             wait="select" if self._low else "epoll", links=tuple(self._links.values()))
+        return EndpointStats(
+            self.role,
+            self.rank,
+            a.count,
+            a.free,
+            len(self.requests),
+            len(self._peers()),
+            aborts_remembered=len(self._aborted),
+            polling=self._busy(),
+            wait="select" if self._low else "epoll",
+            links=tuple(self._links.values()),
+        )
 
     # -- public --------------------------------------------------------------
     def close(self) -> None:

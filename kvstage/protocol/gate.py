@@ -75,8 +75,9 @@ class RefusalLog:
 
     def _report(self, key, got: _Refusals) -> None:
         if got.count:
-            self.log.warning("%s: refused %s %d more times in %.0f s: %s", self.prefix, key[0], got.count,
-                             REFUSAL_INTERVAL_S, key[1])
+            self.log.warning(
+                "%s: refused %s %d more times in %.0f s: %s", self.prefix, key[0], got.count, REFUSAL_INTERVAL_S, key[1]
+            )
 
 
 def pending_cap() -> int:
@@ -110,7 +111,7 @@ def is_loopback(host: str) -> bool:
         infos = socket.getaddrinfo(host, None)
     except OSError:
         return False
-    return bool(infos) and all(ipaddress.ip_address(info[4][0].split("%")[0]).is_loopback for info in infos)
+    return bool(infos) and all(ipaddress.ip_address(str(info[4][0]).split("%")[0]).is_loopback for info in infos)
 
 
 def check_listen(settings, listen: tuple, who: str) -> None:

@@ -10,9 +10,9 @@ its pages here, the readies it waits for and the moves that read it.
 from __future__ import annotations
 
 import collections
-
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -27,6 +27,9 @@ from kvstage.staging.region import Order
 from kvstage.tp import Piece, SideSpec, TransferPlan
 from kvstage.transports.base import Region
 
+if TYPE_CHECKING:
+    from kvstage.staging.cuda_ipc import SourcePages
+    from kvstage.staging.shared_buffers import OpenedBuffers, OpenedEvent
 
 #: messages one handshaking writer may have waiting for it (``Writer.held``)
 MAX_HELD = 1024
@@ -45,12 +48,12 @@ class Writer:
     paths: frozenset  # the paths both sides' settings allow
     arena: Region | None = None  # its arena (the read path reads its chunks there)
     kv: list = field(default_factory=list)  # its KV buffers' regions (the direct and pages paths read them)
-    ipc: object = None  # its pages as this rank's kernel reads them (``cuda_ipc.SourcePages``), opened over CUDA IPC
-    opened: object = None  # the ``OpenedBuffers`` behind ``ipc``, closed with the connection
-    event: object = None  # its ready event opened here (``shared_buffers.OpenedEvent``)
+    ipc: SourcePages | None = None  # its pages as this rank's kernel reads them, opened over CUDA IPC
+    opened: OpenedBuffers | None = None  # the ``OpenedBuffers`` behind ``ipc``, closed with the connection
+    event: OpenedEvent | None = None  # its ready event opened here (``shared_buffers.OpenedEvent``)
     offered: bool = False  # its ``offer`` arrived: what it offers is known
     local: bool = False  # it runs on this host, as this user (the ipc path may open its pages)
-    warm: object = None  # (read handle, deadline) of the first read of its arena, until it completes
+    warm: tuple[Any, float] | None = None  # (read handle, deadline) of the first read of its arena, until it completes
     why_not_ipc: str = ""  # why its pages were not opened here, told in ``opened``
     #: messages for it while its handshake runs (the source reads only ``opened`` then), sent after ``opened``;
     #: bounded: an older abort dropped here leaves the source's own ready timeout to free that request
@@ -82,7 +85,7 @@ class SourceEngine:
 
     name: str
     plan: TransferPlan
-    writers: dict = field(default_factory=dict)  # source rank -> Writer
+    writers: dict[int, Writer] = field(default_factory=dict)  # source rank -> Writer
     lost: dict = field(default_factory=dict)  # source rank that left and has not come back -> why
     ipc_copier: object = None  # the kernel reading this engine's pages (``cuda_ipc.IpcReadCopier``), made once
 
@@ -105,61 +108,81 @@ class Ready:
     order: Order = Order.HEADS  # the read path: how each chunk's piece is laid out in the source's arena
 
 
-def check_ready(msg: ReadyMessage, writer: Writer, allowed: frozenset, piece_bytes: int, direct: bool) -> Ready:
+def check_ready(
+    msg: ReadyMessage, writer: Writer, allowed: frozenset, piece_bytes: int, direct: bool, tokens: int | None = None
+) -> Ready:
     """A writer's ``ready``, refused (``ProtocolError``, naming what) where its path is not allowed or
     not one its offer or the plan can carry (``direct``: the plan's pieces are whole shards with equal
-    paging), or its pages or chunks lie outside what it offered."""
+    paging), or its pages or chunks lie outside what it offered. ``tokens``: those its pages hold (a
+    token span's), where not the whole request's."""
+    tokens = msg.tokens if tokens is None else tokens
     try:
         path = Path(msg.path)
     except ValueError:
-        raise ProtocolError(f"ready for {msg.req!r}: path {msg.path!r} is none of {', '.join(p.value for p in Path)}") from None
+        raise ProtocolError(
+            f"ready for {msg.req!r}: path {msg.path!r} is none of {', '.join(p.value for p in Path)}"
+        ) from None
     if path not in allowed:
-        raise ProtocolError(f"ready for {msg.req!r}: path {path} is not allowed here (this rank's path setting "
-                            f"allows {', '.join(sorted(p.value for p in allowed))})")
+        raise ProtocolError(
+            f"ready for {msg.req!r}: path {path} is not allowed here (this rank's path setting "
+            f"allows {', '.join(sorted(p.value for p in allowed))})"
+        )
     if path not in writer.paths:
-        raise ProtocolError(f"ready for {msg.req!r}: path {path} is not allowed here (the handshake with this "
-                            f"source agreed {', '.join(sorted(p.value for p in writer.paths)) or 'none'})")
+        raise ProtocolError(
+            f"ready for {msg.req!r}: path {path} is not allowed here (the handshake with this "
+            f"source agreed {', '.join(sorted(p.value for p in writer.paths)) or 'none'})"
+        )
     if path is Path.READ:
         if writer.arena is None or msg.chunk_tokens is None or msg.chunks is None:
             raise ProtocolError(f"ready for {msg.req!r}: the read path needs an arena, chunk_tokens and chunks")
-        if msg.chunks != -(-msg.tokens // msg.chunk_tokens):
-            raise ProtocolError(f"ready for {msg.req!r}: {msg.chunks} chunks of {msg.chunk_tokens} tokens do not "
-                                f"cut {msg.tokens} tokens")
+        if msg.chunks != -(-tokens // msg.chunk_tokens):
+            raise ProtocolError(
+                f"ready for {msg.req!r}: {msg.chunks} chunks of {msg.chunk_tokens} tokens do not cut {tokens} tokens"
+            )
         try:
             order = Order(msg.order or "heads")
         except ValueError:
             raise ProtocolError(f"ready for {msg.req!r}: order {msg.order!r} is none of heads, tokens") from None
-        ready = Ready(path, msg.tokens, None, msg.chunk_tokens, msg.chunks, order=order)
+        ready = Ready(path, tokens, None, msg.chunk_tokens, msg.chunks, order=order)
         for entry in msg.gathered or []:
             add_chunk(ready, writer, msg.req, entry, piece_bytes)
         return ready
     if path is Path.DIRECT and not direct:
-        raise ProtocolError(f"ready for {msg.req!r}: path direct, but the pieces are not whole shards with equal "
-                            "paging")
+        raise ProtocolError(
+            f"ready for {msg.req!r}: path direct, but the pieces are not whole shards with equal paging"
+        )
     if path is Path.IPC and writer.ipc is None:
         raise ProtocolError(f"ready for {msg.req!r}: path ipc, but this rank did not open the source's pages")
     if path in (Path.DIRECT, Path.PAGES) and not writer.kv:
         raise ProtocolError(f"ready for {msg.req!r}: path {path}, but the source offered no KV buffers")
     if msg.pages is None:
         raise ProtocolError(f"ready for {msg.req!r}: path {path} needs the source's page ids")
-    need = pages_needed(msg.tokens, writer.spec.page.page_size)
+    need = pages_needed(tokens, writer.spec.page.page_size)
     if len(msg.pages) != need:
-        raise ProtocolError(f"ready for {msg.req!r}: {len(msg.pages)} page ids for {msg.tokens} tokens of page size "
-                            f"{writer.spec.page.page_size}; they need {need}")
+        raise ProtocolError(
+            f"ready for {msg.req!r}: {len(msg.pages)} page ids for {tokens} tokens of page size "
+            f"{writer.spec.page.page_size}; they need {need}"
+        )
     pages = np.asarray(msg.pages, dtype=np.int64)
     most = writer.buffer_pages()
     if most is not None and len(pages) and int(pages.max()) >= most:
-        raise ProtocolError(f"ready for {msg.req!r}: page id {int(pages.max())} is past the {most} pages the source "
-                            "offered")
+        raise ProtocolError(
+            f"ready for {msg.req!r}: page id {int(pages.max())} is past the {most} pages the source offered"
+        )
     if len(set(msg.pages)) != len(msg.pages):
         raise ProtocolError(f"ready for {msg.req!r}: a page id appears twice")
-    return Ready(path, msg.tokens, pages)
+    return Ready(path, tokens, pages)
 
 
 def add_chunk(ready: Ready, writer: Writer, req: str, entry, piece_bytes: int) -> None:
     """One gathered chunk of a read request: [index, arena offset, ticket], inside the writer's arena."""
-    if not (isinstance(entry, (list, tuple)) and len(entry) == 3 and type(entry[0]) is int
-            and type(entry[1]) is int and isinstance(entry[2], str)):
+    if not (
+        isinstance(entry, (list, tuple))
+        and len(entry) == 3
+        and type(entry[0]) is int
+        and type(entry[1]) is int
+        and isinstance(entry[2], str)
+    ):
         raise ProtocolError(f"ready for {req!r}: a gathered chunk must be [index, offset, ticket]")
     index, offset, ticket = entry
     if not 0 <= index < ready.chunks:
@@ -168,15 +191,54 @@ def add_chunk(ready: Ready, writer: Writer, req: str, entry, piece_bytes: int) -
         raise ProtocolError(f"chunk {index} of {req!r} announced twice")
     count = min(ready.chunk_tokens, ready.tokens - index * ready.chunk_tokens)
     nbytes = piece_bytes * count
+    assert writer.arena is not None  # check_ready: a read-path ready comes from a writer with an arena
     if offset < 0 or offset + nbytes > writer.arena.nbytes:
-        raise ProtocolError(f"chunk {index} of {req!r}: {nbytes} bytes at offset {offset} lie outside the source's "
-                            f"arena of {writer.arena.nbytes} bytes")
+        raise ProtocolError(
+            f"chunk {index} of {req!r}: {nbytes} bytes at offset {offset} lie outside the source's "
+            f"arena of {writer.arena.nbytes} bytes"
+        )
     import base64
 
     try:
         ready.gathered[index] = (offset, base64.b64decode(ticket, validate=True) if ticket else b"")
     except ValueError:
         raise ProtocolError(f"chunk {index} of {req!r}: its ticket is not base64") from None
+
+
+@dataclass
+class Group:
+    """One part of a request as this rank reads it: a layer group, a token span (a chunk of a chunked
+    prefill), both, or (unstreamed) every layer and token; its writers' readies, and its moves once every
+    writer it needs said ready. ``first``, ``count``, ``dst_start``: the tokens of the part's own source
+    request (its span) this rank receives, and where they start in this rank's pages."""
+
+    layers: range | None  # None: every layer
+    pieces: tuple  # the pieces landing here, cut to these layers (``tp.restrict``)
+    span: range | None = None  # None: every token
+    first: int = 0
+    count: int = 0
+    dst_start: int = 0
+    readies: dict = field(default_factory=dict)  # source rank -> Ready
+    moves: list = field(default_factory=list)  # the reads under way (``reads``)
+    started: bool = False
+    done: bool = False
+
+    @property
+    def wire(self) -> tuple[list | None, list | None]:
+        """(layers, span) as its messages name them."""
+        return (
+            None if self.layers is None else [self.layers.start, self.layers.stop],
+            None if self.span is None else [self.span.start, self.span.stop],
+        )
+
+    @property
+    def name(self) -> str:
+        out = "" if self.layers is None else f" layers {self.layers.start}..{self.layers.stop}"
+        return out + ("" if self.span is None else f" tokens {self.span.start}..{self.span.stop}")
+
+    def area(self, layers: int) -> int:
+        """Layers x tokens of this rank's request it holds."""
+        return (layers if self.layers is None else len(self.layers)) * self.count
 
 
 @dataclass
@@ -187,15 +249,27 @@ class Incoming:
     pages: np.ndarray
     engine: str  # the prefill engine whose ranks send it
     first: int = 0  # the first token of the source's request this rank receives
-    readies: dict = field(default_factory=dict)  # source rank -> Ready
-    moves: list = field(default_factory=list)  # the reads under way (``reads``), once every writer is ready
+    groups: dict = field(default_factory=dict)  # layer group key (None: every layer) -> Group, in arrival order
     kernel_pages: object = None  # this rank's page ids where its GPU copies read them, once
     stage: str = "waiting for writers"
     touched: float = field(default_factory=time.monotonic)  # expected, or a writer's last news
-    announced: float | None = None  # when the last writer said ready
+    announced: float | None = None  # when its first group's last writer said ready
     slow: bool = False
     leftover: list = field(default_factory=list)  # reads of a failed request that may still land (``reads.Leftover``)
 
     @property
     def key(self) -> tuple[str, str]:
         return self.engine, self.handle.req
+
+    @property
+    def moves(self) -> list:
+        """Every group's moves."""
+        return [m for g in self.groups.values() for m in g.moves]
+
+    def ready_ranks(self) -> set:
+        """Source ranks that said ready for some group of it."""
+        return {r for g in self.groups.values() for r in g.readies}
+
+    def area_done(self, layers: int) -> int:
+        """Layers x tokens of it that are in this rank's pages (all: ``layers`` x its tokens)."""
+        return sum(g.area(layers) for g in self.groups.values() if g.done)

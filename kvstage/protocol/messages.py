@@ -13,21 +13,23 @@ arena, its KV pages and, on one host, its shared pages and event are) ->
 ``ready`` (source: the request is readable, by one path), ``chunk`` (source: a
 later chunk of a ``read`` request is gathered), ``read`` (destination: it has
 read a chunk, whose slot the source may reuse), ``done`` (destination: every
-byte is in its pages), ``abort`` (either side), ``error`` (a refused message),
-``ping``. ``probe``/``probe_ok``: ``kvstage probe --peer``.
+byte is in its pages). A streamed request's ``ready``, ``chunk``, ``read`` and
+``done`` name its layer group (``layers``); each group is read on its own.
+``abort`` (either side), ``error`` (a refused message), ``ping``.
+``probe``/``probe_ok``: ``kvstage probe --peer``.
 """
 
 from __future__ import annotations
 
 import base64
 from dataclasses import dataclass, fields
-from typing import ClassVar
+from typing import ClassVar, TypeVar
 
 from kvstage.errors import ProtocolError
 
 #: the handshake refuses a peer of another version by name. 9: the decode reads the bytes (``ready``,
-#: ``read``, ``done``); no grants
-PROTOCOL_VERSION = 9
+#: ``read``, ``done``); no grants. 10: layer groups (``layers``) and token spans (``span``) of streamed requests
+PROTOCOL_VERSION = 10
 MAX_ID = 256
 #: an engine id names one engine's ranks on the wire and in logs: short, printable
 MAX_ENGINE_ID = 128
@@ -47,7 +49,7 @@ class F:
     "b64" (base64 text, decoded to bytes)."""
 
     name: str
-    kind: object
+    kind: type | str
     least: int | None = None
     most: int | None = None
     optional: bool = False
@@ -78,6 +80,7 @@ def _check(msg: dict, f: F):
             return base64.b64decode(v, validate=True)
         except ValueError:
             raise ProtocolError(f"{what}: not base64") from None
+    assert isinstance(f.kind, type), f.kind  # every string kind returned above
     if not isinstance(v, f.kind) or (f.kind is int and isinstance(v, bool)):
         raise ProtocolError(f"{what}: must be {getattr(f.kind, '__name__', f.kind)}")
     if isinstance(v, int) and not isinstance(v, bool):
@@ -90,6 +93,9 @@ def _check(msg: dict, f: F):
     return v
 
 
+_M = TypeVar("_M", bound="Message")
+
+
 class Message:
     """Base of every message: ``TYPE`` on the wire, ``FIELDS`` in order (the dataclass's own)."""
 
@@ -97,12 +103,17 @@ class Message:
     FIELDS: ClassVar[tuple[F, ...]] = ()
 
     @classmethod
-    def parse(cls, msg: dict) -> "Message":
+    def parse(cls: type[_M], msg: dict) -> _M:
         if cls.FIELDS and cls.FIELDS[0].name == "version":  # first: another version's fields differ
             v = msg.get("version")
             if type(v) is int and v != PROTOCOL_VERSION:
                 raise ProtocolError(f"version: the peer speaks protocol version {v}, this side {PROTOCOL_VERSION}")
-        return cls(**{f.name: _check(msg, f) for f in cls.FIELDS})
+        got = cls(**{f.name: _check(msg, f) for f in cls.FIELDS})
+        for name in ("layers", "span"):
+            v = getattr(got, name, None)
+            if v is not None and (len(v) != 2 or v[0] >= v[1]):
+                raise ProtocolError(f"{cls.TYPE} field {name}={v!r}: must be [first, stop) with first < stop")
+        return got
 
     def to_wire(self) -> dict:
         out: dict = {"type": self.TYPE}
@@ -116,16 +127,53 @@ class Message:
 
 
 _REQ = F("req", "text", most=MAX_ID)
+#: a streamed request's layer group, [first, stop): each group is read on its own (absent: every layer)
+_LAYERS = F("layers", "ids", most=2, optional=True)
+
+
+#: a streamed request's token span, [first, stop): the tokens of one chunk of a chunked prefill (absent: all)
+_SPAN = F("span", "ids", most=2, optional=True)
+
+
+class Grouped:
+    """A per-request message that may name one part of a streamed request: a layer group, a token span
+    (a chunk of a chunked prefill), or both."""
+
+    layers: list | None
+    span: list | None
+
+    @property
+    def group(self) -> range | None:
+        return None if self.layers is None else range(self.layers[0], self.layers[1])
+
+    @property
+    def tokens_span(self) -> range | None:
+        return None if self.span is None else range(self.span[0], self.span[1])
+
+
 _ENGINE = F("engine", "text", most=MAX_ENGINE_ID)
 
 
 @dataclass(frozen=True)
 class Hello(Message):
     TYPE = "hello"
-    FIELDS = (F("version", int), F("token", str, most=4096), _ENGINE, F("model", str, most=MAX_MODEL_ID),
-              F("uid", int, least=0), F("spec", dict), F("rank", int, least=0), F("agent", "text", most=MAX_ID),
-              F("transport", "text", most=32), F("metadata", "b64", most=1 << 19), F("slot_bytes", int, least=0),
-              F("facts", dict), F("kv_facts", dict), F("paths", list, most=8), F("nonce", "text", most=64))
+    FIELDS = (
+        F("version", int),
+        F("token", str, most=4096),
+        _ENGINE,
+        F("model", str, most=MAX_MODEL_ID),
+        F("uid", int, least=0),
+        F("spec", dict),
+        F("rank", int, least=0),
+        F("agent", "text", most=MAX_ID),
+        F("transport", "text", most=32),
+        F("metadata", "b64", most=1 << 19),
+        F("slot_bytes", int, least=0),
+        F("facts", dict),
+        F("kv_facts", dict),
+        F("paths", list, most=8),
+        F("nonce", "text", most=64),
+    )
     version: int
     token: str
     engine: str
@@ -146,10 +194,20 @@ class Hello(Message):
 @dataclass(frozen=True)
 class Welcome(Message):
     TYPE = "welcome"
-    FIELDS = (F("version", int), _ENGINE, F("model", str, most=MAX_MODEL_ID), F("spec", dict), F("rank", int, least=0),
-              F("transport", "text", most=32), F("metadata", "b64", most=1 << 19, optional=True),
-              F("slot_bytes", int, least=0, optional=True), F("facts", dict, optional=True),
-              F("paths", list, most=8, optional=True), F("writes", bool), F("proof", "text", most=128, optional=True))
+    FIELDS = (
+        F("version", int),
+        _ENGINE,
+        F("model", str, most=MAX_MODEL_ID),
+        F("spec", dict),
+        F("rank", int, least=0),
+        F("transport", "text", most=32),
+        F("metadata", "b64", most=1 << 19, optional=True),
+        F("slot_bytes", int, least=0, optional=True),
+        F("facts", dict, optional=True),
+        F("paths", list, most=8, optional=True),
+        F("writes", bool),
+        F("proof", "text", most=128, optional=True),
+    )
     version: int
     engine: str
     model: str
@@ -172,8 +230,12 @@ class Offer(Message):
     before its ``opened`` (the transport's connection wired up while both processes run)."""
 
     TYPE = "offer"
-    FIELDS = (F("arena", dict), F("kv", list, most=1 << 16), F("ipc", dict, optional=True),
-              F("warm", "b64", most=4096, optional=True))
+    FIELDS = (
+        F("arena", dict),
+        F("kv", list, most=1 << 16),
+        F("ipc", dict, optional=True),
+        F("warm", "b64", most=4096, optional=True),
+    )
     arena: dict
     kv: list
     ipc: dict | None
@@ -189,16 +251,25 @@ class Opened(Message):
 
 
 @dataclass(frozen=True)
-class Ready(Message):
+class Ready(Grouped, Message):
     """A request this source rank can be read for, by ``path``. ``pages``: its page ids (the paths that
     read them: ipc, pages, direct); ``chunk_tokens`` and ``chunks``: how a ``read`` request is cut, and
-    ``gathered``: the chunks in the arena already, as [index, arena offset, ticket (base64, ucx)]."""
+    ``gathered``: the chunks in the arena already, as [index, arena offset, ticket (base64, ucx)];
+    ``layers``: the layer group it makes readable, where the request is streamed."""
 
     TYPE = "ready"
-    FIELDS = (_REQ, F("tokens", int, least=1, most=1 << 30), F("path", "text", most=16),
-              F("pages", "ids", most=MAX_PAGES, optional=True), F("chunk_tokens", int, least=1, optional=True),
-              F("chunks", int, least=1, most=MAX_CHUNKS, optional=True),
-              F("gathered", list, most=MAX_CHUNKS, optional=True), F("order", "text", most=16, optional=True))
+    FIELDS = (
+        _REQ,
+        F("tokens", int, least=1, most=1 << 30),
+        F("path", "text", most=16),
+        F("pages", "ids", most=MAX_PAGES, optional=True),
+        F("chunk_tokens", int, least=1, optional=True),
+        F("chunks", int, least=1, most=MAX_CHUNKS, optional=True),
+        F("gathered", list, most=MAX_CHUNKS, optional=True),
+        F("order", "text", most=16, optional=True),
+        _LAYERS,
+        _SPAN,
+    )
     req: str
     tokens: int
     path: str
@@ -207,32 +278,46 @@ class Ready(Message):
     chunks: int | None = None
     gathered: list | None = None
     order: str | None = None  # the read path: how each chunk's piece is laid out (``staging.region.Order``)
+    layers: list | None = None
+    span: list | None = None
 
 
 @dataclass(frozen=True)
-class Chunk(Message):
+class Chunk(Grouped, Message):
     TYPE = "chunk"
-    FIELDS = (_REQ, F("index", int, least=0, most=MAX_CHUNKS), F("offset", int, least=0),
-              F("ticket", "b64", most=4096, optional=True))
+    FIELDS = (
+        _REQ,
+        F("index", int, least=0, most=MAX_CHUNKS),
+        F("offset", int, least=0),
+        F("ticket", "b64", most=4096, optional=True),
+        _LAYERS,
+        _SPAN,
+    )
     req: str
     index: int
     offset: int
     ticket: bytes | None = None
+    layers: list | None = None
+    span: list | None = None
 
 
 @dataclass(frozen=True)
-class Read(Message):
+class Read(Grouped, Message):
     TYPE = "read"
-    FIELDS = (_REQ, F("index", int, least=0, most=MAX_CHUNKS))
+    FIELDS = (_REQ, F("index", int, least=0, most=MAX_CHUNKS), _LAYERS, _SPAN)
     req: str
     index: int
+    layers: list | None = None
+    span: list | None = None
 
 
 @dataclass(frozen=True)
-class Done(Message):
+class Done(Grouped, Message):
     TYPE = "done"
-    FIELDS = (_REQ,)
+    FIELDS = (_REQ, _LAYERS, _SPAN)
     req: str
+    layers: list | None = None
+    span: list | None = None
 
 
 @dataclass(frozen=True)
@@ -243,7 +328,7 @@ class Abort(Message):
     reason: str
 
     @classmethod
-    def parse(cls, msg: dict) -> "Abort":
+    def parse(cls, msg: dict) -> Abort:
         got = super().parse(msg)
         return cls(got.req, got.reason[:MAX_REASON])
 
@@ -257,10 +342,13 @@ class Error(Message):
     req: str | None = None
 
     @classmethod
-    def parse(cls, msg: dict) -> "Error":
+    def parse(cls, msg: dict) -> Error:
         req = msg.get("req")
-        return cls(str(msg.get("reason"))[:MAX_REASON], str(msg.get("about"))[:32],
-                   req if isinstance(req, str) and len(req) <= MAX_ID and req.isprintable() else None)
+        return cls(
+            str(msg.get("reason"))[:MAX_REASON],
+            str(msg.get("about"))[:32],
+            req if isinstance(req, str) and len(req) <= MAX_ID and req.isprintable() else None,
+        )
 
 
 @dataclass(frozen=True)
@@ -270,17 +358,23 @@ class Ping(Message):
     loop_s: float | None = None
 
     @classmethod
-    def parse(cls, msg: dict) -> "Ping":
+    def parse(cls, msg: dict) -> Ping:
         v = msg.get("loop_s")  # absent: the peer's loop pinged itself
-        ok = isinstance(v, (int, float)) and not isinstance(v, bool) and v >= 0
-        return cls(float(v) if ok else None)
+        if isinstance(v, (int, float)) and not isinstance(v, bool) and v >= 0:
+            return cls(float(v))
+        return cls(None)
 
 
 @dataclass(frozen=True)
 class Probe(Message):
     TYPE = "probe"
-    FIELDS = (F("version", int), F("token", str, most=4096), F("transport", "text", most=32),
-              F("nbytes", int, least=1), F("agent", "text", most=MAX_ID))
+    FIELDS = (
+        F("version", int),
+        F("token", str, most=4096),
+        F("transport", "text", most=32),
+        F("nbytes", int, least=1),
+        F("agent", "text", most=MAX_ID),
+    )
     version: int
     token: str
     transport: str
@@ -288,8 +382,9 @@ class Probe(Message):
     agent: str
 
 
-MESSAGES: dict[str, type[Message]] = {m.TYPE: m for m in (Hello, Welcome, Offer, Opened, Ready, Chunk, Read, Done, Abort,
-                                                           Error, Ping, Probe)}
+MESSAGES: dict[str, type[Message]] = {
+    m.TYPE: m for m in (Hello, Welcome, Offer, Opened, Ready, Chunk, Read, Done, Abort, Error, Ping, Probe)
+}
 
 
 def decode(msg: dict) -> Message:

@@ -22,7 +22,7 @@ import numpy as np
 
 from kvstage.protocol.request import TransferHandle
 from kvstage.staging.region import Order, RegionPiece
-from kvstage.tp import Piece, SideSpec
+from kvstage.tp import Piece, SideSpec, TransferPlan, restrict
 
 
 @dataclass(frozen=True)
@@ -63,10 +63,10 @@ class Box:
         return (j * len(self.buffers) + b) * row, piece.heads.count * len(piece.buffers) * row
 
 
-def region_box(pieces: list[Piece] | None, spec: SideSpec) -> Box:
+def region_box(pieces: list[Piece] | None, spec: SideSpec, buffers: range | None = None) -> Box:
     """The box that holds ``pieces`` (a rank's pieces to the destination ranks it sends to), or the rank's
-    whole shard for ``None``."""
-    every = range(spec.geometry.buffers)
+    whole shard (of ``buffers``: a streamed layer group's) for ``None``."""
+    every = range(spec.geometry.buffers) if buffers is None else buffers
     local = 1 if spec.geometry.mla else spec.local_heads()
     if not pieces:
         return Box(spec, 0, local, every)
@@ -103,9 +103,30 @@ def plan_chunks(tokens: int, own: int, capacity: int, src_page: int, dst_pages: 
     return [SrcChunk(i, s, min(per, tokens - s)) for i, s in enumerate(range(0, tokens, per))]
 
 
+def group_key(group: range | None) -> tuple[int, int] | None:
+    """A layer group as a key (None: every layer)."""
+    return None if group is None else (group.start, group.stop)
+
+
+def part_key(layers: range | None, span: range | None) -> tuple | None:
+    """A part of a streamed request as a key: its layer group and token span (None: the whole request)."""
+    return None if layers is None and span is None else (group_key(layers), group_key(span))
+
+
+def group_piece(plan: TransferPlan, piece: Piece, group: range | None) -> Piece | None:
+    """``piece`` cut to layer group ``group`` of ``plan`` (None: none of its buffers lie in it)."""
+    return piece if group is None else restrict(piece, plan.layer_buffers(group))
+
+
+def overlaps(a: range | None, b: range | None) -> bool:
+    """Whether two layer groups share a layer, or two token spans a token (None: all of them)."""
+    return a is None or b is None or (a.start < b.stop and b.start < a.stop)
+
+
 @dataclass
 class Outgoing:
-    """One sent request on a source rank."""
+    """One sent request, or one part of a streamed request (a layer group, a token span), on a source rank.
+    Its handle counts the tokens its pages hold; ``total``: the whole request's."""
 
     handle: TransferHandle
     pages: np.ndarray
@@ -122,6 +143,9 @@ class Outgoing:
     event_recorded: bool = False
     touched: float = 0.0
     slow: bool = False
+    layers: range | None = None  # the layer group it makes readable (None: every layer)
+    span: range | None = None  # the request's tokens its pages hold (None: every token)
+    total: int = 0  # tokens of the whole request (0: the handle's)
 
     def __post_init__(self) -> None:
         import time
@@ -132,4 +156,26 @@ class Outgoing:
 
     @property
     def key(self) -> tuple:
-        return self.engine, self.handle.req
+        return self.engine, self.handle.req, part_key(self.layers, self.span)
+
+    @property
+    def layers_wire(self) -> list | None:
+        return None if self.layers is None else [self.layers.start, self.layers.stop]
+
+    @property
+    def span_wire(self) -> list | None:
+        return None if self.span is None else [self.span.start, self.span.stop]
+
+    def final(self, layers: int) -> bool:
+        """Whether it is the last part of its request (its last layers and tokens)."""
+        return (self.layers is None or self.layers.stop == layers) and (
+            self.span is None or self.span.stop == (self.total or self.handle.tokens)
+        )
+
+    def buffers(self, plan: TransferPlan) -> range | None:
+        """The buffers of its layer group (None: every buffer)."""
+        return None if self.layers is None else plan.layer_buffers(self.layers)
+
+    def piece_of(self, target) -> Piece | None:
+        """What it sends destination rank ``target``: the target's piece, cut to its layer group."""
+        return group_piece(target.plan, target.piece, self.layers)

@@ -30,12 +30,12 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from kvstage.errors import KVStageError, ProtocolError
-from kvstage.protocol.incoming import Incoming, Ready, Writer, page_bytes
+from kvstage.protocol.incoming import Group, Incoming, Ready, page_bytes
 from kvstage.protocol.messages import Read
 from kvstage.protocol.route import Path
 from kvstage.staging.copy import TokenIndex, prepare_scatter
 from kvstage.staging.fence import CopyFence
-from kvstage.staging.region import Order, RegionPiece
+from kvstage.staging.region import RegionPiece
 from kvstage.transports.base import Spans, WriteState
 
 log = logging.getLogger("kvstage")
@@ -55,8 +55,9 @@ class Move:
 
     path: Path
 
-    def __init__(self, inc: Incoming, writers: list):
+    def __init__(self, inc: Incoming, writers: list, group: Group):
         self.inc, self.writers = inc, writers  # [(Writer, Piece, Ready)] in the slot order
+        self.group = group  # the part of the request it reads (every layer and token, or a streamed part)
 
     def start(self, dst) -> None:
         raise NotImplementedError
@@ -90,13 +91,13 @@ def _reap(dst, inc: Incoming, reads: list, done) -> list | None:
     """Poll each ``(writer, read handle)`` of ``reads``: release the finished ones (``done(writer)`` for each)
     and return those still running. None where one failed: the failed read is released, ``reads`` keeps only
     the reads still to give up, and the request is failed (``dst._fail``, whose ``Move.stop`` gives them up)."""
-    still = []
+    still: list = []
     for i, (w, h) in enumerate(reads):
         try:
             over = _poll(dst.transport, h)
         except KVStageError as e:
             dst.transport.release(h)
-            reads[:] = still + reads[i + 1:]
+            reads[:] = still + reads[i + 1 :]
             dst._fail(inc.key, w.name, "read", str(e), tell=True)
             return None
         if over:
@@ -126,8 +127,8 @@ class IpcMove(Move):
 
     path = Path.IPC
 
-    def __init__(self, inc, writers):
-        super().__init__(inc, writers)
+    def __init__(self, inc, writers, group):
+        super().__init__(inc, writers, group)
         self._fence: CopyFence | None = None
         self._started = 0.0
         self._timed = False
@@ -137,16 +138,18 @@ class IpcMove(Move):
 
         inc = self.inc
         copier = dst._ipc_copier(inc.engine)
-        reads = [IpcRead(w.ipc, piece, ready.pages, inc.first) for w, piece, ready in self.writers]
-        idx = TokenIndex(dst.cache, inc.pages, 0, inc.handle.tokens, inc.kernel_pages)
+        g = self.group
+        reads = [IpcRead(w.ipc, piece, ready.pages, g.first) for w, piece, ready in self.writers]
+        idx = TokenIndex(dst.cache, inc.pages, g.dst_start, g.count, inc.kernel_pages)
         fence = CopyFence(dst.cache.device)
         for w, _, _ in self.writers:
             w.event.wait()  # the copy stream waits for the work the source queued before its ready
         self._started = time.perf_counter()
         copier.launch(idx, reads)
         self._fence = fence.close()
-        log.debug("dst %d: %s ipc read launched (%d source ranks, one launch)", dst.rank, inc.handle.req,
-                  len(self.writers))
+        log.debug(
+            "dst %d: %s ipc read launched (%d source ranks, one launch)", dst.rank, inc.handle.req, len(self.writers)
+        )
 
     def progress(self, dst) -> None:
         """The launch's time once it is done: ``read`` (launch to seen done) and ``read_gpu`` (the kernel's own)."""
@@ -157,6 +160,7 @@ class IpcMove(Move):
         stages = self.inc.handle.stages
         stages["read"] += took
         dst.metrics.stage("read", took)
+        assert self._fence is not None  # done(): the launch's fence exists
         gpu = self._fence.gpu_seconds()
         if gpu is not None:
             stages["read_gpu"] = stages.get("read_gpu", 0.0) + gpu
@@ -173,8 +177,9 @@ class IpcMove(Move):
         return []
 
 
-def page_run_spans(src_pages: np.ndarray, dst_pages: np.ndarray, remote_regions, local_regions, nbytes: int,
-                   buffers: range) -> tuple[Spans, Spans]:
+def page_run_spans(
+    src_pages: np.ndarray, dst_pages: np.ndarray, remote_regions, local_regions, nbytes: int, buffers: range
+) -> tuple[Spans, Spans]:
     """Both sides' spans of a direct read: one per run of pages consecutive on both sides, per buffer of
     ``buffers`` (``nbytes``: bytes of one page of one buffer, the same on both sides)."""
     n = len(src_pages)
@@ -183,10 +188,12 @@ def page_run_spans(src_pages: np.ndarray, dst_pages: np.ndarray, remote_regions,
     runs = np.diff(np.concatenate((starts, [n])))
     index = np.repeat(np.arange(len(buffers), dtype=np.int64), len(starts))
     lengths = np.tile(runs, len(buffers)) * nbytes
-    remote = Spans(tuple(remote_regions[b] for b in buffers), index, np.tile(src_pages[starts], len(buffers)) * nbytes,
-                   lengths)
-    local = Spans(tuple(local_regions[b] for b in buffers), index, np.tile(dst_pages[starts], len(buffers)) * nbytes,
-                  lengths)
+    remote = Spans(
+        tuple(remote_regions[b] for b in buffers), index, np.tile(src_pages[starts], len(buffers)) * nbytes, lengths
+    )
+    local = Spans(
+        tuple(local_regions[b] for b in buffers), index, np.tile(dst_pages[starts], len(buffers)) * nbytes, lengths
+    )
     return local, remote
 
 
@@ -195,18 +202,19 @@ class DirectMove(Move):
 
     path = Path.DIRECT
 
-    def __init__(self, inc, writers):
-        super().__init__(inc, writers)
+    def __init__(self, inc, writers, group):
+        super().__init__(inc, writers, group)
         self._reads: list = []  # (writer, handle)
         self._over = 0
 
     def start(self, dst) -> None:
         inc = self.inc
-        first = inc.first // dst.spec.page.page_size  # equal paging: ``Incoming.first`` is on a page boundary
+        size = dst.spec.page.page_size  # equal paging, and both starts on a page boundary (``_start_group``)
+        first, here = self.group.first // size, inc.pages[self.group.dst_start // size :]
+        here = here[: -(-self.group.count // size)]
         for w, piece, ready in self.writers:
-            src_pages = ready.pages[first: first + len(inc.pages)]
-            local, remote = page_run_spans(src_pages, inc.pages, w.kv, dst.kv_regions(), page_bytes(dst.spec),
-                                           piece.buffers)
+            src_pages = ready.pages[first : first + len(here)]
+            local, remote = page_run_spans(src_pages, here, w.kv, dst.kv_regions(), page_bytes(dst.spec), piece.buffers)
             self._reads.append((w, dst.transport.read(w.agent, local, remote)))
             inc.handle.descriptors += len(local)
         inc.handle.writes += len(self._reads)
@@ -257,15 +265,17 @@ class DstChunk:
 class ArenaMove(Move):
     """The read and pages writers' pieces, chunk by chunk through this rank's arena."""
 
-    def __init__(self, inc, writers, own_tokens: int):
-        super().__init__(inc, writers)
+    def __init__(self, inc, writers, own_tokens: int, group):
+        super().__init__(inc, writers, group)
         read = [r for _, _, r in writers if r.path is Path.READ]
         per = read[0].chunk_tokens if read else own_tokens
         if any(r.chunk_tokens != per for r in read):
-            raise ProtocolError(f"the source ranks of {inc.handle.req!r} cut it into chunks of "
-                                f"{sorted({r.chunk_tokens for r in read})} tokens; they must agree")
+            raise ProtocolError(
+                f"the source ranks of {inc.handle.req!r} cut it into chunks of "
+                f"{sorted({r.chunk_tokens for r in read})} tokens; they must agree"
+            )
         total = writers[0][2].tokens
-        lo, hi = inc.first, inc.first + inc.handle.tokens
+        lo, hi = group.first, group.first + group.count
         self.chunks = []
         for i, s in enumerate(range(0, total, per)):
             n = min(per, total - s)
@@ -300,7 +310,7 @@ class ArenaMove(Move):
         chunks = self.chunks
         while self._lo < len(chunks) and (chunks[self._lo].done or chunks[self._lo].slot is not None):
             self._lo += 1
-        out = []
+        out: list = []
         for i in range(self._lo, len(chunks)):
             c = chunks[i]
             if c.done or c.slot is not None:
@@ -308,8 +318,13 @@ class ArenaMove(Move):
             if len(out) >= most or not any(self._readable_by(c, r) for _, _, r in self.writers):
                 break
             out.append(c)
-        if self._starved is None and self._lo < len(chunks) and not out and most == 0 \
-                and any(self._readable_by(chunks[self._lo], r) for _, _, r in self.writers):
+        if (
+            self._starved is None
+            and self._lo < len(chunks)
+            and not out
+            and most == 0
+            and any(self._readable_by(chunks[self._lo], r) for _, _, r in self.writers)
+        ):
             self._starved = time.perf_counter()
         return out
 
@@ -341,20 +356,24 @@ class ArenaMove(Move):
         for w, piece, ready in self.writers:
             if ready.path is Path.READ:
                 nbytes = self._piece_bytes(piece, c.count)
-                rp = RegionPiece(piece.dst_offset, piece.heads.count, piece.buffers, at, ready.order, c.count,
-                                 c.want_start - c.start)
+                rp = RegionPiece(
+                    piece.dst_offset, piece.heads.count, piece.buffers, at, ready.order, c.count, c.want_start - c.start
+                )
             else:
                 from kvstage.staging.spans import cheapest_order
 
                 nbytes = self._piece_bytes(piece, c.want)
-                rp = RegionPiece(piece.dst_offset, piece.heads.count, piece.buffers, at,
-                                 cheapest_order(w.spec, piece.heads.count))
+                rp = RegionPiece(
+                    piece.dst_offset, piece.heads.count, piece.buffers, at, cheapest_order(w.spec, piece.heads.count)
+                )
             c.layout.append(at)
             pieces.append(rp)
             at += nbytes
-        idx = TokenIndex(dst.cache, inc.pages, c.want_start - inc.first, c.want, inc.kernel_pages)
-        c.scatter = prepare_scatter(dst.cache, idx, pieces, dst.arena.view(dst.arena.offset(slot), at),
-                                    dst._scatter_threads)
+        g = self.group
+        idx = TokenIndex(dst.cache, inc.pages, c.want_start - g.first + g.dst_start, c.want, inc.kernel_pages)
+        c.scatter = prepare_scatter(
+            dst.cache, idx, pieces, dst.arena.view(dst.arena.offset(slot), at), dst._scatter_threads
+        )
         log.debug("dst %d: %s chunk %d takes slot %d", dst.rank, inc.handle.req, c.index, slot)
         self._post(dst, c)
 
@@ -374,8 +393,9 @@ class ArenaMove(Move):
             else:
                 from kvstage.staging.spans import cheapest_order, piece_spans
 
-                src = RegionPiece(piece.src_offset, piece.heads.count, piece.buffers, 0,
-                                  cheapest_order(w.spec, piece.heads.count))
+                src = RegionPiece(
+                    piece.src_offset, piece.heads.count, piece.buffers, 0, cheapest_order(w.spec, piece.heads.count)
+                )
                 bidx, offs, lens, roff = piece_spans(w.spec, ready.pages, c.want_start, c.want, src)
                 remote = Spans(tuple(w.kv[b] for b in piece.buffers), bidx - piece.buffers.start, offs, lens)
                 local = Spans.single(dst.arena_region, base + at + roff, lens)
@@ -394,8 +414,14 @@ class ArenaMove(Move):
             if c.fence is None:
                 if len(c.posted) < len(self.writers):
                     self._post(dst, c)
-                still = _reap(dst, inc, c.reads, lambda w, c=c: log.debug(
-                    "dst %d: %s chunk %d read from source rank %d", dst.rank, inc.handle.req, c.index, w.rank))
+                still = _reap(
+                    dst,
+                    inc,
+                    c.reads,
+                    lambda w, c=c: log.debug(
+                        "dst %d: %s chunk %d read from source rank %d", dst.rank, inc.handle.req, c.index, w.rank
+                    ),
+                )
                 if still is None:
                     return
                 c.reads = still
@@ -435,7 +461,7 @@ class ArenaMove(Move):
         for w, _, ready in self.writers:
             if ready.path is Path.READ and w.rank not in c.told and c.index in ready.gathered:
                 c.told.add(w.rank)
-                dst._tell(w, Read(self.inc.handle.req, c.index))
+                dst._tell(w, Read(self.inc.handle.req, c.index, *self.group.wire))
 
     def done(self) -> bool:
         return self._left == 0

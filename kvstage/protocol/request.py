@@ -11,6 +11,7 @@ import enum
 import logging
 import threading
 import time
+from collections.abc import Callable
 
 from kvstage.errors import TransferFailed
 
@@ -49,7 +50,7 @@ class TransferHandle:
         self.finished: float | None = None
         self.stages = {"gather": 0.0, "read": 0.0, "scatter": 0.0, "slot_wait": 0.0}
         self._done = threading.Event()
-        self._abort = None  # set by the endpoint: callable(reason)
+        self._abort: Callable[[str], None] | None = None  # set by the endpoint: callable(reason)
 
     # -- endpoint side -------------------------------------------------------
     def _move(self, new: State) -> None:
@@ -72,10 +73,12 @@ class TransferHandle:
     def done(self) -> bool:
         return self._done.is_set()
 
-    def wait(self, timeout: float | None = None) -> "TransferHandle":
+    def wait(self, timeout: float | None = None) -> TransferHandle:
         """Block until final. Raises ``TransferFailed`` on failure, ``TimeoutError`` if not final in time."""
         if not self._done.wait(timeout):
-            raise TimeoutError(f"{self.role} request {self.req!r} not finished after {timeout} s (state {self.state.value})")
+            raise TimeoutError(
+                f"{self.role} request {self.req!r} not finished after {timeout} s (state {self.state.value})"
+            )
         if self.error is not None:
             raise self.error
         return self

@@ -107,8 +107,10 @@ def choose(link: Link, req: Request) -> Route:
     """The path of ``req`` to the destination rank behind ``link``, and the reason."""
     possible = {Path.READ: "", Path.IPC: "", Path.DIRECT: "", Path.PAGES: ""}
     if not link.ipc:
-        possible[Path.IPC] = "the destination did not open this rank's pages (another host, host memory, or "\
-                             "memory that cannot be shared)"
+        possible[Path.IPC] = (
+            "the destination did not open this rank's pages (another host, host memory, or "
+            "memory that cannot be shared)"
+        )
     if not link.direct:
         possible[Path.DIRECT] = "the pieces are not whole shards with equal paging"
     elif not link.pages:
@@ -119,18 +121,25 @@ def choose(link: Link, req: Request) -> Route:
         possible[Path.PAGES] = "this rank's KV buffers are not offered for one-sided reads"
     can = [p for p in Path if not possible[p] and p in link.allowed]
     if not can:
-        why = "; ".join(f"{p.value}: {possible[p] or 'not allowed by the path setting'}" for p in Path
-                        if p in link.allowed)
+        why = "; ".join(
+            f"{p.value}: {possible[p] or 'not allowed by the path setting'}" for p in Path if p in link.allowed
+        )
         return Route(None, f"no allowed path can carry it ({why})")
     if Path.IPC in can:
         return Route(Path.IPC, "one host, CUDA memory: the destination's kernel reads this rank's pages, one pass")
     costs = {p: cost_s(p, link, req) for p in can}
     est = ", ".join(f"{p.value} ~{costs[p] * 1e3:.3g} ms" for p in can)
     if not req.fits and Path.PAGES in can:
-        return Route(Path.PAGES, f"its gather does not fit this rank's free arena slots now: the destination reads "
-                                 f"the pages straight ({est})")
+        return Route(
+            Path.PAGES,
+            f"its gather does not fit this rank's free arena slots now: the destination reads "
+            f"the pages straight ({est})",
+        )
     best = min(can, key=lambda p: (costs[p], COPIES[p]))
     if len(can) == 1:
         return Route(best, f"the only path allowed and possible ({est})")
-    return Route(best, f"expected fastest ({est}; {req.run_spans} direct spans, {req.page_spans} page spans at "
-                       f"{link.span_cost_s * 1e6:g} us each)")
+    return Route(
+        best,
+        f"expected fastest ({est}; {req.run_spans} direct spans, {req.page_spans} page spans at "
+        f"{link.span_cost_s * 1e6:g} us each)",
+    )

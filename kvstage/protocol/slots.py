@@ -16,16 +16,23 @@ with. A lone engine uses every slot.
 
 from __future__ import annotations
 
+from collections.abc import Hashable
 from dataclasses import dataclass
+from typing import Generic, TypeVar
+
+from kvstage.ids import EngineId
+
+#: what a waiting request is keyed by: a ``ReqKey``, or a destination's (``ReqKey``, layer group key)
+K = TypeVar("K", bound=Hashable)
 
 
 @dataclass
-class Waiting:
+class Waiting(Generic[K]):
     """What the order needs to know of one request: how many of its chunks can be read now."""
 
-    req: tuple
+    req: K  # the request's key (a ``ReqKey``, or a destination's (``ReqKey``, layer group key))
     ready: int  # chunks whose bytes are readable now and have no slot yet
-    peer: str = ""  # the peer engine whose sources it reads
+    peer: EngineId = ""  # the peer engine whose sources it reads
 
 
 def engine_limit(count: int, waiting: int, connected: int) -> int:
@@ -35,13 +42,15 @@ def engine_limit(count: int, waiting: int, connected: int) -> int:
     return max(1, min(share, count - max(0, connected - 1)))
 
 
-def slot_order(waiting: list[Waiting], free: int, count: int, held: dict | None = None, connected: int = 1) -> list:
+def slot_order(
+    waiting: list[Waiting[K]], free: int, count: int, held: dict[EngineId, int] | None = None, connected: int = 1
+) -> list[K]:
     """The chunks to start now, as request keys in order (a request once per chunk).
 
     Passes over the waiting requests in arrival order give each one chunk per pass
     while slots last. ``held``: slots each peer engine holds now; ``connected``: peer
     engines connected. An engine at its ``engine_limit`` is passed over."""
-    out: list = []
+    out: list[K] = []
     held = dict(held or {})
     left = {w.req: w.ready for w in waiting}
     engines = {w.peer for w in waiting if w.ready}

@@ -34,24 +34,64 @@ import secrets
 import select
 import socket
 import time
-from dataclasses import dataclass, field as dc_field
+from dataclasses import dataclass
+from dataclasses import field as dc_field
 
 import numpy as np
 
 from kvstage.errors import KVStageError, ProtocolError, TransferFailed
 from kvstage.link.context import link_context
 from kvstage.protocol import route
-from kvstage.protocol.endpoint import (SLOW_S, Endpoint, EndpointStats, check_engine, check_pages, peer_label, rank_name,
-                                      remember)
-from kvstage.protocol.handshake import (HANDSHAKE_TIMEOUT_S, check_same_model, check_transport, check_version,
-                                        check_welcome_proof, spec_from_wire, spec_to_wire)
-from kvstage.protocol.messages import (PROTOCOL_VERSION, Abort, Chunk, Done, Error, Hello, Message, Offer, Opened, Ping,
-                                       Read, Ready, Welcome, decode)
-from kvstage.protocol.outgoing import Outgoing, SrcChunk, plan_chunks, region_box
+from kvstage.protocol.address import Address
+from kvstage.protocol.endpoint import (
+    SLOW_S,
+    Endpoint,
+    EndpointStats,
+    check_engine,
+    check_pages,
+    peer_label,
+    rank_name,
+    remember,
+)
+from kvstage.protocol.handshake import (
+    HANDSHAKE_TIMEOUT_S,
+    check_same_model,
+    check_transport,
+    check_version,
+    check_welcome_proof,
+    spec_from_wire,
+    spec_to_wire,
+)
+from kvstage.protocol.messages import (
+    PROTOCOL_VERSION,
+    Abort,
+    Chunk,
+    Done,
+    Error,
+    Hello,
+    Message,
+    Offer,
+    Opened,
+    Ping,
+    Read,
+    Ready,
+    Welcome,
+    decode,
+)
+from kvstage.protocol.outgoing import (
+    Outgoing,
+    SrcChunk,
+    group_piece,
+    overlaps,
+    part_key,
+    plan_chunks,
+    region_box,
+)
 from kvstage.protocol.request import State, TransferHandle
 from kvstage.protocol.route import Path
+from kvstage.protocol.stream import LayerStream, check_layers, check_span
 from kvstage.protocol.wire import Connection
-from kvstage.staging.copy import TokenIndex, copy_stream, gather, upload_pages
+from kvstage.staging.copy import TokenIndex, gather, upload_pages
 from kvstage.staging.fence import CopyFence
 from kvstage.tp import Piece, TransferPlan, plan
 from kvstage.transports.base import Spans, WriteState
@@ -101,7 +141,7 @@ class DestinationEngine:
 
     name: str
     plan: TransferPlan
-    targets: dict = dc_field(default_factory=dict)  # destination rank -> Target
+    targets: dict[int, Target] = dc_field(default_factory=dict)  # destination rank -> Target
 
 
 class Source(Endpoint):
@@ -132,8 +172,11 @@ class Source(Endpoint):
     def _reads_pages(self) -> bool:
         """Whether a destination may read this rank's KV buffers with the transport (the direct and pages
         paths): a one-sided transport, a token, and a path setting that allows one of them."""
-        return (self.settings.offers_pages and self.transport.one_sided
-                and bool({Path.DIRECT, Path.PAGES} & _allowed(self.settings)))
+        return (
+            self.settings.offers_pages
+            and self.transport.one_sided
+            and bool({Path.DIRECT, Path.PAGES} & _allowed(self.settings))
+        )
 
     def _share_pages(self):
         """This rank's KV pages and ready event, shared over CUDA IPC with destinations of this host
@@ -146,49 +189,116 @@ class Source(Endpoint):
             shared = {"buffers": share_buffers(self.cache.buffers), "event": None}
             event = ReadyEvent(self.cache.device)
         except NotShareable as e:
-            log.warning("src %d: KV pages not shared over CUDA IPC: %s; destinations on this host read them through "
-                        "the arena (the read path) instead of one pass (the ipc path)", self.rank, e)
+            log.warning(
+                "src %d: KV pages not shared over CUDA IPC: %s; destinations on this host read them through "
+                "the arena (the read path) instead of one pass (the ipc path)",
+                self.rank,
+                e,
+            )
             return None
         shared["event"] = event
-        log.info("src %d: KV pages shared over CUDA IPC with destinations of this host and user that open them "
-                 "(%d allocations): their kernel reads these pages in one pass (the ipc path)", self.rank,
-                 len(shared["buffers"]["allocations"]))
+        log.info(
+            "src %d: KV pages shared over CUDA IPC with destinations of this host and user that open them "
+            "(%d allocations): their kernel reads these pages in one pass (the ipc path)",
+            self.rank,
+            len(shared["buffers"]["allocations"]),
+        )
         return shared
 
     # -- public --------------------------------------------------------------
     def connect(self, addresses) -> list[int]:
-        """Handshake with each destination rank at ``addresses`` (host, port) this source is not
-        connected to yet; an address connected before is reused as it is.
+        """Handshake with each destination rank at ``addresses`` this source is not connected to yet;
+        an address connected before is reused as it is. Each is a destination's ``address`` as it handed
+        it out (an ``Address``, or its ``kvstage://SECRET@HOST:PORT`` url), whose secret this source
+        presents, or a plain (host, port), for which it presents its own ``auth_token``.
 
         Keeps the connections to ranks this source sends to and returns their
-        ranks. Raises ``TransferFailed`` when a destination refuses."""
+        ranks. Raises ``TransferFailed`` when a destination refuses, ``ConfigError``
+        for an address that is not one."""
         kept = []
-        for host, port in addresses:
-            address = (host, int(port))
-            known = self._here(lambda: self._known(address))
+        for given in addresses:
+            at = Address.parse(given)
+            host, port = address = (at.host, at.port)
+            known = self._here(lambda address=address: self._known(address))
             if known is None:
-                known = self._handshake(host, int(port))
+                known = self._handshake(host, port, at.secret or self.settings.auth_token)
             if known is not None and known >= 0:
                 kept.append(known)
         return kept
 
-    def send(self, req: str, page_ids, tokens: int, engine: str | None = "") -> TransferHandle:
+    def send(
+        self,
+        req: str,
+        page_ids,
+        tokens: int,
+        engine: str | None = "",
+        layers: range | None = None,
+        span: range | None = None,
+    ) -> TransferHandle:
         """Make ``tokens`` tokens of request ``req``, held in ``page_ids`` (this rank's pages, written by
         the work queued on the caller's stream so far), readable by the ranks of decode engine ``engine``
         (the id its destinations were made with), or with ``engine=None`` by whichever connected decode
-        engine reads it first. The handle is done once the destination ranks hold every byte."""
+        engine reads it first. The handle is done once the destination ranks hold every byte.
+
+        ``layers``: only that group of layers (a streamed request, sent group by group as the forward
+        writes them; ``stream`` does it by the rule). ``span``: ``page_ids`` hold only those tokens of the
+        request's ``tokens`` (a chunk of a chunked prefill, sent as its forward ends; it starts on a page).
+        The parts of one request must not overlap."""
         if not isinstance(req, str) or not 0 < len(req) <= 256 or not req.isprintable():
             raise ValueError(f"req={req!r}: must be a non-empty printable string of at most 256 characters")
         if engine is not None:
             check_engine(engine)
-        pages = check_pages(self.cache, page_ids, tokens)
-        handle = TransferHandle(req, "src", int(tokens))
-        log.debug("src %d: %s sent by the caller, %d tokens", self.rank, req, tokens)
-        key = (engine, req)
+        group = check_layers(layers, self.spec.geometry.layers)
+        part = check_span(span, tokens, self.spec.page.page_size)
+        count = int(tokens) if part is None else len(part)
+        pages = check_pages(self.cache, page_ids, count)
+        handle = TransferHandle(req, "src", count)
+        log.debug(
+            "src %d: %s sent by the caller, %d tokens%s",
+            self.rank,
+            req,
+            tokens,
+            ("" if group is None else f", layers {group.start}..{group.stop}")
+            + ("" if part is None else f", its tokens {part.start}..{part.stop}"),
+        )
+        key = (engine, req, part_key(group, part))
         handle._abort = lambda reason: self._post("call", lambda: self._fail(key, "local", "abort", reason, tell=True))
         caller = self._caller_stream()  # taken here: ``_here`` runs on the copies' stream
-        self._here(lambda: self._add(handle, pages, engine, caller))  # on this thread: it is awake, the loop may not be
+        # on this thread: the loop may sleep
+        self._here(lambda: self._add(handle, pages, engine, caller, group, part, int(tokens)))
         return handle
+
+    def stream(self, req: str, page_ids, tokens: int, engine: str | None = "") -> LayerStream:
+        """Send request ``req`` layer group by layer group while the forward writes it: call the stream's
+        ``written(n)`` as the forward has written layers ``0 .. n``. The groups follow
+        ``stream.layer_groups`` (a short request goes whole, once every layer is written)."""
+        return LayerStream(
+            lambda layers: self.send(req, page_ids, tokens, engine, layers),
+            req,
+            self.spec.geometry.layers,
+            int(tokens),
+            lambda reason: self.abort(req, engine, reason),
+        )
+
+    def abort(self, req: str, engine: str | None = "", reason: str = "aborted by caller") -> None:
+        """Drop request ``req`` (every layer group of it, in flight or done): its destination ranks hear
+        ``abort`` and fail it (a streamed request dropped mid-forward)."""
+
+        def drop():
+            outs = (
+                self._groups_of(engine, req)
+                if engine is not None
+                else [o for k, o in self.requests.items() if k[1] == req]
+            )
+            live = [o for o in outs if not o.handle.done()]
+            for out in live:
+                self._fail(out.key, "local", "abort", reason, tell=True)
+            if not live:  # every group sent so far is read already: the destinations still expect the rest
+                eng = self.engines.get(engine) if engine is not None else None
+                for t in eng.targets.values() if eng is not None else self._targets.values():
+                    self._tell(t, Abort(req, reason))
+
+        self._post("call", drop)
 
     def _caller_stream(self):
         """CUDA: the stream the caller's work (the forward that wrote the pages) is queued on."""
@@ -210,7 +320,9 @@ class Source(Endpoint):
         return None
 
     # -- handshake (caller's thread; state changes go to the loop) -------------
-    def _handshake(self, host: str, port: int) -> int | None:
+    def _handshake(self, host: str, port: int, token: str) -> int | None:
+        """``token``: what this source presents there (the destination's secret, or the auth token), and
+        what the welcome must prove the destination holds."""
         peer = f"{host}:{port}"
         try:
             sock = socket.create_connection((host, port), timeout=HANDSHAKE_TIMEOUT_S)
@@ -219,10 +331,25 @@ class Source(Endpoint):
         conn = Connection(sock, peer)
         nonce = secrets.token_hex(16)
         try:
-            conn.send(Hello(PROTOCOL_VERSION, self.settings.auth_token, self.engine, self.model, os.getuid(),
-                            spec_to_wire(self.spec), self.rank, self.transport.id, self.transport.name,
-                            self.transport.metadata(), self.slot_bytes, self.facts, self.kv_facts(),
-                            sorted(p.value for p in _allowed(self.settings)), nonce).to_wire())
+            conn.send(
+                Hello(
+                    PROTOCOL_VERSION,
+                    token,
+                    self.engine,
+                    self.model,
+                    os.getuid(),
+                    spec_to_wire(self.spec),
+                    self.rank,
+                    self.transport.id,
+                    self.transport.name,
+                    self.transport.metadata(),
+                    self.slot_bytes,
+                    self.facts,
+                    self.kv_facts(),
+                    sorted(p.value for p in _allowed(self.settings)),
+                    nonce,
+                ).to_wire()
+            )
             msg = _expect(conn, Welcome)
             check_version(msg.version, "destination")
             check_transport(msg.transport, self.transport.name, "destination")
@@ -236,7 +363,7 @@ class Source(Endpoint):
                 conn.close()
                 self._call(lambda: self._set_idle(msg.engine, p, msg.rank, (host, port), conn))
                 return None
-            check_welcome_proof(msg, self.settings.auth_token, nonce)
+            check_welcome_proof(msg, token, nonce)
             if msg.slot_bytes is None or (msg.metadata is None and self.transport.reads_offered):
                 raise ProtocolError("welcome lacks the destination's slot size, or the metadata its offers need")
             warm = self._warm_offer(msg.metadata)
@@ -266,6 +393,7 @@ class Source(Endpoint):
         def offer():
             agent = self.transport.connect(metadata)
             return self.transport.offer(agent, Spans.single(self.arena_region, [0], [16]))
+
         return self._here(offer)
 
     def _offer(self, p: TransferPlan, welcome: Welcome, warm: bytes | None = None) -> Offer:
@@ -315,16 +443,22 @@ class Source(Endpoint):
         if eng is not None and p.dst != eng.plan.dst:
             if eng.targets:
                 conn.close()
-                raise TransferFailed("-", conn.peer, "handshake", f"destination spec {p.dst} differs from "
-                                     f"{eng.plan.dst}, which engine {engine!r}'s other ranks connected with")
+                raise TransferFailed(
+                    "-",
+                    conn.peer,
+                    "handshake",
+                    f"destination spec {p.dst} differs from "
+                    f"{eng.plan.dst}, which engine {engine!r}'s other ranks connected with",
+                )
             eng = None
         if eng is None:
             eng = self.engines[engine] = DestinationEngine(engine, p)
             log.info("src %d: decode engine %r: %s -> %s", self.rank, engine, p.src, p.dst)
         return eng
 
-    def _add_target(self, welcome: Welcome, p: TransferPlan, piece: Piece, conn: Connection, opened: Opened,
-                    address: tuple) -> None:
+    def _add_target(
+        self, welcome: Welcome, p: TransferPlan, piece: Piece, conn: Connection, opened: Opened, address: tuple
+    ) -> None:
         eng = self._engine(welcome.engine, p, conn)
         old = eng.targets.get(welcome.rank)
         if old is not None:  # the same identity again: the new connection replaces the old one
@@ -332,55 +466,105 @@ class Source(Endpoint):
             eng = self._engine(welcome.engine, p, conn)  # made anew if the old connection was its last
         # a one-sided transport's reads need nothing of the destination here: its metadata is not even loaded,
         # so this rank holds no key to the destination's memory; a two-sided one's offers go to its endpoint
-        agent = self.transport.connect(welcome.metadata) if self.transport.reads_offered else ""
+        assert welcome.slot_bytes is not None  # _on_welcome refuses a welcome without it
+        agent = ""
+        if self.transport.reads_offered:
+            assert welcome.metadata is not None  # _on_welcome refuses a welcome without it for this transport
+            agent = self.transport.connect(welcome.metadata)
         name = rank_name(welcome.engine, "destination", welcome.rank)
         conn.peer = f"{name} ({conn.peer})"
         paths = _allowed(self.settings) & frozenset(Path(x) for x in (welcome.paths or ()) if x in route.PATH_SETTINGS)
         target = eng.targets[welcome.rank] = Target(
-            welcome.engine, welcome.rank, conn, agent, p, piece, address, opened.ipc, paths,
-            max(1, welcome.slot_bytes // max(1, p.dst_token_bytes())))
+            welcome.engine,
+            welcome.rank,
+            conn,
+            agent,
+            p,
+            piece,
+            address,
+            opened.ipc,
+            paths,
+            max(1, welcome.slot_bytes // max(1, p.dst_token_bytes())),
+        )
         self._targets[conn] = target
         self._pinged_peer(conn)
         if opened.ipc:
-            log.info("src %d: %s opened this rank's KV pages (CUDA IPC): it reads them in one pass", self.rank, conn.peer)
+            log.info(
+                "src %d: %s opened this rank's KV pages (CUDA IPC): it reads them in one pass", self.rank, conn.peer
+            )
         elif self._ipc is not None and opened.reason:
             log.info("src %d: %s did not open this rank's KV pages (%s)", self.rank, conn.peer, opened.reason)
-        log.debug("src %d: connected to %s, heads %d..%d, buffers %d..%d", self.rank, conn.peer, piece.heads.start,
-                  piece.heads.stop, piece.buffers.start, piece.buffers.stop)
+        log.debug(
+            "src %d: connected to %s, heads %d..%d, buffers %d..%d",
+            self.rank,
+            conn.peer,
+            piece.heads.start,
+            piece.heads.stop,
+            piece.buffers.start,
+            piece.buffers.stop,
+        )
         self._log_link(welcome.facts, conn.peer, None, pages=False, label=peer_label(welcome.engine, welcome.rank))
         for out in list(self.requests.values()):  # requests sent to any engine before this one connected
             if out.engine is None and out.bound is None and not out.handle.done():
                 self._announce(out, [target])
 
-    def _add(self, handle: TransferHandle, pages: np.ndarray, engine: str | None, caller=None) -> None:
-        """A sent request (caller's thread, state lock held): route it to each destination rank, gather
-        what the read path needs into free slots, record the ready event, say ``ready``."""
-        key = (engine, handle.req)
-        if key in self.requests or (engine is None and any(k[1] == handle.req for k in self.requests)):
-            raise ValueError(f"request {handle.req!r} is already in flight on source rank {self.rank}")
+    def _add(
+        self,
+        handle: TransferHandle,
+        pages: np.ndarray,
+        engine: str | None,
+        caller=None,
+        group: range | None = None,
+        span: range | None = None,
+        total: int = 0,
+    ) -> None:
+        """A sent request or part of one (caller's thread, state lock held): route it to each destination rank,
+        gather what the read path needs into free slots, record the ready event, say ``ready``."""
+        key = (engine, handle.req, part_key(group, span))
+        for k, other in self.requests.items():
+            if (
+                k[1] == handle.req
+                and (engine is None or k[0] in (engine, None))
+                and overlaps(other.layers, group)
+                and overlaps(other.span, span)
+            ):
+                what = "" if group is None else f"layers {group.start}..{group.stop} of "
+                what += "" if span is None else f"tokens {span.start}..{span.stop} of "
+                raise ValueError(f"{what}request {handle.req!r} already in flight on source rank {self.rank}")
         if engine is not None:
             eng = self.engines.get(engine)
             if eng is None:
                 known = ", ".join(repr(e) for e in self.engines) or "none"
-                raise TransferFailed(handle.req, "-", "send", f"not connected to any destination rank of engine "
-                                     f"{engine!r} (engines connected: {known}); call connect() first")
-            want = [x.dst_rank for x in eng.plan.targets_of(self.rank)]
+                raise TransferFailed(
+                    handle.req,
+                    "-",
+                    "send",
+                    f"not connected to any destination rank of engine "
+                    f"{engine!r} (engines connected: {known}); call connect() first",
+                )
+            want = [x.dst_rank for x in eng.plan.targets_of(self.rank) if group_piece(eng.plan, x, group) is not None]
             missing = [d for d in want if d not in eng.targets]
             if missing:
-                raise TransferFailed(handle.req, f"destination ranks {missing}" + (f" of engine {engine}" if engine else ""),
-                                     "send", "not connected")
-            if not want:  # replicas or layer shares: other source ranks serve this engine
+                raise TransferFailed(
+                    handle.req,
+                    f"destination ranks {missing}" + (f" of engine {engine}" if engine else ""),
+                    "send",
+                    "not connected",
+                )
+            if not want:  # replicas or layer shares: other source ranks serve this engine (or these layers)
                 handle._move(State.DONE)
                 return
             targets = [eng.targets[d] for d in want]
         else:
-            targets = [t for t in self._targets.values()]
+            targets = [t for t in self._targets.values() if group_piece(t.plan, t.piece, group) is not None]
         self._finished.pop(key, None)
-        if self._take_abort(key, handle):  # every destination hears of it
+        out = Outgoing(handle, pages, engine, layers=group, span=span, total=total)
+        last = out.final(self.spec.geometry.layers)  # else a later part still needs the abort
+        if self._take_abort(key[:2], handle, keep=not last):  # every destination hears of it
+            assert handle.error is not None  # a new handle, failed by _take_abort just now
             for t in targets:
                 self._tell(t, Abort(handle.req, handle.error.cause))
             return
-        out = Outgoing(handle, pages, engine)
         self.requests[key] = out
         if caller is not None:
             self._order_after_caller(out, caller)
@@ -400,9 +584,12 @@ class Source(Endpoint):
         out.caller_stream = caller
 
     def _announce(self, out: Outgoing, targets: list) -> None:
-        """Route ``out`` to each of ``targets``, gather what its read routes need, and say ``ready``."""
+        """Route ``out`` to each of ``targets`` it has a piece for, gather what its read routes need, and say
+        ``ready``."""
         routed = []
         for t in targets:
+            if out.piece_of(t) is None:  # a layer group this rank holds none of for ``t`` (layer shares)
+                continue
             r = self._route(out, t)
             if r.path is None:
                 return self._fail(out.key, t.name, "route", r.reason, tell=True)
@@ -436,30 +623,43 @@ class Source(Endpoint):
         for t in self._read_targets(out):
             if (t.engine, t.rank) in out.told and (out.bound is None or out.bound == t.engine):
                 index, offset, ticket = self._listing(out, c, t)
-                self._tell(t, Chunk(out.handle.req, index, offset, _unb64(ticket) or None))
+                self._tell(
+                    t, Chunk(out.handle.req, index, offset, _unb64(ticket) or None, out.layers_wire, out.span_wire)
+                )
 
     def _route(self, out: Outgoing, t: Target) -> route.Route:
         """``route.choose`` for this request to ``t``, logged once per destination rank and path."""
         memory = "cuda" if self.cache.device.type == "cuda" else "cpu"
-        piece, spec = t.piece, self.spec
+        piece, spec = out.piece_of(t), self.spec
+        assert piece is not None  # _announce routes only the targets it has a piece for
         nbytes = t.plan.piece_token_bytes(piece) * out.handle.tokens
         runs = route.page_runs(out.pages) * len(piece.buffers)
         page_spans = _page_span_count(spec, out.pages, out.handle.tokens, piece) if memory == "cpu" else 0
-        box = region_box([piece] if out.engine is not None else None, spec)
+        box = region_box([piece] if out.engine is not None else None, spec, out.buffers(t.plan))
         per = min(self.slot_bytes // box.token_bytes, t.capacity)
         fits = per > 0 and -(-out.handle.tokens // per) <= self.arena.allocator.free
-        link = route.Link(memory, t.ipc, bool(self._kv_regions), t.plan.direct,
-                          self.transport.read_span_cost_s.get(memory, 0.0), t.paths)
+        link = route.Link(
+            memory,
+            t.ipc,
+            bool(self._kv_regions),
+            t.plan.direct,
+            self.transport.read_span_cost_s.get(memory, 0.0),
+            t.paths,
+        )
         if not t.paths:
-            return route.Route(None, f"path={self.settings.path} is not allowed to this destination rank: a page path "
-                                     "needs KVSTAGE_AUTH_TOKEN on both sides (its KV pages are read only by a peer that "
-                                     "presented the token), and both sides' path settings must allow it")
+            return route.Route(
+                None,
+                f"path={self.settings.path} is not allowed to this destination rank: a page path "
+                "needs KVSTAGE_AUTH_TOKEN on both sides (its KV pages are read only by a peer that "
+                "presented the token), and both sides' path settings must allow it",
+            )
         r = route.choose(link, route.Request(nbytes, runs, page_spans, fits))
         key = (t.engine, t.rank, r.path)
         if r.path is not None and key not in self._routes:
             remember(self._routes, key, True, MAX_IDLE_ADDRESSES)
-            log.info("src %d: requests to %s go %s: %s (first: %s)", self.rank, t.name, r.path, r.reason,
-                     out.handle.req)
+            log.info(
+                "src %d: requests to %s go %s: %s (first: %s)", self.rank, t.name, r.path, r.reason, out.handle.req
+            )
         return r
 
     def _read_targets(self, out: Outgoing) -> list:
@@ -468,11 +668,17 @@ class Source(Endpoint):
     def _plan_read(self, out: Outgoing, reads: list) -> None:
         """Cut ``out`` into chunks for the read path. A request sent to any engine gathers this rank's whole
         shard, which every engine's pieces lie in."""
-        pieces = [t.piece for t in reads] if out.engine is not None else None
-        out.box = region_box(pieces, self.spec)
+        pieces = [p for p in (out.piece_of(t) for t in reads) if p is not None] if out.engine is not None else None
+        assert pieces is None or len(pieces) == len(reads)  # every read target was routed: it has a piece
+        out.box = region_box(pieces, self.spec, out.buffers(reads[0].plan))
         capacity = min(t.capacity for t in reads)
-        out.chunks = plan_chunks(out.handle.tokens, self.slot_bytes // out.box.token_bytes, capacity,
-                                 self.spec.page.page_size, [t.plan.dst.page.page_size for t in reads])
+        out.chunks = plan_chunks(
+            out.handle.tokens,
+            self.slot_bytes // out.box.token_bytes,
+            capacity,
+            self.spec.page.page_size,
+            [t.plan.dst.page.page_size for t in reads],
+        )
         if self.cache.device.type == "cuda" and out.kernel_pages is None:
             out.kernel_pages = upload_pages(self.cache, out.pages, checked=True)
 
@@ -481,6 +687,7 @@ class Source(Endpoint):
         slot = self.arena.allocator.acquire()
         if slot is None:
             return False
+        assert out.box is not None  # _plan_read made it with the chunks
         c.slot, c.offset = slot, self.arena.offset(slot)
         t0 = time.perf_counter()
         idx = TokenIndex(self.cache, out.pages, c.start, c.count, out.kernel_pages)
@@ -501,25 +708,53 @@ class Source(Endpoint):
             c.gathered = True
         else:
             self._gathering.append((out, c))
-        log.debug("src %d: %s chunk %d gathered into slot %d%s", self.rank, out.handle.req, c.index, slot,
-                  "" if c.gathered else " (launched)")
+        log.debug(
+            "src %d: %s chunk %d gathered into slot %d%s",
+            self.rank,
+            out.handle.req,
+            c.index,
+            slot,
+            "" if c.gathered else " (launched)",
+        )
         return True
 
     def _ready_message(self, out: Outgoing, t: Target, path: Path) -> Ready:
         """The ``ready`` for destination rank ``t``: its path and what that path reads."""
         if path is not Path.READ:
-            return Ready(out.handle.req, out.handle.tokens, path.value, out.pages.tolist())
+            return Ready(
+                out.handle.req,
+                out.total or out.handle.tokens,
+                path.value,
+                out.pages.tolist(),
+                layers=out.layers_wire,
+                span=out.span_wire,
+            )
         listed = [self._listing(out, c, t) for c in out.chunks if c.gathered]
-        return Ready(out.handle.req, out.handle.tokens, path.value, None, out.chunks[0].count if out.chunks else None,
-                     len(out.chunks), listed, out.box.order.value)
+        assert out.box is not None  # a read-path request: _plan_read made its box
+        return Ready(
+            out.handle.req,
+            out.total or out.handle.tokens,
+            path.value,
+            None,
+            out.chunks[0].count if out.chunks else None,
+            len(out.chunks),
+            listed,
+            out.box.order.value,
+            out.layers_wire,
+            out.span_wire,
+        )
 
     def _listing(self, out: Outgoing, c: SrcChunk, t: Target) -> list:
         """[index, offset, ticket] of ``t``'s piece of gathered chunk ``c``: where it lies in this arena, and
         for a two-sided transport the offer its receive matches."""
-        offset, nbytes = out.box.piece_span(t.piece, c.count)
+        piece = out.piece_of(t)
+        assert out.box is not None and piece is not None  # a read target's chunk: planned, and it has a piece
+        offset, nbytes = out.box.piece_span(piece, c.count)
         ticket = b""
         if self.transport.reads_offered:
-            ticket, handle = self.transport.offer(t.agent, Spans.single(self.arena_region, [c.offset + offset], [nbytes]))
+            ticket, handle = self.transport.offer(
+                t.agent, Spans.single(self.arena_region, [c.offset + offset], [nbytes])
+            )
             c.offers.append(handle)
         c.readers.setdefault(t.engine, set()).add(t.rank)
         return [c.index, c.offset + offset, _b64(ticket)]
@@ -551,8 +786,9 @@ class Source(Endpoint):
         self._gathering = still
 
     def _busy(self) -> bool:
-        return bool(self._gathering or self._draining
-                    or any(c.offers for out in self.requests.values() for c in out.chunks))
+        return bool(
+            self._gathering or self._draining or any(c.offers for out in self.requests.values() for c in out.chunks)
+        )
 
     def _idle_wait(self) -> float:
         return DRIVE_S if self._readable() else super()._idle_wait()
@@ -622,50 +858,65 @@ class Source(Endpoint):
         if target is None:
             return
         if isinstance(msg, Read):
-            out = self._request_of(target, msg.req, take=False)  # taken only once the read is checked
+            # taken only once the read is checked
+            out = self._request_of(target, msg.req, msg.group, msg.tokens_span, take=False)
             if not 0 <= msg.index < len(out.chunks):
                 raise ProtocolError(f"read of chunk {msg.index} of {msg.req!r}, which has {len(out.chunks)} chunks")
             c = out.chunks[msg.index]
             readers = c.readers.get(target.engine, set())
             if target.rank not in readers:
-                raise ProtocolError(f"read of chunk {msg.index} of {msg.req!r}, which {target.name} was not offered "
-                                    "or read already")
+                raise ProtocolError(
+                    f"read of chunk {msg.index} of {msg.req!r}, which {target.name} was not offered or read already"
+                )
             self._take(out, target)
             readers.discard(target.rank)
             out.touched = time.monotonic()
             self._maybe_free(out, c)
         elif isinstance(msg, Done):
-            out = self._request_of(target, msg.req)
+            out = self._request_of(target, msg.req, msg.group, msg.tokens_span)
             out.done.add(target.rank)
             out.touched = time.monotonic()
             log.debug("src %d: %s done at %s", self.rank, msg.req, target.name)
             self._maybe_done(out)
-        elif isinstance(msg, Abort):
-            out = self._lookup(target.engine, msg.req)
+        elif isinstance(msg, Abort):  # the whole request: every layer group of it
+            outs = self._groups_of(target.engine, msg.req)
             cause = "destination aborted: " + msg.reason
-            if out is None:  # not sent here (yet): nothing of it is readable
-                self._remember_abort((target.engine, msg.req), target.name, cause)
-            elif out.bound in (None, target.engine):  # a destination aborts only what it was to read
-                self._fail(out.key, target.name, "abort", cause, tell=True, answered=target)
+            if not any(o.final(self.spec.geometry.layers) for o in outs):
+                self._remember_abort((target.engine, msg.req), target.name, cause)  # for the parts not sent yet
+            for out in outs:
+                if out.bound in (None, target.engine):  # a destination aborts only what it was to read
+                    self._fail(out.key, target.name, "abort", cause, tell=True, answered=target)
         elif isinstance(msg, Error):
             log.warning("src %d: %s refused our %s: %s", self.rank, conn.peer, msg.about, msg.reason)
-            out = self._lookup(target.engine, msg.req) if msg.req else None
-            if out is not None:
+            for out in self._groups_of(target.engine, msg.req) if msg.req else ():
                 self._fail(out.key, conn.peer, str(msg.about), f"refused: {msg.reason}", tell=False)
         else:
             raise ProtocolError(f"{msg.TYPE} message from a destination")
 
-    def _lookup(self, engine: str, req: str) -> Outgoing | None:
-        return self.requests.get((engine, req)) or self.requests.get((None, req))
+    def _lookup(self, engine: str, req: str, group: range | None = None, span: range | None = None) -> Outgoing | None:
+        g = part_key(group, span)
+        return self.requests.get((engine, req, g)) or self.requests.get((None, req, g))
 
-    def _request_of(self, target: Target, req: str, take: bool = True) -> Outgoing:
-        """The in-flight request ``req`` a message of ``target`` names, with ``take`` taken by its engine
-        (``_take``)."""
-        out = self._lookup(target.engine, req)
+    def _groups_of(self, engine: str, req: str) -> list[Outgoing]:
+        """Every part of ``req`` in flight to ``engine`` (or to any engine), in token then layer order."""
+        outs = [o for k, o in self.requests.items() if k[1] == req and k[0] in (engine, None)]
+        return sorted(
+            outs, key=lambda o: (-1 if o.span is None else o.span.start, -1 if o.layers is None else o.layers.start)
+        )
+
+    def _request_of(
+        self, target: Target, req: str, group: range | None = None, span: range | None = None, take: bool = True
+    ) -> Outgoing:
+        """The in-flight request ``req`` (its part: layer group ``group``, token span ``span``) a message of
+        ``target`` names, with ``take`` taken by its engine (``_take``)."""
+        out = self._lookup(target.engine, req, group, span)
         if out is None:
-            if (target.engine, req) in self._finished or (None, req) in self._finished:
-                raise ProtocolError(f"request {req!r} already {self._finished.get((target.engine, req), 'finished')} here")
-            raise ProtocolError(f"request {req!r} is not in flight here")
+            g = part_key(group, span)
+            what = f"request {req!r}" + ("" if group is None else f" layers {group.start}..{group.stop}")
+            what += "" if span is None else f" tokens {span.start}..{span.stop}"
+            if (target.engine, req, g) in self._finished or (None, req, g) in self._finished:
+                raise ProtocolError(f"{what} already {self._finished.get((target.engine, req, g), 'finished')} here")
+            raise ProtocolError(f"{what} is not in flight here")
         if (target.engine, target.rank) not in out.told:
             raise ProtocolError(f"request {req!r} was not offered to {target.name}")
         if out.bound not in (None, target.engine):
@@ -715,7 +966,9 @@ class Source(Endpoint):
             self._draining.append(out)
         out.handle.bytes = sum(out_bytes(out, t) for t in self._targets.values() if (t.engine, t.rank) in out.targets)
         out.handle._move(State.DONE)
-        self.metrics.request_finished(peer_label(out.bound), True, out.handle.seconds, out.handle.bytes)
+        seconds = out.handle.seconds
+        assert seconds is not None  # DONE just now: its end time is set
+        self.metrics.request_finished(peer_label(out.bound), True, seconds, out.handle.bytes)
         self._maybe_forget(out)
 
     def _tell(self, t: Target, msg: Message) -> None:
@@ -791,11 +1044,14 @@ class Source(Endpoint):
                 self._drop_target(out, target)
             else:
                 hit.append(key)
-        (log.warning if hit else log.info)("src %d: %s disconnected (%s), %d requests affected",
-                                           self.rank, target.name, reason, len(hit))
+        (log.warning if hit else log.info)(
+            "src %d: %s disconnected (%s), %d requests affected", self.rank, target.name, reason, len(hit)
+        )
         for key in hit:
             self._fail(key, target.name, "read", f"connection lost ({reason})", tell=True, answered=target)
-        if not eng.targets and not any(out.bound == eng.name or out.engine == eng.name for out in self.requests.values()):
+        if not eng.targets and not any(
+            out.bound == eng.name or out.engine == eng.name for out in self.requests.values()
+        ):
             del self.engines[target.engine]  # connected again later, possibly with another spec
             log.info("src %d: decode engine %r has no rank connected any more", self.rank, target.engine)
 
@@ -815,31 +1071,59 @@ class Source(Endpoint):
                 continue
             for key, out in list(self.requests.items()):
                 if (t.engine, t.rank) in out.targets and out.bound in (None, t.engine) and out.engine is not None:
-                    self._fail(key, t.name, "read", f"no control message for {quiet:.1f} s: the destination is "
-                               "stopped or hung, or the link is down", tell=True)
+                    self._fail(
+                        key,
+                        t.name,
+                        "read",
+                        f"no control message for {quiet:.1f} s: the destination is "
+                        "stopped or hung, or the link is down",
+                        tell=True,
+                    )
         for key, out in list(self.requests.items()):
             waited = now - out.touched
             if out.bound is None or out.handle.state is State.PENDING:  # no destination started reading it
                 if waited > self.settings.ready_timeout_s:
-                    self._fail(key, "destination", "waiting for a reader",
-                               f"no destination started reading it within {self.settings.ready_timeout_s:g} s", tell=True)
+                    self._fail(
+                        key,
+                        "destination",
+                        "waiting for a reader",
+                        f"no destination started reading it within {self.settings.ready_timeout_s:g} s",
+                        tell=True,
+                    )
                 continue
             if waited <= min(SLOW_S, self.settings.stall_timeout_s):
                 continue
             eng = self.engines.get(out.bound)
-            late = [t for t in (eng.targets.values() if eng else ()) if (t.engine, t.rank) in out.targets
-                    and t.rank not in out.done]
-            running = bool(late) and all(self._peer_running(t.conn, now, out.touched + min(SLOW_S, self.settings.stall_timeout_s))
-                                         for t in late)
+            late = [
+                t
+                for t in (eng.targets.values() if eng else ())
+                if (t.engine, t.rank) in out.targets and t.rank not in out.done
+            ]
+            running = bool(late) and all(
+                self._peer_running(t.conn, now, out.touched + min(SLOW_S, self.settings.stall_timeout_s)) for t in late
+            )
             if not out.slow:
                 out.slow = True
                 self.metrics.slow(peer_label(out.bound), "read")
-                log.warning("src %d: request %s is slow: no destination progress for %.1f s (%s)", self.rank,
-                            out.handle.req, waited, "it runs" if running else "it is alive, busy: its loop does not turn")
-            if waited > self.settings.stall_timeout_s and late and all(
-                    self._peer_running(t.conn, now, out.touched + self.settings.stall_timeout_s) for t in late):
-                self._fail(key, late[0].name, "read", f"no progress for {self.settings.stall_timeout_s:g} s while the "
-                           "destination runs", tell=True)
+                log.warning(
+                    "src %d: request %s is slow: no destination progress for %.1f s (%s)",
+                    self.rank,
+                    out.handle.req,
+                    waited,
+                    "it runs" if running else "it is alive, busy: its loop does not turn",
+                )
+            if (
+                waited > self.settings.stall_timeout_s
+                and late
+                and all(self._peer_running(t.conn, now, out.touched + self.settings.stall_timeout_s) for t in late)
+            ):
+                self._fail(
+                    key,
+                    late[0].name,
+                    "read",
+                    f"no progress for {self.settings.stall_timeout_s:g} s while the destination runs",
+                    tell=True,
+                )
 
     def _forgive(self, gap: float) -> None:
         for out in self.requests.values():
@@ -875,7 +1159,8 @@ def _page_span_count(spec, pages: np.ndarray, tokens: int, piece: Piece) -> int:
 
 
 def out_bytes(out: Outgoing, t: Target) -> int:
-    return t.plan.piece_token_bytes(t.piece) * out.handle.tokens
+    piece = out.piece_of(t)
+    return 0 if piece is None else t.plan.piece_token_bytes(piece) * out.handle.tokens
 
 
 def _expect(conn: Connection, cls):
@@ -885,7 +1170,7 @@ def _expect(conn: Connection, cls):
         msg = decode(conn.recv())
         while isinstance(msg, Ping):
             msg = decode(conn.recv())
-    except socket.timeout:  # the socket's timeout is the handshake's
+    except TimeoutError:  # the socket's timeout is the handshake's
         raise ProtocolError(f"no {cls.TYPE} within {HANDSHAKE_TIMEOUT_S:g} s: timed out") from None
     if isinstance(msg, Error):
         log.warning("destination %s refused this source: %s", conn.peer, msg.reason)

@@ -49,8 +49,12 @@ def _keepalive(sock: socket.socket, idle: int = 1, interval: int = 1, count: int
     ~15 minutes instead. ``TCP_USER_TIMEOUT`` bounds that wait to the same
     ~4 s, so a dead link closes the connection (and frees its slots) either way."""
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
-    for name, value in (("TCP_KEEPIDLE", idle), ("TCP_KEEPINTVL", interval), ("TCP_KEEPCNT", count),
-                        ("TCP_USER_TIMEOUT", (idle + interval * count) * 1000)):
+    for name, value in (
+        ("TCP_KEEPIDLE", idle),
+        ("TCP_KEEPINTVL", interval),
+        ("TCP_KEEPCNT", count),
+        ("TCP_USER_TIMEOUT", (idle + interval * count) * 1000),
+    ):
         if hasattr(socket, name):
             sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, name), value)
 

@@ -46,10 +46,6 @@ class SlotAllocator:
     def free(self) -> int:
         return len(self._free)
 
-    @property
-    def in_use(self) -> int:
-        return len(self._used)
-
 
 class _DeviceAllocation:
     """Memory from ``cudaMalloc`` itself, exposed through the CUDA array interface.
@@ -120,7 +116,7 @@ def allocate_arena(nbytes: int, device: torch.device, pinned: bool = False) -> t
         return torch.empty(nbytes, dtype=torch.uint8, pin_memory=pinned).fill_(0)
     owner = _DeviceAllocation(nbytes, device)
     t = torch.as_tensor(owner, device=device)
-    t._kvstage_owner = owner  # the allocation lives as long as the tensor
+    t._kvstage_owner = owner  # type: ignore[attr-defined]  # the allocation lives as long as the tensor
     return t
 
 
@@ -153,8 +149,9 @@ class ArenaSize:
         return self.slot_bytes * self.slots
 
 
-def arena_size(asked_bytes: int | None, token_bytes: int, where: str, free_bytes: int | None = None,
-               pool_bytes: int | None = None) -> ArenaSize:
+def arena_size(
+    asked_bytes: int | None, token_bytes: int, where: str, free_bytes: int | None = None, pool_bytes: int | None = None
+) -> ArenaSize:
     """The arena of one rank, sized by rule (pure).
 
     ``token_bytes``: this rank's bytes per token (its whole shard, all layers, K and V);

@@ -50,7 +50,9 @@ class RankCache:
                     f"need contiguous {want} of {dtype} ({spec.page.order})"
                 )
             if b.device != self.buffers[0].device:
-                raise ConfigError(f"buffer {i} is on {b.device}, buffer 0 on {self.buffers[0].device}: one device per rank")
+                raise ConfigError(
+                    f"buffer {i} is on {b.device}, buffer 0 on {self.buffers[0].device}: one device per rank"
+                )
 
     @property
     def pages(self) -> int:
@@ -76,8 +78,9 @@ class RankCache:
         return chosen
 
     @classmethod
-    def allocate(cls, spec: SideSpec, rank: int, pages: int, device="cpu", fill: float | None = 0,
-                 copier: str | None = None) -> "RankCache":
+    def allocate(
+        cls, spec: SideSpec, rank: int, pages: int, device="cpu", fill: float | None = 0, copier: str | None = None
+    ) -> RankCache:
         """Allocate a fresh cache (tests, the benchmark)."""
         shape = buffer_shape(spec.geometry, spec.page, spec.local_heads(), pages)
         dt = torch_dtype(spec.geometry.dtype)

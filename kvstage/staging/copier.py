@@ -25,7 +25,7 @@ anything moves (``region.check_pieces``); an implementation's ``_gather``,
 from __future__ import annotations
 
 import abc
-from typing import Sequence
+from collections.abc import Sequence
 
 from kvstage.errors import ConfigError
 from kvstage.staging.copy import TokenIndex
@@ -64,8 +64,14 @@ class Copier(abc.ABC):
         """``pieces`` checked against this rank and ``region`` (``region.check_pieces``)."""
         spec = self.cache.spec
         geo = spec.geometry
-        return check_pieces(pieces, local_heads=1 if geo.mla else spec.local_heads(), buffers=geo.buffers,
-                            head_bytes=geo.head_bytes(), count=idx.count, region_bytes=region.nbytes)
+        return check_pieces(
+            pieces,
+            local_heads=1 if geo.mla else spec.local_heads(),
+            buffers=geo.buffers,
+            head_bytes=geo.head_bytes(),
+            count=idx.count,
+            region_bytes=region.nbytes,
+        )
 
     # -- the contract: checked once here, run by the implementation ---------------------------
     def gather(self, idx: TokenIndex, pieces: Sequence[RegionPiece], region) -> None:
@@ -99,7 +105,7 @@ class Copier(abc.ABC):
             return None
         return self._prepare_piece_scatters(idx, pieces, region)
 
-    def load(self) -> None:
+    def load(self) -> None:  # noqa: B027 - a default: a copier with no kernel loads nothing
         """Load what the copies run on (a kernel) now, since loading at the first copy may
         wait for work already queued on the device."""
 
@@ -137,14 +143,17 @@ def choose_copier(cache, want: str | None = None) -> Copier:
     if want == "cuda" and not on_gpu:
         raise ConfigError(f"copier='cuda': this rank's cache is on {cache.device}; the kernel copies CUDA caches")
     if want == "native" and on_gpu:
-        raise ConfigError(f"copier='native': this rank's cache is on {cache.device}; native span copies are for "
-                          "host caches")
+        raise ConfigError(
+            f"copier='native': this rank's cache is on {cache.device}; native span copies are for host caches"
+        )
     if on_gpu:
         if cuda_copy.available():
             return CudaCopier(cache, "one fused kernel launch per chunk, CuPy/NVRTC")
         if want == "cuda":
-            raise ConfigError("copier='cuda': the fused kernel needs CuPy with a CUDA device, and it is not importable "
-                              "here (install the CuPy build for this CUDA version)")
+            raise ConfigError(
+                "copier='cuda': the fused kernel needs CuPy with a CUDA device, and it is not importable "
+                "here (install the CuPy build for this CUDA version)"
+            )
         return TorchCopier(cache, "torch indexed copies: the fused kernel needs CuPy, which is not importable here")
     if hostcopy.available():
         return NativeCopier(cache, "streaming span copies, kvstage.staging._spans")

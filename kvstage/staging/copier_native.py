@@ -39,8 +39,7 @@ class NativeCopier(TorchCopier):
         spec = self.cache.spec
         for piece in pieces:
             at_buffer, at_region, lengths = spans_per_buffer(spec, idx.page_ids, idx.start, idx.count, piece)
-            hostcopy.SpanCopy(at_region, at_buffer, lengths).run(self._parts(idx, piece, region),
-                                                                 self._buffers(piece))
+            hostcopy.SpanCopy(at_region, at_buffer, lengths).run(self._parts(idx, piece, region), self._buffers(piece))
 
     def _scatter(self, idx, pieces, region, threads=None) -> None:
         """Each piece's spans, one native call per piece; ``threads`` take a share of the buffers."""

@@ -110,8 +110,11 @@ class TorchCopier(Copier):
         cache = self.cache
         for piece in pieces:
             view = self._piece_view(region, piece, idx.count)
-            out = view if region.device == cache.device else torch.empty(view.shape, dtype=view.dtype,
-                                                                         device=cache.device)
+            out = (
+                view
+                if region.device == cache.device
+                else torch.empty(view.shape, dtype=view.dtype, device=cache.device)
+            )
             for bi, b in enumerate(piece.buffers):
                 self._gather_buffer(idx, cache.buffers[b], piece.head_lo, piece.heads, out[bi])
             if out is not view:
@@ -144,13 +147,18 @@ class TorchCopier(Copier):
         lo, n, base, buffers = first.head_lo, first.heads, first.offset, first.buffers
         size = first.nbytes(self.cache.spec.geometry.head_bytes(), count)
         for k, p in enumerate(pieces):
-            if (p.order is not Order.TOKENS or p.rows is not None or p.buffers != buffers or p.heads != n
-                    or p.head_lo != lo + k * n or p.offset != base + k * size):
+            if (
+                p.order is not Order.TOKENS
+                or p.rows is not None
+                or p.buffers != buffers
+                or p.heads != n
+                or p.head_lo != lo + k * n
+                or p.offset != base + k * size
+            ):
                 return None
         return lo, len(pieces), n, base, buffers
 
-    def _scatter_tiled(self, idx, lo: int, k: int, n: int, base: int, buffers: range, region,
-                       threads=None) -> None:
+    def _scatter_tiled(self, idx, lo: int, k: int, n: int, base: int, buffers: range, region, threads=None) -> None:
         cache = self.cache
         geo = cache.spec.geometry
         hw, nb = self._hw, len(buffers)

@@ -10,8 +10,9 @@ on (``copy_stream``), and threads a host scatter may share (``CopyThreads``).
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -122,7 +123,12 @@ class CopyThreads:
     def run(self, place, items: list) -> None:
         """``place(*item)`` for every item, items dealt round-robin; the caller's share first."""
         shares = [items[k :: self.threads] for k in range(self.threads)]
-        others = [self._pool.submit(lambda share=share: [place(*x) for x in share]) for share in shares[1:] if share]
+
+        def place_all(share: list) -> None:
+            for x in share:
+                place(*x)
+
+        others = [self._pool.submit(place_all, share) for share in shares[1:] if share]
         try:
             for x in shares[0]:
                 place(*x)
@@ -140,19 +146,30 @@ def gather(cache: RankCache, idx: TokenIndex, pieces: Sequence[RegionPiece], reg
     cache.copier.gather(idx, pieces, region)
 
 
-def scatter_chunk(cache: RankCache, idx: TokenIndex, pieces: Sequence[RegionPiece], region: torch.Tensor,
-                  threads: CopyThreads | None = None) -> None:
+def scatter_chunk(
+    cache: RankCache,
+    idx: TokenIndex,
+    pieces: Sequence[RegionPiece],
+    region: torch.Tensor,
+    threads: CopyThreads | None = None,
+) -> None:
     """Copy every piece from ``region`` into the indexed tokens of the cache."""
     cache.copier.scatter_chunk(idx, pieces, region, threads)
 
 
-def prepare_scatter(cache: RankCache, idx: TokenIndex, pieces: Sequence[RegionPiece], region: torch.Tensor,
-                    threads: CopyThreads | None = None):
+def prepare_scatter(
+    cache: RankCache,
+    idx: TokenIndex,
+    pieces: Sequence[RegionPiece],
+    region: torch.Tensor,
+    threads: CopyThreads | None = None,
+):
     """``scatter_chunk`` made ready when the chunk is granted: a callable that runs it."""
     return cache.copier.prepare_scatter(idx, pieces, region, threads)
 
 
-def prepare_piece_scatters(cache: RankCache, idx: TokenIndex, pieces: Sequence[RegionPiece],
-                           region: torch.Tensor) -> list | None:
+def prepare_piece_scatters(
+    cache: RankCache, idx: TokenIndex, pieces: Sequence[RegionPiece], region: torch.Tensor
+) -> list | None:
     """One prepared scatter per piece, or None where a chunk's pieces scatter in one pass."""
     return cache.copier.prepare_piece_scatters(idx, pieces, region)

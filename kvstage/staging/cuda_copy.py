@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import ctypes
 import threading
+from typing import Any
 
 import numpy as np
 import torch
@@ -138,10 +139,19 @@ extern "C" __global__ void kvstage_copy_words_inline(
 """
 
 
-_PARAMS = [("table_addr", ctypes.c_uint64), ("region_addr", ctypes.c_uint64), ("meta_addr", ctypes.c_uint64),
-           ("pages_addr", ctypes.c_uint64), ("count", ctypes.c_uint32), ("first", ctypes.c_uint32),
-           ("page_size", ctypes.c_uint32), ("nheads", ctypes.c_uint32), ("head_words", ctypes.c_uint32),
-           ("hnd", ctypes.c_int32), ("to_region", ctypes.c_int32)]
+_PARAMS = [
+    ("table_addr", ctypes.c_uint64),
+    ("region_addr", ctypes.c_uint64),
+    ("meta_addr", ctypes.c_uint64),
+    ("pages_addr", ctypes.c_uint64),
+    ("count", ctypes.c_uint32),
+    ("first", ctypes.c_uint32),
+    ("page_size", ctypes.c_uint32),
+    ("nheads", ctypes.c_uint32),
+    ("head_words", ctypes.c_uint32),
+    ("hnd", ctypes.c_int32),
+    ("to_region", ctypes.c_int32),
+]
 
 
 class _KernelArgs(ctypes.Structure):
@@ -152,8 +162,10 @@ class _KernelArgs(ctypes.Structure):
 
 
 _ARG_OFFSETS = tuple(getattr(_KernelArgs, name).offset for name, _ in _PARAMS)
-_INLINE_OFFSETS = tuple(_KernelArgs.page_ids.offset if name == "pages_addr" else o
-                        for (name, _), o in zip(_PARAMS, _ARG_OFFSETS))
+_INLINE_OFFSETS = tuple(
+    _KernelArgs.page_ids.offset if name == "pages_addr" else o
+    for (name, _), o in zip(_PARAMS, _ARG_OFFSETS, strict=True)
+)
 
 
 class _ArgBlock:
@@ -250,7 +262,9 @@ class DeviceKernels:
         self.device = device
         self._ring = [_Upload() for _ in range(_RING)]
         self._next = 0
-        self._functions = self._context = None  # the kernels' CUfunctions and their context, at the first launch
+        # the kernels' CUfunctions and their context, at the first launch
+        self._functions: Any = None
+        self._context: int | None = None
 
     def _module(self):
         return compiled(self.SOURCE)
@@ -258,8 +272,20 @@ class DeviceKernels:
     def _launch(self, function: str, grid, params) -> None:
         """The kernel ``function`` (a key of ``ENTRIES``) on the caller's current torch stream."""
         self.load()  # its functions and the bound driver calls exist from here on
-        err = self._in_context(self._launch_kernel, self._functions[function], grid[0], grid[1], grid[2], _THREADS,
-                               1, 1, 0, raw_stream(self.device), params, None)
+        err = self._in_context(
+            self._launch_kernel,
+            self._functions[function],
+            grid[0],
+            grid[1],
+            grid[2],
+            _THREADS,
+            1,
+            1,
+            0,
+            raw_stream(self.device),
+            params,
+            None,
+        )
         if err:
             raise RuntimeError(f"{self.WHAT} kernel launch on {self.device} failed: {driver_error(err)}")
 
@@ -328,7 +354,7 @@ class WordCopier(DeviceKernels):
 
     def __init__(self, spec, buffers: list[torch.Tensor]):
         super().__init__(buffers[0].device)
-        self.geometry = WordGeometry.of(spec, 16)
+        self.geometry = WordGeometry.exact(spec, 16)
         self.table = torch.tensor([b.data_ptr() for b in buffers], dtype=torch.int64, device=self.device)
         self._table_addr = self.table.data_ptr()
         self._blocks = threading.local()  # each launching thread's argument block (``launch``)
@@ -336,7 +362,7 @@ class WordCopier(DeviceKernels):
         self.aligned = all(b.data_ptr() % 16 == 0 for b in buffers)
         self._pieces: dict = {}
         g = self.geometry
-        self._fixed = None if g is None else (g.page_size, g.heads, g.head_words, int(g.hnd))
+        self._fixed = (g.page_size, g.heads, g.head_words, int(g.hnd))
 
     def supports(self, region: torch.Tensor, pieces, count: int) -> bool:
         """16-byte words everywhere, a region the GPU can reach, a grid the device takes, and
@@ -345,9 +371,17 @@ class WordCopier(DeviceKernels):
         if g is None or not self.aligned or not pieces or count < 1:
             return False
         reachable = region.is_cuda or region.is_pinned()
-        return (reachable and region.data_ptr() % 16 == 0 and len(pieces) <= _GRID_YZ
-                and all(p.offset % 16 == 0 and len(p.buffers) <= _GRID_YZ
-                        and p.heads * len(p.buffers) * p.row_tokens(count) * g.head_words < 2**31 for p in pieces))
+        return (
+            reachable
+            and region.data_ptr() % 16 == 0
+            and len(pieces) <= _GRID_YZ
+            and all(
+                p.offset % 16 == 0
+                and len(p.buffers) <= _GRID_YZ
+                and p.heads * len(p.buffers) * p.row_tokens(count) * g.head_words < 2**31
+                for p in pieces
+            )
+        )
 
     def upload_pages(self, page_ids: np.ndarray) -> torch.Tensor | np.ndarray:
         """A request's page ids where its copies read them: on the device, copied on the
@@ -357,8 +391,9 @@ class WordCopier(DeviceKernels):
         ids = np.array(page_ids, dtype=np.int64)
         return ids if len(ids) <= INLINE_PAGES else self._upload(ids)
 
-    def prepare(self, pages, first: int, count: int, pieces, region: torch.Tensor, to_region: bool,
-                page_offset: int = 0) -> "PreparedCopy":
+    def prepare(
+        self, pages, first: int, count: int, pieces, region: torch.Tensor, to_region: bool, page_offset: int = 0
+    ) -> PreparedCopy:
         """The launch copying tokens ``first .. first+count`` of the chunk's pages for every
         piece (``region.RegionPiece``, checked, and ``supports``); nothing runs until it is
         called. ``pages``: the chunk's page ids on the host (passed in the launch, or uploaded
@@ -368,8 +403,9 @@ class WordCopier(DeviceKernels):
         function, grid, params, keep = self._fill(block, pages, first, count, pieces, region, to_region, page_offset)
         return PreparedCopy(self, function, grid, params, (*keep, block))
 
-    def launch(self, pages, first: int, count: int, pieces, region: torch.Tensor, to_region: bool,
-               page_offset: int = 0) -> None:
+    def launch(
+        self, pages, first: int, count: int, pieces, region: torch.Tensor, to_region: bool, page_offset: int = 0
+    ) -> None:
         """``prepare(...)()`` for a copy launched at once (a source's gather): the arguments
         go in this thread's own block, which ``cuLaunchKernel`` copies when called, so no
         argument block or ``PreparedCopy`` is built per chunk. The tensors it reads need
@@ -444,7 +480,7 @@ class _Upload:
     def __init__(self):
         self.host: torch.Tensor | None = None
         self._view: np.ndarray | None = None  # the pinned buffer as numpy, made once per buffer
-        self._event = None  # CUevent
+        self._event: Any = None  # CUevent
         self._recorded = False
 
     def load(self, values: np.ndarray, dst: int, stream: int) -> int:
@@ -464,9 +500,11 @@ class _Upload:
         if self.host is None or self.host.numel() < n:
             self.host = torch.empty(max(n, 4096), dtype=torch.int64).pin_memory()
             self._view = self.host.numpy()
+        assert self._view is not None  # made with ``host``
         self._view[:n] = values
-        err = (drv.cuMemcpyHtoDAsync_v2(dst, self.host.data_ptr(), 8 * n, stream)
-               or drv.cuEventRecord(self._event, stream))
+        err = drv.cuMemcpyHtoDAsync_v2(dst, self.host.data_ptr(), 8 * n, stream) or drv.cuEventRecord(
+            self._event, stream
+        )
         self._recorded = not err
         return err
 

@@ -28,8 +28,15 @@ import torch
 
 from kvstage.errors import ConfigError
 from kvstage.staging import ipc_read
-from kvstage.staging.cuda_copy import (_PIECE_TABLES, _THREADS, _UNROLL, INLINE_PAGES, DeviceKernels, PreparedCopy,
-                                       _ArgBlock)
+from kvstage.staging.cuda_copy import (
+    _PIECE_TABLES,
+    _THREADS,
+    _UNROLL,
+    INLINE_PAGES,
+    DeviceKernels,
+    PreparedCopy,
+    _ArgBlock,
+)
 from kvstage.staging.shared_buffers import tensor_spans
 from kvstage.staging.words import WordGeometry, divider
 from kvstage.tp import Piece, SideSpec
@@ -138,16 +145,44 @@ extern "C" __global__ void kvstage_ipc_read_words_inline(
 """
 
 _U32 = ctypes.c_uint32
-_PARAMS = [("meta_addr", ctypes.c_uint64), ("ids_addr", ctypes.c_uint64), ("dst_pages_addr", ctypes.c_uint64),
-           ("dst_table_addr", ctypes.c_uint64), ("count", _U32), ("dst_first", _U32),
-           ("head_words", _U32), ("head_words_m", _U32), ("head_words_s", _U32),
-           ("src_page_size", _U32), ("src_page_m", _U32), ("src_page_s", _U32), ("src_nheads", _U32),
-           ("src_hnd", ctypes.c_int32),
-           ("dst_page_size", _U32), ("dst_page_m", _U32), ("dst_page_s", _U32), ("dst_nheads", _U32),
-           ("dst_hnd", ctypes.c_int32)]
+_PARAMS = [
+    ("meta_addr", ctypes.c_uint64),
+    ("ids_addr", ctypes.c_uint64),
+    ("dst_pages_addr", ctypes.c_uint64),
+    ("dst_table_addr", ctypes.c_uint64),
+    ("count", _U32),
+    ("dst_first", _U32),
+    ("head_words", _U32),
+    ("head_words_m", _U32),
+    ("head_words_s", _U32),
+    ("src_page_size", _U32),
+    ("src_page_m", _U32),
+    ("src_page_s", _U32),
+    ("src_nheads", _U32),
+    ("src_hnd", ctypes.c_int32),
+    ("dst_page_size", _U32),
+    ("dst_page_m", _U32),
+    ("dst_page_s", _U32),
+    ("dst_nheads", _U32),
+    ("dst_hnd", ctypes.c_int32),
+]
 #: the parameters fixed for a copier's life (its own buffers, the two sides' geometry), in ``_PARAMS`` order
-_FIXED = ("dst_table_addr", "head_words", "head_words_m", "head_words_s", "src_page_size", "src_page_m",
-          "src_page_s", "src_nheads", "src_hnd", "dst_page_size", "dst_page_m", "dst_page_s", "dst_nheads", "dst_hnd")
+_FIXED = (
+    "dst_table_addr",
+    "head_words",
+    "head_words_m",
+    "head_words_s",
+    "src_page_size",
+    "src_page_m",
+    "src_page_s",
+    "src_nheads",
+    "src_hnd",
+    "dst_page_size",
+    "dst_page_m",
+    "dst_page_s",
+    "dst_nheads",
+    "dst_hnd",
+)
 
 
 class _ReadArgs(ctypes.Structure):
@@ -159,8 +194,9 @@ class _ReadArgs(ctypes.Structure):
 
 
 _ARG_OFFSETS = tuple(getattr(_ReadArgs, name).offset for name, _ in _PARAMS)
-_INLINE_OFFSETS = tuple(_ReadArgs.page_ids.offset if name == "ids_addr" else o
-                        for (name, _), o in zip(_PARAMS, _ARG_OFFSETS))
+_INLINE_OFFSETS = tuple(
+    _ReadArgs.page_ids.offset if name == "ids_addr" else o for (name, _), o in zip(_PARAMS, _ARG_OFFSETS, strict=True)
+)
 
 
 class SourcePages:
@@ -203,7 +239,7 @@ class IpcReadCopier(DeviceKernels):
             raise ConfigError(f"{what}: its cache is on {cache.device}; the kernel copies into CUDA caches")
         if dst.geometry.buffers > _MAX_GRID_YZ:
             raise ConfigError(f"{what}: {dst.geometry.buffers} buffers, past the {_MAX_GRID_YZ} one launch covers")
-        sw, dw = WordGeometry.of(src, ipc_read.WORD), WordGeometry.of(dst, ipc_read.WORD)
+        sw, dw = WordGeometry.exact(src, ipc_read.WORD), WordGeometry.exact(dst, ipc_read.WORD)
         try:
             ipc_read.buffer_pages(dst, tensor_spans(cache.buffers))
             dividers = (*divider(sw.head_words), *divider(sw.page_size), *divider(dw.page_size))
@@ -214,8 +250,22 @@ class IpcReadCopier(DeviceKernels):
         self.head_words = sw.head_words
         self.table = torch.tensor([b.data_ptr() for b in cache.buffers], dtype=torch.int64, device=self.device)
         hw_m, hw_s, sp_m, sp_s, dp_m, dp_s = dividers
-        self._fixed = (self.table.data_ptr(), sw.head_words, hw_m, hw_s, sw.page_size, sp_m, sp_s, sw.heads,
-                       int(sw.hnd), dw.page_size, dp_m, dp_s, dw.heads, int(dw.hnd))
+        self._fixed = (
+            self.table.data_ptr(),
+            sw.head_words,
+            hw_m,
+            hw_s,
+            sw.page_size,
+            sp_m,
+            sp_s,
+            sw.heads,
+            int(sw.hnd),
+            dw.page_size,
+            dp_m,
+            dp_s,
+            dw.heads,
+            int(dw.hnd),
+        )
         self._pieces: dict = {}
         self._blocks = threading.local()  # each launching thread's argument block (``launch``)
 
@@ -249,7 +299,7 @@ class IpcReadCopier(DeviceKernels):
     def _new_block(self) -> _ArgBlock:
         """An argument block with this copier's fixed parameters in place."""
         block = _ArgBlock(_ReadArgs, _ARG_OFFSETS, _INLINE_OFFSETS)
-        for name, value in zip(_FIXED, self._fixed):
+        for name, value in zip(_FIXED, self._fixed, strict=True):
             setattr(block.args, name, value)
         return block
 
@@ -258,15 +308,19 @@ class IpcReadCopier(DeviceKernels):
         are on the device (``idx.kernel_pages``)."""
         if isinstance(idx.kernel_pages, torch.Tensor):
             if idx.first_page + pages > len(idx.kernel_pages):
-                raise ValueError(f"the request's {len(idx.kernel_pages)} page ids end before tokens "
-                                 f"{idx.start}..{idx.start + idx.count}")
+                raise ValueError(
+                    f"the request's {len(idx.kernel_pages)} page ids end before tokens "
+                    f"{idx.start}..{idx.start + idx.count}"
+                )
             return None
-        held = idx.chunk_pages if idx.kernel_pages is None else idx.kernel_pages[idx.first_page:
-                                                                                 idx.first_page + pages]
+        held = (
+            idx.chunk_pages if idx.kernel_pages is None else idx.kernel_pages[idx.first_page : idx.first_page + pages]
+        )
         ids = np.asarray(held, dtype=np.int64)
         if len(ids) != pages:
-            raise ValueError(f"{len(ids)} destination page ids for tokens {idx.start}..{idx.start + idx.count}; "
-                             f"they span {pages}")
+            raise ValueError(
+                f"{len(ids)} destination page ids for tokens {idx.start}..{idx.start + idx.count}; they span {pages}"
+            )
         return ids
 
     def _fill(self, block: _ArgBlock, idx, reads):
@@ -284,10 +338,15 @@ class IpcReadCopier(DeviceKernels):
         for z, r in enumerate(reads):
             ipc_read.check_piece(src, dst, r.piece)
             if r.piece.dst_rank != self.cache.rank:
-                raise ValueError(f"piece {r.piece} lands on destination rank {r.piece.dst_rank}; this copier writes "
-                                 f"rank {self.cache.rank}")
-            src_ids.append(ipc_read.check_pages(src, r.pages, r.source.pages, r.src_start, count,
-                                                f"source rank {r.piece.src_rank}'s page ids"))
+                raise ValueError(
+                    f"piece {r.piece} lands on destination rank {r.piece.dst_rank}; this copier writes "
+                    f"rank {self.cache.rank}"
+                )
+            src_ids.append(
+                ipc_read.check_pages(
+                    src, r.pages, r.source.pages, r.src_start, count, f"source rank {r.piece.src_rank}'s page ids"
+                )
+            )
             header[2 * z + 1] = r.src_start % src.page.page_size
         dst_first, ndst = ipc_read.chunk_span(dst.page.page_size, idx.start, count)
         dst_ids = self._dst_ids(idx, ndst)
@@ -305,10 +364,21 @@ class IpcReadCopier(DeviceKernels):
         else:
             keep = self._upload(ids)
             args.ids_addr = keep.data_ptr()
-            args.dst_pages_addr = (idx.kernel_pages.data_ptr() + 8 * idx.first_page if dst_ids is None
-                                   else keep.data_ptr() + 8 * 2 * n)
-        key = tuple((r.source.address, r.piece.src_offset, r.piece.dst_offset, r.piece.heads.count,
-                     *divider(r.piece.heads.count), r.piece.buffers.start, len(r.piece.buffers)) for r in reads)
+            args.dst_pages_addr = (
+                idx.kernel_pages.data_ptr() + 8 * idx.first_page if dst_ids is None else keep.data_ptr() + 8 * 2 * n
+            )
+        key = tuple(
+            (
+                r.source.address,
+                r.piece.src_offset,
+                r.piece.dst_offset,
+                r.piece.heads.count,
+                *divider(r.piece.heads.count),
+                r.piece.buffers.start,
+                len(r.piece.buffers),
+            )
+            for r in reads
+        )
         meta = self._pieces.get(key)
         if meta is None:
             meta = self._upload(np.asarray(key, dtype=np.int64).reshape(-1))

@@ -10,10 +10,11 @@ has finished when it returns (``CopyFence``), or runs on a thread of its own
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from kvstage.staging.cuda_copy import current_stream
-
 
 _SPARE: dict = {}  # CUDA device -> event pairs of released fences, recorded again by the next ones
 
@@ -21,7 +22,8 @@ _SPARE: dict = {}  # CUDA device -> event pairs of released fences, recorded aga
 class CopyFence:
     def __init__(self, device: torch.device):
         self._cuda = device.type == "cuda"
-        self._start = self._end = None
+        self._start: Any = None  # torch.cuda.Event pair on a CUDA device
+        self._end: Any = None
         if self._cuda:
             spare = _SPARE.get(device)
             if spare:  # a new pair of events costs two driver calls on every chunk
@@ -32,7 +34,7 @@ class CopyFence:
             self._start.record(current_stream(device))
         self._device = device
 
-    def close(self) -> "CopyFence":
+    def close(self) -> CopyFence:
         """Mark the end of the copies launched since the fence was made."""
         if self._cuda:
             self._end.record(current_stream(self._device))

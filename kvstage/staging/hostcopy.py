@@ -14,7 +14,7 @@ native call: the C side trusts its arguments.
 from __future__ import annotations
 
 import ctypes
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -59,11 +59,14 @@ class SpanCopy:
     def __init__(self, dst_off: np.ndarray, src_off: np.ndarray, lengths: np.ndarray, streaming: bool = True):
         if not available():
             raise RuntimeError(f"native span copies are unavailable: {_why_not}")
-        self.dst_off, self.src_off, self.lengths = (np.ascontiguousarray(a, dtype=np.int64)
-                                                    for a in (dst_off, src_off, lengths))
+        self.dst_off, self.src_off, self.lengths = (
+            np.ascontiguousarray(a, dtype=np.int64) for a in (dst_off, src_off, lengths)
+        )
         if not (len(self.dst_off) == len(self.src_off) == len(self.lengths)):
-            raise ValueError(f"spans: {len(self.dst_off)} destination offsets, {len(self.src_off)} source "
-                             f"offsets, {len(self.lengths)} lengths; they must be as many")
+            raise ValueError(
+                f"spans: {len(self.dst_off)} destination offsets, {len(self.src_off)} source "
+                f"offsets, {len(self.lengths)} lengths; they must be as many"
+            )
         n = len(self.lengths)
         if n and (self.lengths.min() < 1 or self.dst_off.min() < 0 or self.src_off.min() < 0):
             raise ValueError("spans: offsets must be >= 0 and lengths >= 1")
@@ -90,5 +93,15 @@ class SpanCopy:
         if s[:, 1].min() < self.src_end:
             b = int(np.argmin(s[:, 1]))
             raise IndexError(f"source buffer {b} holds {int(s[b, 1])} bytes; the spans reach {self.src_end}")
-        _lib.kvstage_copy_spans(np.ascontiguousarray(d[:, 0]), np.ascontiguousarray(s[:, 0]), len(d),
-                                self.dst_off, self.src_off, self.lengths, len(self.lengths), int(self.streaming))
+        if _lib is None:
+            raise RuntimeError(f"native span copies are not loaded: {_why_not or 'available() was not asked'}")
+        _lib.kvstage_copy_spans(
+            np.ascontiguousarray(d[:, 0]),
+            np.ascontiguousarray(s[:, 0]),
+            len(d),
+            self.dst_off,
+            self.src_off,
+            self.lengths,
+            len(self.lengths),
+            int(self.streaming),
+        )

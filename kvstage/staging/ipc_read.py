@@ -34,9 +34,11 @@ def refusal(src: SideSpec, dst: SideSpec) -> str | None:
         return str(e)
     if WordGeometry.of(src, WORD) is None:
         g = src.geometry
-        return (f"a head is {g.head_bytes()} bytes (head_dim={g.head_dim} of {g.dtype}), not a whole number of "
-                f"{WORD}-byte words: reads from the source's pages move {WORD}-byte words (the staged path moves "
-                "any size)")
+        return (
+            f"a head is {g.head_bytes()} bytes (head_dim={g.head_dim} of {g.dtype}), not a whole number of "
+            f"{WORD}-byte words: reads from the source's pages move {WORD}-byte words (the staged path moves "
+            "any size)"
+        )
     return None
 
 
@@ -64,8 +66,10 @@ def buffer_pages(spec: SideSpec, spans) -> int:
     sizes = {nbytes for _, nbytes in spans}
     nbytes = spans[0][1]
     if len(sizes) != 1 or nbytes % per_page or nbytes < per_page:
-        raise ValueError(f"buffer sizes {sorted(sizes)[:4]} bytes: every buffer must hold the same whole number of "
-                         f"{per_page}-byte pages")
+        raise ValueError(
+            f"buffer sizes {sorted(sizes)[:4]} bytes: every buffer must hold the same whole number of "
+            f"{per_page}-byte pages"
+        )
     for i, (address, _) in enumerate(spans):
         if address % WORD:
             raise ValueError(f"buffer {i} at {address:#x} is not on a {WORD}-byte boundary")
@@ -80,12 +84,12 @@ def check_piece(src: SideSpec, dst: SideSpec, piece: Piece) -> None:
         raise ValueError(f"piece {piece}: heads and offsets must be positive")
     for side, offset, spec in (("source", piece.src_offset, src), ("destination", piece.dst_offset, dst)):
         if offset + heads > spec.local_heads():
-            raise ValueError(f"piece {piece}: {side} heads {offset}..{offset + heads} past its "
-                             f"{spec.local_heads()} local heads")
+            raise ValueError(
+                f"piece {piece}: {side} heads {offset}..{offset + heads} past its {spec.local_heads()} local heads"
+            )
     b, n = piece.buffers, src.geometry.buffers
     if not isinstance(b, range) or b.step != 1 or not len(b) or b.start < 0 or b.stop > n:
-        raise ValueError(f"piece {piece}: buffers {b!r} must be a non-empty range of step 1 inside the "
-                         f"{n} buffers")
+        raise ValueError(f"piece {piece}: buffers {b!r} must be a non-empty range of step 1 inside the {n} buffers")
 
 
 def _integer(value) -> bool:
@@ -124,22 +128,34 @@ def check_pages(spec: SideSpec, page_ids, buffer_pages: int, start: int, count: 
     head_words = -(-spec.geometry.head_bytes() // WORD)
     words = count * spec.local_heads() * head_words
     if words > MAX_PIECE_WORDS:
-        raise ProtocolError(f"{what}: {count} tokens of {spec.local_heads()} heads are {words} words, past the "
-                            "kernel's 32-bit index")
+        raise ProtocolError(
+            f"{what}: {count} tokens of {spec.local_heads()} heads are {words} words, past the kernel's 32-bit index"
+        )
     ids = _page_id_array(page_ids, what)
     P = spec.page.page_size
     first, last = start // P, (start + count - 1) // P
     if len(ids) <= last:
-        raise ProtocolError(f"{what}: {len(ids)} page ids; tokens {start}..{start + count} need {last + 1} pages "
-                            f"of {P}")
+        raise ProtocolError(
+            f"{what}: {len(ids)} page ids; tokens {start}..{start + count} need {last + 1} pages of {P}"
+        )
     lo, hi = ids.min(), ids.max()
     if lo < 0 or hi >= buffer_pages:
         raise ProtocolError(f"{what} must lie in [0, {buffer_pages}); got {lo}..{hi}")
     return ids[first : last + 1].astype(np.int64, copy=False)
 
 
-def byte_offsets(src: SideSpec, dst: SideSpec, piece: Piece, src_pages, src_start: int, dst_pages, dst_start: int,
-                 count: int, src_buffer_pages: int, dst_buffer_pages: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def byte_offsets(
+    src: SideSpec,
+    dst: SideSpec,
+    piece: Piece,
+    src_pages,
+    src_start: int,
+    dst_pages,
+    dst_start: int,
+    count: int,
+    src_buffer_pages: int,
+    dst_buffer_pages: int,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """For every 16-byte word of a read of ``piece`` (its heads of its buffers), source tokens
     ``src_start .. src_start+count`` of the source's request pages ``src_pages`` into
     destination tokens ``dst_start .. dst_start+count`` of ``dst_pages``: its buffer, its byte
@@ -152,9 +168,19 @@ def byte_offsets(src: SideSpec, dst: SideSpec, piece: Piece, src_pages, src_star
     check_piece(src, dst, piece)
     s_ids = check_pages(src, src_pages, src_buffer_pages, src_start, count, "source page ids")
     d_ids = check_pages(dst, dst_pages, dst_buffer_pages, dst_start, count, "destination page ids")
-    sg, dg = WordGeometry.of(src, WORD), WordGeometry.of(dst, WORD)
-    s, d = place_index(sg, dg, s_ids, src_start % sg.page_size, d_ids, dst_start % dg.page_size, count,
-                       piece.src_offset, piece.dst_offset, piece.heads.count)
+    sg, dg = WordGeometry.exact(src, WORD), WordGeometry.exact(dst, WORD)
+    s, d = place_index(
+        sg,
+        dg,
+        s_ids,
+        src_start % sg.page_size,
+        d_ids,
+        dst_start % dg.page_size,
+        count,
+        piece.src_offset,
+        piece.dst_offset,
+        piece.heads.count,
+    )
     b = piece.buffers
     buffer = np.repeat(np.arange(b.start, b.stop, dtype=np.int64), len(s))
     return buffer, np.tile(s * WORD, len(b)), np.tile(d * WORD, len(b))

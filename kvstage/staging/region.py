@@ -21,8 +21,8 @@ for a whole request (``rows``) can take its chunks one window at a time (``row_f
 from __future__ import annotations
 
 import enum
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
-from typing import Sequence
 
 #: bytes a piece's offset is a multiple of: the CUDA kernel moves 16-byte words
 ALIGN = 16
@@ -72,8 +72,9 @@ class RegionPiece:
         if not _integer(self.row_first) or self.row_first < 0:
             raise ValueError(f"row_first={self.row_first!r}: must be an integer >= 0")
         if self.rows is None and self.row_first:
-            raise ValueError(f"row_first={self.row_first}: needs rows (rows=None: the rows are the index's "
-                             "tokens, from row 0)")
+            raise ValueError(
+                f"row_first={self.row_first}: needs rows (rows=None: the rows are the index's tokens, from row 0)"
+            )
 
     def row_tokens(self, count: int) -> int:
         """Tokens each row holds: ``rows``, or the index's ``count``."""
@@ -90,8 +91,9 @@ class RegionPiece:
         return rows * head_bytes if self.order is Order.HEADS else rows * self.heads * head_bytes
 
 
-def check_pieces(pieces: Sequence, *, local_heads: int, buffers: int, head_bytes: int, count: int,
-                 region_bytes: int | None = None) -> tuple[RegionPiece, ...]:
+def check_pieces(
+    pieces: Sequence, *, local_heads: int, buffers: int, head_bytes: int, count: int, region_bytes: int | None = None
+) -> tuple[RegionPiece, ...]:
     """``pieces`` as a tuple, each checked against a rank holding ``local_heads`` heads in
     ``buffers`` buffers and a region of ``region_bytes`` bytes (None: not known here) for
     ``count`` tokens; a ``ValueError`` naming the piece, the field and the rule, before
@@ -101,19 +103,25 @@ def check_pieces(pieces: Sequence, *, local_heads: int, buffers: int, head_bytes
         if not isinstance(p, RegionPiece):
             raise TypeError(f"pieces[{n}]={p!r}: must be a staging.region.RegionPiece")
         if p.head_lo + p.heads > local_heads:
-            raise ValueError(f"pieces[{n}].heads: head_lo={p.head_lo} + heads={p.heads} = {p.head_lo + p.heads} "
-                             f"must be <= {local_heads}, the local heads of this rank")
+            raise ValueError(
+                f"pieces[{n}].heads: head_lo={p.head_lo} + heads={p.heads} = {p.head_lo + p.heads} "
+                f"must be <= {local_heads}, the local heads of this rank"
+            )
         if p.buffers.stop > buffers:
-            raise ValueError(f"pieces[{n}].buffers={p.buffers!r}: must lie in range(0, {buffers}), the buffers "
-                             "of this geometry")
+            raise ValueError(
+                f"pieces[{n}].buffers={p.buffers!r}: must lie in range(0, {buffers}), the buffers of this geometry"
+            )
         rows = p.row_tokens(count)
         if p.row_first + count > rows:
-            raise ValueError(f"pieces[{n}].rows: row_first={p.row_first} + count={count} = {p.row_first + count} "
-                             f"must be <= rows={rows}")
+            raise ValueError(
+                f"pieces[{n}].rows: row_first={p.row_first} + count={count} = {p.row_first + count} "
+                f"must be <= rows={rows}"
+            )
         end = p.offset + p.nbytes(head_bytes, count)
         if region_bytes is not None and end > region_bytes:
-            raise ValueError(f"pieces[{n}].offset: the piece spans bytes {p.offset}..{end}, past the region's "
-                             f"{region_bytes}")
+            raise ValueError(
+                f"pieces[{n}].offset: the piece spans bytes {p.offset}..{end}, past the region's {region_bytes}"
+            )
     return out
 
 

@@ -51,11 +51,13 @@ _MAX_TEXT = 128  # characters of the owner and GPU fields
 _HANDLE_BYTES = 64  # cudaIpcMemHandle_t
 _IPC_LAZY_PEER_ACCESS = 1  # cudaIpcMemLazyEnablePeerAccess: a GPU other than the owner maps it over NVLink/PCIe
 _EVENT_HANDLE_BYTES = 64  # cudaIpcEventHandle_t
-_WHY_FOR_VMM = ("allocated through CUDA's virtual memory API (torch's expandable segments, cuMemCreate) or from a "
-                "stream-ordered pool (cudaMallocAsync): cudaIpcGetMemHandle cannot export it, and kvstage shares KV "
-                "buffers through CUDA IPC only; start the engine with PYTORCH_CUDA_ALLOC_CONF without "
-                "expandable_segments:True and without backend:cudaMallocAsync for reads straight from its pages "
-                "(the staged and mapped paths work either way)")
+_WHY_FOR_VMM = (
+    "allocated through CUDA's virtual memory API (torch's expandable segments, cuMemCreate) or from a "
+    "stream-ordered pool (cudaMallocAsync): cudaIpcGetMemHandle cannot export it, and kvstage shares KV "
+    "buffers through CUDA IPC only; start the engine with PYTORCH_CUDA_ALLOC_CONF without "
+    "expandable_segments:True and without backend:cudaMallocAsync for reads straight from its pages "
+    "(the staged and mapped paths work either way)"
+)
 
 
 class NotShareable(KVStageError):
@@ -139,13 +141,16 @@ def share_buffers(buffers: list[torch.Tensor]) -> dict:
     device = buffers[0].device
     for i, b in enumerate(buffers):
         if not b.is_cuda:
-            raise NotShareable(f"buffer {i} is in host memory ({b.device}): only CUDA buffers are shared with "
-                               "peers; host caches use the staged or mapped path")
+            raise NotShareable(
+                f"buffer {i} is in host memory ({b.device}): only CUDA buffers are shared with "
+                "peers; host caches use the staged or mapped path"
+            )
         if b.device != device:
             raise NotShareable(f"buffer {i} is on {b.device}, buffer 0 on {device}: one device per rank")
         if not b.is_contiguous() or b.numel() == 0:
-            raise NotShareable(f"buffer {i} is {'empty' if b.numel() == 0 else 'not contiguous'}: a shared buffer "
-                               "is one run of bytes")
+            raise NotShareable(
+                f"buffer {i} is {'empty' if b.numel() == 0 else 'not contiguous'}: a shared buffer is one run of bytes"
+            )
     allocations: dict[int, int] = {}  # base -> index
     sizes: list[int] = []
     handles: list[str] = []
@@ -174,8 +179,13 @@ def share_buffers(buffers: list[torch.Tensor]) -> dict:
                 # all 64 bytes (the field itself reads as a C string, cut at the first zero byte)
                 handles.append(base64.b64encode(ctypes.string_at(ctypes.addressof(h), _HANDLE_BYTES)).decode())
             described.append([allocations[base], ptr - base, nbytes])
-    return {"kind": KIND, "owner": _owner(), "gpu": gpu_uuid(device),
-            "allocations": [{"handle": h, "nbytes": n} for h, n in zip(handles, sizes)], "buffers": described}
+    return {
+        "kind": KIND,
+        "owner": _owner(),
+        "gpu": gpu_uuid(device),
+        "allocations": [{"handle": h, "nbytes": n} for h, n in zip(handles, sizes, strict=True)],
+        "buffers": described,
+    }
 
 
 def _count(value, field: str, lo: int, hi: int) -> int:
@@ -199,6 +209,7 @@ def parse(desc) -> Description:
     if not isinstance(desc, dict) or desc.get("kind") != KIND:
         raise MappingError(f"not a description of shared KV buffers (kind must be {KIND!r})")
     owner = _text(desc.get("owner"), "owner")
+    assert owner is not None  # not optional: _text refused anything but a string
     gpu = _text(desc.get("gpu"), "gpu", optional=True)
     allocs, bufs = desc.get("allocations"), desc.get("buffers")
     if not isinstance(bufs, list) or not 0 < len(bufs) <= MAX_BUFFERS:
@@ -210,7 +221,7 @@ def parse(desc) -> Description:
         if not isinstance(a, dict):
             raise MappingError(f"shared buffers: allocation {k} must be an object")
         try:
-            raw = base64.b64decode(str(a.get("handle"))[:4 * _HANDLE_BYTES], validate=True)
+            raw = base64.b64decode(str(a.get("handle"))[: 4 * _HANDLE_BYTES], validate=True)
         except ValueError:
             raw = b""
         if len(raw) != _HANDLE_BYTES:
@@ -237,7 +248,7 @@ def exposed_bytes(desc) -> int:
     handles can reach beyond the KV buffers (0 when each buffer is a whole allocation)."""
     d = parse(desc)
     covered = 0
-    for k, (_, size) in enumerate(d.allocations):
+    for k in range(len(d.allocations)):
         end = 0
         for _, offset, nbytes in sorted(b for b in d.buffers if b[0] == k):
             covered += max(0, offset + nbytes - max(offset, end))
@@ -264,7 +275,7 @@ class OpenedBuffers:
             _close(bases, self.device)
         self.spans = []
 
-    def __enter__(self) -> "OpenedBuffers":
+    def __enter__(self) -> OpenedBuffers:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -286,8 +297,10 @@ def open_buffers(desc, device: torch.device) -> OpenedBuffers:
     if device.type != "cuda":
         raise MappingError(f"shared CUDA buffers; this rank runs on {device}")
     if d.owner == _owner():
-        raise MappingError("the description is of this process's own buffers (CUDA cannot open its own IPC "
-                           "handles): use the buffers themselves")
+        raise MappingError(
+            "the description is of this process's own buffers (CUDA cannot open its own IPC "
+            "handles): use the buffers themselves"
+        )
     rt = runtime()
     bases: list[int] = []
     try:
@@ -299,17 +312,21 @@ def open_buffers(desc, device: torch.device) -> OpenedBuffers:
                 err = rt.cudaIpcOpenMemHandle(ctypes.byref(ptr), h, ctypes.c_uint(_IPC_LAZY_PEER_ACCESS))
                 if err:
                     rt.cudaGetLastError()  # clear it: a failed open must not fail this process's next CUDA call
-                    raise MappingError(f"cudaIpcOpenMemHandle of allocation {k} failed with {runtime_error(err)} "
-                                       "(another host or container, the owner freed it, or no peer access between "
-                                       "the two GPUs)")
-                bases.append(ptr.value)
+                    raise MappingError(
+                        f"cudaIpcOpenMemHandle of allocation {k} failed with {runtime_error(err)} "
+                        "(another host or container, the owner freed it, or no peer access between "
+                        "the two GPUs)"
+                    )
+                opened = ptr.value or 0  # a successful open gives a mapping's address, never null
+                bases.append(opened)
                 try:
-                    base, size = _address_range(ptr.value)
+                    base, size = _address_range(opened)
                 except RuntimeError as e:
                     raise MappingError(f"allocation {k} mapped, but its size cannot be checked: {e}") from None
                 if base != ptr.value or size < nbytes:
-                    raise MappingError(f"allocation {k} maps {size} bytes here, the description says {nbytes}: "
-                                       "the sizes do not match")
+                    raise MappingError(
+                        f"allocation {k} maps {size} bytes here, the description says {nbytes}: the sizes do not match"
+                    )
     except BaseException:
         if bases:
             _close(bases, device)
@@ -359,16 +376,19 @@ class OpenedEvent:
     def __init__(self, handle, device: torch.device):
         if not isinstance(handle, (bytes, bytearray)) or len(handle) != _EVENT_HANDLE_BYTES:
             got = f"{len(handle)} bytes" if isinstance(handle, (bytes, bytearray)) else type(handle).__name__
-            raise MappingError(f"event handle: must be the {_EVENT_HANDLE_BYTES} bytes of a CUDA IPC event handle; "
-                               f"got {got}")
+            raise MappingError(
+                f"event handle: must be the {_EVENT_HANDLE_BYTES} bytes of a CUDA IPC event handle; got {got}"
+            )
         if device.type != "cuda":
             raise MappingError(f"a CUDA event; this rank runs on {device}")
         self.device = device
         try:
             self.event = torch.cuda.Event.from_ipc_handle(device, bytes(handle))
         except RuntimeError as e:
-            raise MappingError(f"cudaIpcOpenEventHandle failed ({str(e).splitlines()[0][:200]}): another host or "
-                               "container, the owner's process ended, or this process's own event") from None
+            raise MappingError(
+                f"cudaIpcOpenEventHandle failed ({str(e).splitlines()[0][:200]}): another host or "
+                "container, the owner's process ended, or this process's own event"
+            ) from None
 
     def wait(self, stream: torch.cuda.Stream | None = None) -> None:
         """Make work queued later on ``stream`` (default: the current stream of this device) wait

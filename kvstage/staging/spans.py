@@ -30,8 +30,9 @@ def _merged(at_buffer: np.ndarray, at_region: np.ndarray, length: int):
     return at_buffer[first], at_region[first], np.add.reduceat(lengths, first)
 
 
-def spans_per_buffer(spec: SideSpec, page_ids, start: int, count: int,
-                 piece: RegionPiece) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def spans_per_buffer(
+    spec: SideSpec, page_ids, start: int, count: int, piece: RegionPiece
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """``(byte offset inside the buffer, byte offset inside the region, length)`` of every span
     of ``piece``'s first buffer, in region order, merged; every buffer of a rank has the same
     spans, each later buffer's region offsets ``piece.buffer_stride`` further on. The piece
@@ -52,24 +53,30 @@ def spans_per_buffer(spec: SideSpec, page_ids, start: int, count: int,
     return _merged(at_buffer.reshape(-1), at_region.reshape(-1), hb)
 
 
-def piece_spans(spec: SideSpec, page_ids, start: int, count: int,
-                piece: RegionPiece) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+def piece_spans(
+    spec: SideSpec, page_ids, start: int, count: int, piece: RegionPiece
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """(buffer index, byte offset inside that buffer, length, byte offset inside the region) of every span that
     holds piece's bytes of tokens start..start+count of a request on page_ids in a rank of spec, in region order,
     merging spans contiguous on both sides."""
     geo = spec.geometry
-    (piece,) = check_pieces([piece], local_heads=1 if geo.mla else spec.local_heads(), buffers=geo.buffers,
-                            head_bytes=geo.head_bytes(), count=count)
+    (piece,) = check_pieces(
+        [piece],
+        local_heads=1 if geo.mla else spec.local_heads(),
+        buffers=geo.buffers,
+        head_bytes=geo.head_bytes(),
+        count=count,
+    )
     at_buffer, at_region, lengths = spans_per_buffer(spec, page_ids, start, count, piece)
     nb, n = len(piece.buffers), len(lengths)
     stride = piece.buffer_stride(geo.head_bytes(), count)
     index = np.repeat(np.arange(piece.buffers.start, piece.buffers.stop, dtype=np.int64), n)
     region = (np.arange(nb, dtype=np.int64) * stride)[:, None] + at_region[None, :]
-    out = (index, np.tile(at_buffer, nb), np.tile(lengths, nb), region.reshape(-1))
+    at, lens, to = np.tile(at_buffer, nb), np.tile(lengths, nb), region.reshape(-1)
     if piece.order is Order.HEADS and nb > 1:  # a head's buffers interleave with the next head's
-        order = np.argsort(out[3], kind="stable")
-        out = tuple(a[order] for a in out)
-    return out
+        order = np.argsort(to, kind="stable")
+        return index[order], at[order], lens[order], to[order]
+    return index, at, lens, to
 
 
 def cheapest_order(spec: SideSpec, heads: int) -> Order:

@@ -35,7 +35,7 @@ class WordGeometry:
     word: int
 
     @staticmethod
-    def of(spec: SideSpec, word: int = 16) -> "WordGeometry | None":
+    def of(spec: SideSpec, word: int = 16) -> WordGeometry | None:
         """The geometry in ``word``-byte words, or None when a head is not a whole number of them."""
         g = spec.geometry
         hb = g.head_bytes()
@@ -43,6 +43,15 @@ class WordGeometry:
             return None
         heads = 1 if g.mla else spec.local_heads()
         return WordGeometry(spec.page.page_size, heads, hb // word, not token_major(g, spec.page), word)
+
+    @staticmethod
+    def exact(spec: SideSpec, word: int = 16) -> WordGeometry:
+        """``of`` for a side whose heads are whole words (checked before: ``ipc_read.refusal``, the copier
+        rule); ValueError naming the head size otherwise."""
+        geometry = WordGeometry.of(spec, word)
+        if geometry is None:
+            raise ValueError(f"a head of {spec.geometry.head_bytes()} bytes is not a whole number of {word}-byte words")
+        return geometry
 
 
 def chunk_pages(page_ids: np.ndarray, page_size: int, start: int, count: int) -> tuple[np.ndarray, int]:
@@ -61,12 +70,27 @@ ORDER_CODES = {Order.HEADS: 0, Order.TOKENS: 1}
 def piece_table(pieces) -> np.ndarray:
     """The kernel's piece table: ``META`` int64 per piece, (head_lo, heads, buffer_lo, nbuffers,
     order code, rows or 0 for the chunk's count, row_first, byte offset)."""
-    return np.array([(p.head_lo, p.heads, p.buffers.start, len(p.buffers), ORDER_CODES[p.order], p.rows or 0,
-                      p.row_first, p.offset) for p in pieces], dtype=np.int64).reshape(-1)
+    return np.array(
+        [
+            (
+                p.head_lo,
+                p.heads,
+                p.buffers.start,
+                len(p.buffers),
+                ORDER_CODES[p.order],
+                p.rows or 0,
+                p.row_first,
+                p.offset,
+            )
+            for p in pieces
+        ],
+        dtype=np.int64,
+    ).reshape(-1)
 
 
-def word_index(wg: WordGeometry, pages: np.ndarray, first: int, count: int,
-               piece: RegionPiece) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def word_index(
+    wg: WordGeometry, pages: np.ndarray, first: int, count: int, piece: RegionPiece
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """For each word the kernel moves for ``piece`` (block row ``bi`` of its buffers, then
     word ``i`` of that buffer's ``count * heads * head_words``), the buffer it is in, its
     index in the region and its index in that buffer; mirrors the kernel line by line,
@@ -114,8 +138,18 @@ def divide(n: np.ndarray, multiplier: int, shift: int) -> np.ndarray:
     return ((((n * np.uint64(multiplier)) >> np.uint64(32)) + n) >> np.uint64(shift)).astype(np.int64)
 
 
-def place_index(src: WordGeometry, dst: WordGeometry, src_pages: np.ndarray, src_first: int, dst_pages: np.ndarray,
-                dst_first: int, count: int, src_lo: int, dst_lo: int, heads: int) -> tuple[np.ndarray, np.ndarray]:
+def place_index(
+    src: WordGeometry,
+    dst: WordGeometry,
+    src_pages: np.ndarray,
+    src_first: int,
+    dst_pages: np.ndarray,
+    dst_first: int,
+    count: int,
+    src_lo: int,
+    dst_lo: int,
+    heads: int,
+) -> tuple[np.ndarray, np.ndarray]:
     """For each word of one buffer's part of a page-to-page copy (``count * heads * head_words``
     words, token by token, head by head), its index in the source's KV buffer and in the
     destination's: source head ``src_lo + j`` of token ``src_first + t`` of ``src_pages``
@@ -132,8 +166,10 @@ def place_index(src: WordGeometry, dst: WordGeometry, src_pages: np.ndarray, src
     j = row - t * heads
     us, ud = src_first + t, dst_first + t
     qs, qd = divide(us, *divider(src.page_size)), divide(ud, *divider(dst.page_size))
-    return (_slot(src, np.asarray(src_pages, dtype=np.int64)[qs], us - qs * src.page_size, src_lo + j, w),
-            _slot(dst, np.asarray(dst_pages, dtype=np.int64)[qd], ud - qd * dst.page_size, dst_lo + j, w))
+    return (
+        _slot(src, np.asarray(src_pages, dtype=np.int64)[qs], us - qs * src.page_size, src_lo + j, w),
+        _slot(dst, np.asarray(dst_pages, dtype=np.int64)[qd], ud - qd * dst.page_size, dst_lo + j, w),
+    )
 
 
 def _slot(wg: WordGeometry, page: np.ndarray, off: np.ndarray, h: np.ndarray, w: np.ndarray) -> np.ndarray:

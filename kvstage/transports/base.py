@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from kvstage.errors import TransportError
+from kvstage.ids import PeerId
 
 
 @dataclass(frozen=True)
@@ -41,7 +42,7 @@ class Region:
         return {"addr": self.addr, "nbytes": self.nbytes, "device": self.device, "device_id": self.device_id}
 
     @classmethod
-    def from_wire(cls, d: dict) -> "Region":
+    def from_wire(cls, d: dict) -> Region:
         r = cls(int(d["addr"]), int(d["nbytes"]), str(d["device"]), int(d["device_id"]))
         if r.device not in ("cpu", "cuda") or r.nbytes < 0 or r.addr < 0 or r.device_id < 0:
             raise ValueError(f"region {d!r}: device must be cpu|cuda and numbers non-negative")
@@ -59,7 +60,7 @@ class Spans:
     lengths: np.ndarray
 
     @classmethod
-    def single(cls, region: Region, offsets, lengths) -> "Spans":
+    def single(cls, region: Region, offsets, lengths) -> Spans:
         off = np.asarray(offsets, dtype=np.int64).reshape(-1)
         return cls((region,), np.zeros(len(off), dtype=np.int64), off, np.asarray(lengths, dtype=np.int64).reshape(-1))
 
@@ -86,7 +87,7 @@ class Spans:
             raise ValueError(f"{what}: a span falls outside its registered region or is empty")
 
     @staticmethod
-    def check_pair(local: "Spans", remote: "Spans") -> None:
+    def check_pair(local: Spans, remote: Spans) -> None:
         """Raise ValueError unless a write's two sides are valid spans pairing up byte for byte."""
         if len(local) != len(remote) or np.any(local.lengths != remote.lengths):
             raise ValueError("local and remote spans differ in count or lengths")
@@ -142,13 +143,13 @@ class Transport(abc.ABC):
     #: many page runs (each transport sets its own)
     read_span_cost_s: dict = {"cuda": 12e-6, "cpu": 3.6e-6}
 
-    def expect(self, peer: str, spans: Spans) -> bytes:
+    def expect(self, peer: PeerId, spans: Spans) -> bytes:
         """Receiver side: ``peer`` will write into ``spans`` (registered here) in
         one ``write`` whose spans match these one for one. Returns the ticket
         that write must carry. One-sided transports: a no-op, ``b""``."""
         return b""
 
-    def offer(self, peer: str, local: Spans) -> tuple[bytes, object | None]:
+    def offer(self, peer: PeerId, local: Spans) -> tuple[bytes, object | None]:
         """Make ``local`` (registered here) readable by ``peer``'s next ``read`` of the same spans; returns
         (ticket, handle). One-sided transports: (b"", None), registered memory is readable as it is.
         Two-sided (ucx): one tag send per span, receiver-driven (the reader pulls the bytes; this side's
@@ -168,20 +169,20 @@ class Transport(abc.ABC):
         """Opaque bytes a peer passes to ``connect`` to reach this endpoint."""
 
     @abc.abstractmethod
-    def connect(self, peer_metadata: bytes) -> str:
+    def connect(self, peer_metadata: bytes) -> PeerId:
         """Load a peer's metadata; return the peer's id for ``read`` and ``write``."""
 
     @abc.abstractmethod
-    def disconnect(self, peer: str) -> None:
+    def disconnect(self, peer: PeerId) -> None:
         """Forget a peer (its metadata and connection); its reads, writes and offers not done fail."""
 
     @property
     @abc.abstractmethod
-    def id(self) -> str:
+    def id(self) -> PeerId:
         """This endpoint's id as peers see it (``connect``'s result, notification sender)."""
 
     @abc.abstractmethod
-    def read(self, peer: str, local: Spans, remote: Spans, ticket: bytes = b"") -> object:
+    def read(self, peer: PeerId, local: Spans, remote: Spans, ticket: bytes = b"") -> object:
         """Start reading each remote span of ``peer`` (registered there) into the matching local span
         (registered here); ``ticket``: the peer's ``offer`` (two-sided). A handle for ``poll``/``release``;
         DONE means every byte is in ``local``; a failure raises TransportError from ``poll``. Spans that
@@ -189,14 +190,15 @@ class Transport(abc.ABC):
         source's ``offer`` checked its own), raise TransportError here, before anything moves."""
 
     @abc.abstractmethod
-    def write(self, peer: str, local: Spans, remote: Spans, notification: bytes, ticket: bytes = b"") -> object:
+    def write(self, peer: PeerId, local: Spans, remote: Spans, notification: bytes, ticket: bytes = b"") -> object:
         """Start writing each local span to the matching remote span of ``peer``;
         ``notification`` reaches the peer after all of them. ``ticket``: what the
         peer's ``expect`` returned for ``remote`` (two-sided transports). Returns
         a handle for ``poll``."""
 
-    def prepare_write(self, peer: str, local: Spans, remote: Spans, notification: bytes,
-                      ticket: bytes = b"") -> ReadyWrite:
+    def prepare_write(
+        self, peer: PeerId, local: Spans, remote: Spans, notification: bytes, ticket: bytes = b""
+    ) -> ReadyWrite:
         """``write`` in two steps: what needs no bytes in place (checks,
         descriptors, the transfer request) now, while the bytes are still being
         made; the post when ``post()`` is called. Default: all at ``post()``."""
@@ -217,7 +219,7 @@ class Transport(abc.ABC):
         """Free a finished transfer's resources."""
 
     @abc.abstractmethod
-    def notifications(self) -> list[tuple[str, bytes]]:
+    def notifications(self) -> list[tuple[PeerId, bytes]]:
         """Notifications received since the last call, as (peer id, bytes)."""
 
     @abc.abstractmethod

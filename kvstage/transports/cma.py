@@ -60,17 +60,23 @@ _writev, _readv = _libc.process_vm_writev, _libc.process_vm_readv
 for _call in (_writev, _readv):
     _call.restype = ctypes.c_ssize_t
     _call.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_ulong, ctypes.c_void_p, ctypes.c_ulong, ctypes.c_ulong]
-_WHY = {errno.ESRCH: "its process has exited",
-        errno.EPERM: "not allowed into its memory (another user, or Yama ptrace_scope 2-3)",
-        errno.EFAULT: "a span is not mapped on one side"}
+_WHY = {
+    errno.ESRCH: "its process has exited",
+    errno.EPERM: "not allowed into its memory (another user, or Yama ptrace_scope 2-3)",
+    errno.EFAULT: "a span is not mapped on one side",
+}
 
 
 def _host_identity() -> dict:
     """What two processes must share for this transport: the kernel (boot id), namespaces, user."""
     with open("/proc/sys/kernel/random/boot_id") as f:
         boot = f.read().strip()
-    return {"boot_id": boot, "pid_ns": os.stat("/proc/self/ns/pid").st_ino,
-            "net_ns": os.stat("/proc/self/ns/net").st_ino, "uid": os.getuid()}
+    return {
+        "boot_id": boot,
+        "pid_ns": os.stat("/proc/self/ns/pid").st_ino,
+        "net_ns": os.stat("/proc/self/ns/net").st_ino,
+        "uid": os.getuid(),
+    }
 
 
 def _yama_scope() -> int | None:
@@ -112,17 +118,24 @@ def plan_calls(local_addr, remote_addr, lengths) -> list[tuple[np.ndarray, np.nd
     """The system calls that copy between span ``i`` of ``local_addr`` and span ``i`` of ``remote_addr``:
     ``(local iovecs, remote iovecs, bytes)`` each, adjacent spans merged, at most ``IOV_MAX`` a side
     and ``MAX_CALL_BYTES`` a call."""
-    la, ra, ln = _split_long(np.asarray(local_addr, dtype=np.uint64), np.asarray(remote_addr, dtype=np.uint64),
-                             np.asarray(lengths, dtype=np.int64))
+    la, ra, ln = _split_long(
+        np.asarray(local_addr, dtype=np.uint64),
+        np.asarray(remote_addr, dtype=np.uint64),
+        np.asarray(lengths, dtype=np.int64),
+    )
     nl, nr = _runs(la, ln), _runs(ra, ln)
     cl, cr = np.cumsum(nl), np.cumsum(nr)  # runs started up to and including span i, per side
     cb = np.cumsum(ln)  # bytes up to and including span i
     calls, s = [], 0
     while s < len(ln):
         # the call from span s ends before either side would start its (IOV_MAX+1)-th run, or pass the byte cap
-        e = int(min(np.searchsorted(cl, cl[s] - 1 + IOV_MAX, side="right"),
-                    np.searchsorted(cr, cr[s] - 1 + IOV_MAX, side="right"),
-                    np.searchsorted(cb, cb[s] - ln[s] + MAX_CALL_BYTES, side="right")))
+        e = int(
+            min(
+                np.searchsorted(cl, cl[s] - 1 + IOV_MAX, side="right"),
+                np.searchsorted(cr, cr[s] - 1 + IOV_MAX, side="right"),
+                np.searchsorted(cb, cb[s] - ln[s] + MAX_CALL_BYTES, side="right"),
+            )
+        )
         first_l, first_r = nl[s:e].copy(), nr[s:e].copy()
         first_l[0] = first_r[0] = True
         calls.append((_iovecs(la[s:e], ln[s:e], first_l), _iovecs(ra[s:e], ln[s:e], first_r), int(ln[s:e].sum())))
@@ -152,8 +165,10 @@ class _Peer:
             self.notes.sendall(_frame(me))
         except OSError as e:
             self.close()
-            raise TransportError(f"cma peer {self.id}: its notification socket is not reachable ({e}); "
-                                 "is it in another network namespace?") from e
+            raise TransportError(
+                f"cma peer {self.id}: its notification socket is not reachable ({e}); "
+                "is it in another network namespace?"
+            ) from e
 
     def close(self) -> None:
         self.notes.close()
@@ -220,8 +235,10 @@ class CmaTransport(Transport):
             raise TransportError(f"cma: could not open its notification socket: {e}") from e
         if _yama_scope() == 1:  # only ancestors may write into this process unless it allows others
             _libc.prctl(_PR_SET_PTRACER, _PR_SET_PTRACER_ANY, 0, 0, 0)
-            log.info("cma: Yama ptrace_scope is 1: this process lets any process of its user write into it "
-                     "(PR_SET_PTRACER_ANY), as cma peers must")
+            log.info(
+                "cma: Yama ptrace_scope is 1: this process lets any process of its user write into it "
+                "(PR_SET_PTRACER_ANY), as cma peers must"
+            )
         self._inbound: list[_Inbound] = []
         self._pool: ThreadPoolExecutor | None = None  # the reads' threads, made at the first read
         self._regions: list[tuple[int, int]] = []
@@ -230,8 +247,10 @@ class CmaTransport(Transport):
 
     def register(self, tensor) -> Region:
         if tensor.is_cuda:
-            raise TransportError("cma: moves host memory only (process_vm_writev); "
-                                 f"a {tensor.nbytes}-byte tensor on {tensor.device} needs nixl or ucx")
+            raise TransportError(
+                "cma: moves host memory only (process_vm_writev); "
+                f"a {tensor.nbytes}-byte tensor on {tensor.device} needs nixl or ucx"
+            )
         if not tensor.is_contiguous():
             raise TransportError("register: tensor must be contiguous")
         self._keep.append(tensor)
@@ -239,8 +258,16 @@ class CmaTransport(Transport):
         return Region(tensor.data_ptr(), tensor.nbytes, "cpu", 0)
 
     def metadata(self) -> bytes:
-        return json.dumps({"format": _FORMAT, "id": self._id, "pid": os.getpid(), "host": self._identity,
-                           "address": self._address.decode("latin-1"), "regions": self._regions}).encode()
+        return json.dumps(
+            {
+                "format": _FORMAT,
+                "id": self._id,
+                "pid": os.getpid(),
+                "host": self._identity,
+                "address": self._address.decode("latin-1"),
+                "regions": self._regions,
+            }
+        ).encode()
 
     def connect(self, peer_metadata: bytes) -> str:
         try:
@@ -248,13 +275,18 @@ class CmaTransport(Transport):
             if md.get("format") != _FORMAT:
                 raise ValueError(f"format {md.get('format')!r}, this side reads {_FORMAT}")
             host = md["host"]
-            for key, what in (("boot_id", "kernel (boot id)"), ("pid_ns", "PID namespace"),
-                              ("net_ns", "network namespace"), ("uid", "user")):
+            for key, what in (
+                ("boot_id", "kernel (boot id)"),
+                ("pid_ns", "PID namespace"),
+                ("net_ns", "network namespace"),
+                ("uid", "user"),
+            ):
                 if host.get(key) != self._identity[key]:
                     raise TransportError(
                         f"cma: peer {md.get('id')} runs under another {what} ({host.get(key)!r}, this side "
                         f"{self._identity[key]!r}); cma moves bytes only between processes of one host, namespace "
-                        "and user: use nixl or ucx")
+                        "and user: use nixl or ucx"
+                    )
             peer = _Peer(md, self._id.encode())
         except (ValueError, TypeError, KeyError, AttributeError) as e:
             raise TransportError(f"cma: a peer's metadata is not this transport's: {e}") from e
@@ -289,8 +321,10 @@ class CmaTransport(Transport):
         p = self._peer(peer, op)
         stray = next((r for r in remote.regions if not p.holds(r)), None)
         if stray is not None:
-            raise TransportError(f"cma {op} {peer}: remote region at {stray.addr:#x} ({stray.nbytes} bytes) "
-                                 "is not one the peer registered before its metadata was taken")
+            raise TransportError(
+                f"cma {op} {peer}: remote region at {stray.addr:#x} ({stray.nbytes} bytes) "
+                "is not one the peer registered before its metadata was taken"
+            )
         return p, plan_calls(local.addresses(), remote.addresses(), local.lengths)
 
     @staticmethod

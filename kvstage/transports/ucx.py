@@ -55,6 +55,7 @@ import struct
 import threading
 import uuid
 import weakref
+from typing import Any
 
 from kvstage.errors import TransportError
 from kvstage.transports.base import Region, Spans, Transport, WriteState
@@ -85,8 +86,12 @@ UCX_OPTIONS = {"RNDV_THRESH": "0"}
 #: claim what UCX's error handling asks of them (``ERROR_HANDLING``): posix/sysv the support UCX 1.21
 #: keeps off by default (their keepalive checks the peer's pid), cma the memory invalidation it asks
 #: of a rendezvous lane (a dead peer's process holds nothing that could be written later)
-UCX_DEFAULTS = {"RNDV_SCHEME": "get_zcopy", "MM_FIFO_SIZE": "8192", "MM_ERROR_HANDLING": "y",
-                "CMA_MEMORY_INVALIDATE": "y"}
+UCX_DEFAULTS = {
+    "RNDV_SCHEME": "get_zcopy",
+    "MM_FIFO_SIZE": "8192",
+    "MM_ERROR_HANDLING": "y",
+    "CMA_MEMORY_INVALIDATE": "y",
+}
 #: added to ``UCX_DEFAULTS`` where this process sees a GPU (UCX refuses an option of a component it did
 #: not load): cuda_ipc's get, which UCX turns off where it sees no NVLink (one GPU, PCIe), so a fetch
 #: of device memory on one host would go over tcp (``nixl.UCX_ENGINE_CONFIG``)
@@ -130,8 +135,13 @@ class _CudaSpan:
     """``length`` bytes of device memory at ``addr``, for UCXX's ``Array``."""
 
     def __init__(self, addr: int, length: int):
-        self.__cuda_array_interface__ = {"shape": (length,), "typestr": "|u1", "data": (addr, False),
-                                         "strides": None, "version": 3}
+        self.__cuda_array_interface__ = {
+            "shape": (length,),
+            "typestr": "|u1",
+            "data": (addr, False),
+            "strides": None,
+            "version": 3,
+        }
 
 
 def _span_buffer(addr: int, length: int, device: str):
@@ -203,7 +213,7 @@ class UcxTransport(Transport):
         except Exception as e:
             raise TransportError(f"UCX context/worker for {self._id} failed to start: {type(e).__name__}: {e}") from e
         self._address = self._worker.address.tobytes()
-        self._eps: dict[str, object] = {}
+        self._eps: dict[str, Any] = {}  # peer -> its ucxx Endpoint
         self._registered: list = []
         self._cuda_devices: set[int] = set()
         self._thread_cuda = threading.local()
@@ -240,7 +250,7 @@ class UcxTransport(Transport):
         if kind == "cuda":
             self._cuda_current(device_id)
         addrs = spans.addresses()
-        return [_span_buffer(int(a), int(n), kind) for a, n in zip(addrs, spans.lengths)]
+        return [_span_buffer(int(a), int(n), kind) for a, n in zip(addrs, spans.lengths, strict=True)]
 
     def _progress(self) -> None:
         self._worker.progress()
@@ -252,21 +262,36 @@ class UcxTransport(Transport):
 
         from kvstage.link.finding import fact
 
-        out = {"ucx_version": fact(".".join(map(str, self._api.get_ucx_version())), "queried",
-                                   "ucxx get_ucx_version() (the libucp UCXX loaded)")}
+        out = {
+            "ucx_version": fact(
+                ".".join(map(str, self._api.get_ucx_version())),
+                "queried",
+                "ucxx get_ucx_version() (the libucp UCXX loaded)",
+            )
+        }
         try:
             info = self._ctx.info
-            tls = sorted({r.split()[-1].split("/")[0] for r in re.findall(r"^#.*resource.*md.*dev.*flags.*$", info, re.M)})
-            out["ucx_transports"] = fact(tls, "queried", "resources of this transport's UCX context (as ucxx.get_active_transports)")
+            tls = sorted(
+                {r.split()[-1].split("/")[0] for r in re.findall(r"^#.*resource.*md.*dev.*flags.*$", info, re.M)}
+            )
+            out["ucx_transports"] = fact(
+                tls, "queried", "resources of this transport's UCX context (as ucxx.get_active_transports)"
+            )
         except Exception as e:  # an introspection failure is a fact too
             out["ucx_transports"] = fact(None, "queried", f"UCX context info unreadable: {e}")
         try:
             import libucx
 
             folder = os.path.join(os.path.dirname(libucx.__file__), "lib", "ucx")
-            names = sorted({re.sub(r"\.so.*$", "", os.path.basename(p))[len("libuct_"):]
-                            for p in glob.glob(os.path.join(folder, "libuct_*.so*"))})
-            out["ucx_modules"] = fact(names, "queried", "libuct_*.so in the UCX modules folder of the libucx wheel UCXX loads")
+            names = sorted(
+                {
+                    re.sub(r"\.so.*$", "", os.path.basename(p))[len("libuct_") :]
+                    for p in glob.glob(os.path.join(folder, "libuct_*.so*"))
+                }
+            )
+            out["ucx_modules"] = fact(
+                names, "queried", "libuct_*.so in the UCX modules folder of the libucx wheel UCXX loads"
+            )
         except ImportError:
             out["ucx_modules"] = fact(None, "queried", "no libucx wheel (UCXX uses a system UCX)")
         return out
@@ -306,7 +331,9 @@ class UcxTransport(Transport):
             addr = self._api.UCXAddress.create_from_buffer(bytearray(address))
             ep = self._worker.create_endpoint_from_worker_address(addr, ERROR_HANDLING)
         except Exception as e:
-            raise TransportError(f"ucx: could not reach peer {peer} from its worker address: {type(e).__name__}: {e}") from e
+            raise TransportError(
+                f"ucx: could not reach peer {peer} from its worker address: {type(e).__name__}: {e}"
+            ) from e
         self._eps[peer], self._peer_keys[peer] = ep, key
         self._hello(peer, ep)
         return peer
@@ -386,8 +413,10 @@ class UcxTransport(Transport):
         ident = self._id.encode()
         total = _HEAD.size + len(ident) + len(notification)
         if total > _NOTIF_MAX:
-            raise TransportError(f"ucx write to {peer}: notification of {len(notification)} bytes exceeds "
-                                 f"{_NOTIF_MAX - _HEAD.size - len(ident)} bytes")
+            raise TransportError(
+                f"ucx write to {peer}: notification of {len(notification)} bytes exceeds "
+                f"{_NOTIF_MAX - _HEAD.size - len(ident)} bytes"
+            )
         note = bytearray(_HEAD.pack(_NOTIF_MAGIC, total, bytes(ticket), len(ident)) + ident + bytes(notification))
         buffers = self._buffers(local) + [note]
         tag = self._api.UCXXTag
@@ -444,8 +473,9 @@ class UcxTransport(Transport):
         try:
             requests = [self._worker.tag_recv(self._Array(b), tag(base + i)) for i, b in enumerate(buffers)]
         except Exception as e:
-            raise TransportError(f"ucx: posting {len(buffers)} receives for {peer} failed: {type(e).__name__}: {e}") \
-                from e
+            raise TransportError(
+                f"ucx: posting {len(buffers)} receives for {peer} failed: {type(e).__name__}: {e}"
+            ) from e
         return requests, buffers
 
     def poll(self, handle) -> WriteState:
@@ -507,8 +537,13 @@ class UcxTransport(Transport):
         for sender, base, count, note in self._held:
             exp = self._expected.get(base)
             if exp is None or exp.peer != sender or exp.count != count:
-                log.warning("ucx: notification from %s names ticket (%d, %d), which this side did not issue to it; "
-                            "dropped%s", sender, base, count, "" if exp else ", its bytes are discarded")
+                log.warning(
+                    "ucx: notification from %s names ticket (%d, %d), which this side did not issue to it; dropped%s",
+                    sender,
+                    base,
+                    count,
+                    "" if exp else ", its bytes are discarded",
+                )
                 if exp is None:
                     self._discard(base, count)
                 continue
@@ -518,8 +553,12 @@ class UcxTransport(Transport):
             del self._expected[base]
             errors = [e for e in map(_error_of, exp.requests) if e]
             if errors:
-                log.warning("ucx: a write from %s into %d expected spans failed (%s); its notification is dropped",
-                            sender, count, errors[0])
+                log.warning(
+                    "ucx: a write from %s into %d expected spans failed (%s); its notification is dropped",
+                    sender,
+                    count,
+                    errors[0],
+                )
                 continue
             out.append((sender, note))
         self._held = still

@@ -192,6 +192,7 @@ def source_rank(conn, tp: int, rank: int, pages: int, settings: dict, engine: st
       then sent back to back; with ``then="stop"`` this process stops itself (SIGSTOP) right after the last
       ``send`` returned, its answer already on the pipe;
     - ``wait`` timeout -> {req: (state, error text or None)} of every request sent and not reported yet;
+    - ``stream`` req, tokens, seed, written -> the layer groups sent so far (``Source.stream``);
     - ``stats`` -> its endpoint's stats; ``close``."""
     from kvstage.protocol.request import State
     from kvstage.protocol.source import Source
@@ -234,8 +235,22 @@ def source_rank(conn, tp: int, rank: int, pages: int, settings: dict, engine: st
             pool.give(ids)
         return out
 
+    streams: dict = {}
+
+    def stream(req, tokens, seed, written):
+        """Fill ``req``'s pages and stream it, its forward having written ``written`` layers so far (the
+        groups those cover are sent); called again with more layers, it sends the next groups."""
+        if req not in streams:
+            ids = pool.take(pages_needed(tokens, page))
+            assert ids is not None, f"source rank {rank}: no free pages for {req}"
+            fill_shard(cache, seed, ids, tokens)
+            streams[req] = (src.stream(req, ids, tokens), ids)
+        st = streams[req][0]
+        st.written(written)
+        return [[g.start, g.stop] for g in st.groups[:len(st.handles)]]
+
     commands = {"connect": lambda addresses: src.connect([tuple(a) for a in addresses]), "send": send, "wait": wait,
-                "stats": lambda: stats_dict(src.stats()), "close": src.close}
+                "stream": stream, "stats": lambda: stats_dict(src.stats()), "close": src.close}
     _serve(conn, commands)
 
 
@@ -429,3 +444,19 @@ def send_holding_the_gil(address, tokens: int, seed: int, hold_s: int, report) -
         report.put(("failed", 0, str(e)))
     time.sleep(0.5)
     src.close()
+
+
+def check_suffix(cache, seed: int, pages, first: int, tokens: int) -> None:
+    """``pages`` hold tokens ``first .. first + tokens`` of the reference cache, exactly (plain indexing
+    of a TP-1 NHD cache): a destination that had the first ``first`` tokens cached received the rest."""
+    import torch
+
+    from kvstage.bench.reference import full_buffer
+    from kvstage.layout import token_positions
+
+    g, size = cache.spec.geometry, cache.spec.page.page_size
+    pid, off = token_positions(np.asarray(pages), size, 0, tokens)
+    for b, buf in enumerate(cache.buffers):
+        want = full_buffer(seed, b, first + tokens, g.kv_heads, g.head_bytes())[first:]
+        got = buf.view(torch.uint8).view(cache.pages, size, g.kv_heads, g.head_bytes())[pid, off]
+        assert bool((got == want).all()), f"buffer {b}: not the tokens {first}..{first + tokens}"

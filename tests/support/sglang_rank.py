@@ -28,6 +28,9 @@ A decode rank may receive from several prefill engines: a request's
 ``"report_engines": true`` the decode also reports how many prefill engines its
 one kvstage Destination serves. ``"dtype"`` and ``"head_dim"`` set what a
 prefill engine serves (another model identity, another KV geometry: refused controls).
+``"model_path"`` (default ``"dummy"``, no checkpoint) is the model a rank says it serves: a
+checkpoint directory makes its identity cover the weights there (a fingerprint, taken when the
+manager starts); with ``"ready_file"`` the rank writes its identity to that file once it has it.
 
 A request with ``"corrupt": true`` has one byte of its KV, of its metadata row
 and of each state component changed on the prefill after the bytes the decode
@@ -104,7 +107,8 @@ def main(cfg: dict) -> None:
     role, tp, rank, mla, with_state = cfg["role"], cfg["tp"], cfg["rank"], cfg["mla"], cfg.get("state", False)
     head_dim = cfg.get("head_dim", HEAD_DIM)
     backend = TransferBackend("kvstage")
-    args = ServerArgs(model_path="dummy", dtype=cfg.get("dtype", "auto"), device="cpu", tp_size=tp, host="127.0.0.1", port=cfg["http_port"],
+    args = ServerArgs(model_path=cfg.get("model_path", "dummy"), dtype=cfg.get("dtype", "auto"), device="cpu",
+                      tp_size=tp, host="127.0.0.1", port=cfg["http_port"],
                       disaggregation_mode=role, disaggregation_transfer_backend="kvstage",
                       disaggregation_bootstrap_port=cfg["bootstrap_port"], page_size=PAGE)
     publish(args, role="scheduler")
@@ -154,6 +158,10 @@ def main(cfg: dict) -> None:
                                [t[0].nbytes for t in mamba])
     mode = DisaggregationMode.PREFILL if role == "prefill" else DisaggregationMode.DECODE
     mgr = get_kv_class(backend, KVClassType.MANAGER)(kv_args, mode, args, mla)
+    if cfg.get("ready_file"):  # the manager holds its model identity (its weights fingerprinted at load)
+        with open(cfg["ready_file"] + ".tmp", "w") as f:
+            f.write(mgr.model)
+        os.rename(cfg["ready_file"] + ".tmp", cfg["ready_file"])
 
     kv_pool = pool.full_kv_pool if with_state else pool
     bufs = [pool.kv_buffer[layer] for layer in range(LAYERS)] if mla else \

@@ -104,8 +104,9 @@ def doc_commands(prefill_tp: int = 2, decode_tp: int = 1) -> list:
 
 
 def build_model(path: str, layers: int = LAYERS, hidden: int = HIDDEN, heads: int = HEADS, kv_heads: int = KV_HEADS,
-                intermediate: int = INTERMEDIATE) -> str:
-    """Write a random Llama (float32, seeded; tiny by default) and a WordLevel tokenizer to ``path``."""
+                intermediate: int = INTERMEDIATE, seed: int = 0) -> str:
+    """Write a random Llama (float32, seeded by ``seed``; tiny by default) and a WordLevel tokenizer to
+    ``path``. Another seed: the same config and shapes, other weights."""
     if os.path.exists(os.path.join(path, "config.json")):
         return path
     import torch
@@ -122,7 +123,7 @@ def build_model(path: str, layers: int = LAYERS, hidden: int = HIDDEN, heads: in
                       num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
                       max_position_embeddings=MAX_POS, bos_token_id=1, eos_token_id=2, tie_word_embeddings=False,
                       torch_dtype="float32")
-    torch.manual_seed(0)
+    torch.manual_seed(seed)
     model = LlamaForCausalLM(cfg)
     with torch.no_grad():  # larger weights than the init's, so greedy decoding does not settle on one token
         for p in model.parameters():
@@ -231,8 +232,11 @@ def _kill_group(p: subprocess.Popen | None, sig: int) -> None:
 
 
 def server_env(extra: dict | None = None) -> dict:
-    """This process's environment, ``ENV``, and sglang_site/ first on ``PYTHONPATH``."""
+    """This process's environment, ``ENV``, and sglang_site/ first on ``PYTHONPATH``; no
+    ``KVSTAGE_AUTH_TOKEN`` (the docs' recipe sets none: each decode rank makes a secret of its own)
+    unless ``extra`` sets one."""
     env = dict(os.environ, **ENV)
+    env.pop("KVSTAGE_AUTH_TOKEN", None)  # tests/conftest.py sets one for the test processes themselves
     env["PYTHONPATH"] = os.pathsep.join([SITE] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
     env.update(extra or {})
     return env
@@ -249,7 +253,7 @@ def server(name: str, model: str, port: int, tp: int, role: str, log_dir: str, b
 def router(name: str, prefill: Proc, bootstrap_port: int, decode: Proc, port: int, metrics_port: int,
            log_dir: str) -> Proc:
     argv = router_argv(sys.executable, prefill.port, bootstrap_port, decode.port, port, metrics_port)
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "KVSTAGE_AUTH_TOKEN")}
     return Proc(name, argv, os.path.join(log_dir, f"{name}.log"), port, env=env)
 
 

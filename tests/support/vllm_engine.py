@@ -227,8 +227,12 @@ def endpoints(worker) -> dict:
            "arena_bytes": sum(ep.arena.buffer.numel() * ep.arena.buffer.element_size() for ep in mine)}
     if w.src is not None:
         out["source_engines"] = sorted(w.src.engines)
+        out["model"] = w.src.model
     if w.dst is not None:
         out["destination_engines"] = sorted(w.dst.engines)
+        out["dst_port"], out["model"] = w.dst.address[1], w.dst.model  # the port only: never its secret
+    if w.server is not None:
+        out["pull_port"] = w.server.address[1]
     return out
 
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 import random
 import sys
 
-LAYERS, HEADS, KV_HEADS, HEAD_DIM, VOCAB = 2, 8, 4, 32, 1024
+LAYERS, HEADS, KV_HEADS, HEAD_DIM, VOCAB = 4, 8, 4, 32, 1024  # 4 layers: 2 kvstage layers, streamed in 2 groups
 
 
 def build(out: str, seed: int = 0, layers: int = LAYERS, heads: int = HEADS, kv_heads: int = KV_HEADS,

@@ -23,13 +23,15 @@ One request (a "room"):
    with its Destination's address, its engine id, page count, metadata row and
    state rows (kvstage's plan, not SGLang's rank mapping, decides who writes
    where).
-3. Prefill: once the last chunk is queued and every decode rank's message is
-   in, ``Source.connect`` (known addresses are reused) and ``Source.send(room,
-   its pages, engine=the decode's id)``. The first writer of each decode rank
-   sends it the metadata row (and, at equal TP, the state rows) in a
-   ``KVSTAGE_AUX`` message.
+3. Prefill: once every decode rank's message is in, ``Source.connect`` (known
+   addresses are reused), then each chunk of a chunked prefill is sent as soon
+   as it is queued (its forward ended), as its token span of the room:
+   ``Source.send(room, its pages, tokens, engine=the decode's id, span=)``; the
+   decode reads it while the next chunk computes. After the last chunk, the
+   first writer of each decode rank sends it the metadata row (and, at equal
+   TP, the state rows) in a ``KVSTAGE_AUX`` message.
 4. Decode Success = its ``Destination`` handle DONE (scattered) and the aux
-   row written. Prefill Success = its ``Source`` handle DONE (writes landed).
+   row written. Prefill Success = every chunk's ``Source`` handle DONE.
    A failure anywhere aborts the kvstage request on both sides and travels as
    SGLang's ``KV_STATUS`` / ``ABORT`` messages, so both schedulers see Failed
    with the cause in ``failure_exception()``.
@@ -41,8 +43,12 @@ One request (a "room"):
    every decode rank reports the cause, not SGLang's "unknown reason from
    another rank".
 
-Both endpoints carry the model's identity (``model_identity``): kvstage's
-handshake refuses a peer that serves another model, naming both.
+Both endpoints carry the model's identity (``model_identity``: path, config,
+and a fingerprint of the checkpoint's weights): kvstage's handshake refuses a
+peer that serves another model, naming both, or the same path and shapes with
+other weights, naming both fingerprints. A decode rank's Destination makes a
+secret of its own where no token is set; its ``KVSTAGE_ROOM`` header carries its
+address with that secret (``Address.url``), which the prefill presents.
 """
 
 from __future__ import annotations
@@ -55,12 +61,10 @@ import os
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Optional
 
 import numpy as np
 import requests
 import torch
-
 from sglang.srt.disaggregation.base.conn import KVPoll, KVTransferDestination
 from sglang.srt.disaggregation.common.conn import (
     ABORT_TAG,
@@ -71,7 +75,7 @@ from sglang.srt.disaggregation.common.conn import (
     CommonKVSender,
 )
 from sglang.srt.disaggregation.utils import DisaggregationMode
-from sglang.srt.runtime_context import get_device, get_disagg, get_parallel, get_serving
+from sglang.srt.runtime_context import get_device, get_disagg, get_parallel
 from sglang.srt.utils.network import NetworkAddress
 
 from kvstage.config import Settings
@@ -116,13 +120,16 @@ def check_supported(mode: DisaggregationMode) -> None:
         raise ConfigError(
             f"SGLANG_DISAGG_STAGING_BUFFER={flag}: that switches on SGLang's own staging machinery, which the kvstage "
             "backend replaces; kvstage stages heterogeneous TP by itself. Unset it (KVSTAGE_ARENA_MB sizes "
-            "kvstage's staging)")
+            "kvstage's staging)"
+        )
     par = get_parallel()
     for name in ("pp_size", "attn_cp_size", "attn_dcp_size"):
         value = getattr(par, name, 1)
         if value != 1:
-            raise ConfigError(f"{name}={value}: the kvstage backend supports tensor parallelism (and attention DP) "
-                              "only; pipeline and context parallelism need another backend")
+            raise ConfigError(
+                f"{name}={value}: the kvstage backend supports tensor parallelism (and attention DP) "
+                "only; pipeline and context parallelism need another backend"
+            )
     if getattr(par, "enable_kv_cache_sharding", False):
         raise ConfigError("enable_kv_cache_sharding=True: not supported by the kvstage backend")
     policy = get_disagg().disaggregation_decode_allocation_policy
@@ -131,9 +138,24 @@ def check_supported(mode: DisaggregationMode) -> None:
 
 
 #: the fields of the model's config that shape its KV or its tokens: hashed into the model identity
-CONFIG_FIELDS = ("architectures", "model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-                 "num_attention_heads", "num_key_value_heads", "head_dim", "kv_lora_rank", "qk_rope_head_dim",
-                 "qk_nope_head_dim", "v_head_dim", "rope_theta", "max_position_embeddings", "sliding_window")
+CONFIG_FIELDS = (
+    "architectures",
+    "model_type",
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "kv_lora_rank",
+    "qk_rope_head_dim",
+    "qk_nope_head_dim",
+    "v_head_dim",
+    "rope_theta",
+    "max_position_embeddings",
+    "sliding_window",
+)
 
 
 def model_identity(server_args, kv_args, mla: bool) -> str:
@@ -149,20 +171,39 @@ def model_identity(server_args, kv_args, mla: bool) -> str:
     try:
         from transformers import AutoConfig
 
-        hf = AutoConfig.from_pretrained(server_args.model_path, revision=getattr(server_args, "revision", None),
-                                        trust_remote_code=bool(getattr(server_args, "trust_remote_code", False)),
-                                        local_files_only=True)
+        hf = AutoConfig.from_pretrained(
+            server_args.model_path,
+            revision=getattr(server_args, "revision", None),
+            trust_remote_code=bool(getattr(server_args, "trust_remote_code", False)),
+            local_files_only=True,
+        )
         text = hf.get_text_config().to_dict()
         config = {k: text.get(k) for k in CONFIG_FIELDS + ("torch_dtype", "dtype")}
     except Exception as e:  # a model path with no config on this host (the class-level harness: "dummy")
-        log.info("kvstage: no model config at %r (%s): the model identity is its path and KV layout",
-                 str(server_args.model_path)[-200:], type(e).__name__)
-    factors = {"sglang": sglang.__version__, "model": str(server_args.model_path), "config": config,
-               "dtype": str(getattr(server_args, "dtype", "")),
-               "kv_cache_dtype": str(getattr(kv_args, "kv_cache_dtype_str", "")), "page_size": int(kv_args.page_size),
-               "kv_buffers": len(kv_args.kv_data_ptrs), "mla": bool(mla)}
+        log.info(
+            "kvstage: no model config at %r (%s): the model identity is its path and KV layout",
+            str(server_args.model_path)[-200:],
+            type(e).__name__,
+        )
+    factors = {
+        "sglang": sglang.__version__,
+        "model": str(server_args.model_path),
+        "config": config,
+        "dtype": str(getattr(server_args, "dtype", "")),
+        "kv_cache_dtype": str(getattr(kv_args, "kv_cache_dtype_str", "")),
+        "page_size": int(kv_args.page_size),
+        "kv_buffers": len(kv_args.kv_data_ptrs),
+        "mla": bool(mla),
+    }
     digest = hashlib.sha256(json.dumps(factors, sort_keys=True, default=str).encode()).hexdigest()[:16]
-    return f"{str(server_args.model_path)[-400:]}#{digest}"
+    from kvstage.plugin.fingerprint import identity_part
+
+    weights = (
+        identity_part(str(server_args.model_path), getattr(server_args, "revision", None), log.name)
+        if config is not None
+        else ""
+    )  # the class-level harness's "dummy" model has no checkpoint
+    return f"{str(server_args.model_path)[-400:]}#{digest}{weights}"
 
 
 def prefill_engine_id(host: str, bootstrap_port: int, dp: int) -> str:
@@ -191,6 +232,7 @@ def _rows_of(states, indices) -> list:
 
 # -- per-room bookkeeping --------------------------------------------------------------------
 
+
 @dataclass
 class _Outgoing:
     """A room on a prefill rank."""
@@ -198,12 +240,15 @@ class _Outgoing:
     pages: list = field(default_factory=list)  # page index arrays, in chunk order
     npages: int = 0
     complete: bool = False  # last chunk queued
+    chunks_sent: int = 0  # chunks sent so far, each as a token span of the room (``Source.send(span=)``)
+    handles: list = field(default_factory=list)  # kvstage TransferHandles of the chunks sent
+    ready: object = None  # (engine, peers, writes) once the room may be sent: its decode ranks are connected
+    sending: bool = False  # a pool thread sends its chunks now
     aux: list | None = None  # snapshot of this rank's metadata row (frames)
     state: dict = field(default_factory=dict)  # component -> frames (snapshot)
     peers: dict = field(default_factory=dict)  # decode rank -> its KVSTAGE_ROOM header
     started: bool = False
-    handle: object = None  # kvstage TransferHandle (None: nothing to write)
-    sent: bool = False  # send() issued and aux rows sent
+    sent: bool = False  # every chunk sent and the aux rows sent
     failed: str | None = None
     concluded: bool = False
 
@@ -240,6 +285,7 @@ class _Telling:
 
 # -- manager -----------------------------------------------------------------------------------
 
+
 class KVStageManager(CommonKVManager):
     """One per scheduler rank: owns this rank's one kvstage endpoint (a ``Source`` on a prefill
     rank, a ``Destination`` on a decode rank), which serves every peer engine, and the control
@@ -248,7 +294,7 @@ class KVStageManager(CommonKVManager):
     kv_status_msg_tag = b"KV_STATUS"
     kv_status_msg_carries_reason = True
 
-    def __init__(self, args, disaggregation_mode: DisaggregationMode, server_args, is_mla_backend: Optional[bool] = False):
+    def __init__(self, args, disaggregation_mode: DisaggregationMode, server_args, is_mla_backend: bool | None = False):
         check_supported(disaggregation_mode)
         self.mla = bool(is_mla_backend)
         self.device = _device(args)
@@ -261,8 +307,12 @@ class KVStageManager(CommonKVManager):
             self.layout = prefill_layout(args, self.mla)  # published by register_to_bootstrap below
         super().__init__(args, disaggregation_mode, server_args, is_mla_backend)
         self.aux = RowBuffers.of(args.aux_data_ptrs, args.aux_data_lens, args.aux_item_lens, torch.device("cpu"))
-        self.states = [RowBuffers.of(p, n, i, self.device) for p, n, i in
-                       zip(args.state_data_ptrs or [], args.state_data_lens or [], args.state_item_lens or [])]
+        self.states = [
+            RowBuffers.of(p, n, i, self.device)
+            for p, n, i in zip(
+                args.state_data_ptrs or [], args.state_data_lens or [], args.state_item_lens or [], strict=False
+            )  # SGLang's lists, as it gives them
+        ]
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="kvstage-sglang")
         if disaggregation_mode == DisaggregationMode.PREFILL:
             spec = self.layout.spec(self.attn_tp_size)
@@ -272,18 +322,24 @@ class KVStageManager(CommonKVManager):
             from kvstage.protocol.source import Source
 
             self.src = self._registered(Source(self.cache, self.settings, engine=self.engine_id, model=self.model))
-            log.info("kvstage: prefill rank %d of engine %r sends to every decode engine (model %s)",
-                     self.attn_tp_rank, self.engine_id, self.model)
-            threading.Thread(target=self._serve, args=(self._on_decode_message,), daemon=True,
-                             name="kvstage-sglang-prefill").start()
+            log.info(
+                "kvstage: prefill rank %d of engine %r sends to every decode engine (model %s)",
+                self.attn_tp_rank,
+                self.engine_id,
+                self.model,
+            )
+            threading.Thread(
+                target=self._serve, args=(self._on_decode_message,), daemon=True, name="kvstage-sglang-prefill"
+            ).start()
         else:
             self.dst = None  # this rank's Destination, made when the first prefill's layout is read
             self._prefills: dict[str, _Prefill] = {}  # prefill bootstrap address -> what it published
             self._incoming: dict[int, _Incoming] = {}
             self._telling: dict[int, _Telling] = {}  # failed rooms, until cleared
             self._siblings, self.engine_id = self._decode_siblings()
-            threading.Thread(target=self._serve, args=(self._on_prefill_message,), daemon=True,
-                             name="kvstage-sglang-decode").start()
+            threading.Thread(
+                target=self._serve, args=(self._on_prefill_message,), daemon=True, name="kvstage-sglang-decode"
+            ).start()
             self._start_heartbeat_checker_thread()
 
     def _registered(self, ep):
@@ -304,18 +360,27 @@ class KVStageManager(CommonKVManager):
     # -- bootstrap server: the layout route ---------------------------------------------------
     def register_to_bootstrap(self):
         """Publish this prefill rank's KV layout next to SGLang's registration (which follows)."""
-        host = (NetworkAddress.parse(self.dist_init_addr).resolved().host if self.dist_init_addr
-                else {"0.0.0.0": "127.0.0.1", "::": "::1"}.get(self.bootstrap_host, self.bootstrap_host))
+        host = (
+            NetworkAddress.parse(self.dist_init_addr).resolved().host
+            if self.dist_init_addr
+            else {"0.0.0.0": "127.0.0.1", "::": "::1"}.get(self.bootstrap_host, self.bootstrap_host)
+        )
         url = NetworkAddress(host, self.bootstrap_port).to_url() + LAYOUT_ROUTE
         self.engine_id = prefill_engine_id(host, self.bootstrap_port, self.attn_dp_rank)
-        body = {"dp": self.attn_dp_rank, "rank": self.attn_tp_rank, "layout": self.layout.to_wire(),
-                "engine": self.engine_id}
+        body = {
+            "dp": self.attn_dp_rank,
+            "rank": self.attn_tp_rank,
+            "layout": self.layout.to_wire(),
+            "engine": self.engine_id,
+        }
         for attempt in range(10):
             try:
                 r = requests.put(url, json=body, timeout=5)
                 if r.status_code == 200:
                     break
-                raise ConfigError(f"bootstrap server refused this prefill rank's kvstage layout: {r.status_code} {r.text}")
+                raise ConfigError(
+                    f"bootstrap server refused this prefill rank's kvstage layout: {r.status_code} {r.text}"
+                )
             except requests.RequestException as e:
                 if attempt == 9:
                     log.error("kvstage: could not publish the KV layout to %s: %s", url, e)
@@ -323,8 +388,16 @@ class KVStageManager(CommonKVManager):
         super().register_to_bootstrap()
 
     # -- prefill side ----------------------------------------------------------------------------
-    def add_transfer_request(self, bootstrap_room: int, kv_indices, index_slice: slice, is_last_chunk: bool,
-                             aux_index: Optional[int] = None, state_indices=None, **_):
+    def add_transfer_request(
+        self,
+        bootstrap_room: int,
+        kv_indices,
+        index_slice: slice,
+        is_last_chunk: bool,
+        aux_index: int | None = None,
+        state_indices=None,
+        **_,
+    ):
         if self.cache.device.type == "cuda":  # the forward that wrote these pages must have finished
             torch.cuda.current_stream(self.cache.device).synchronize()
         with self._lock:
@@ -333,10 +406,13 @@ class KVStageManager(CommonKVManager):
                 return
             start = index_slice.start or 0
             if start != out.npages:
-                return self._fail_locked(bootstrap_room, out, f"chunk starts at page {start}, {out.npages} queued before")
+                return self._fail_locked(
+                    bootstrap_room, out, f"chunk starts at page {start}, {out.npages} queued before"
+                )
             out.pages.append(np.asarray(kv_indices, dtype=np.int64).reshape(-1))
             out.npages += len(out.pages[-1])
-            if not is_last_chunk:
+            if not is_last_chunk:  # streamed: the chunk moves now, while the next one's forward runs
+                self._maybe_send_locked(bootstrap_room, out)
                 return
             out.complete = True
             try:
@@ -367,8 +443,14 @@ class KVStageManager(CommonKVManager):
                 out.peers[int(header["rank"])] = header
                 self._fail_locked(room, out, f"decode rank {header.get('rank')}: {header['failed']}")
             return
-        log.debug("kvstage: prefill rank %d, room %d: decode rank %s of %s called in (%s pages)", self.attn_tp_rank,
-                  room, header.get("rank"), header.get("tp"), header.get("pages"))
+        log.debug(
+            "kvstage: prefill rank %d, room %d: decode rank %s of %s called in (%s pages)",
+            self.attn_tp_rank,
+            room,
+            header.get("rank"),
+            header.get("tp"),
+            header.get("pages"),
+        )
         with self._lock:
             reason = self._failed.get(room)
             if reason is not None:
@@ -382,68 +464,125 @@ class KVStageManager(CommonKVManager):
                         self.update_status(room, KVPoll.WaitingForInput)
                 self._maybe_start_locked(room, out)
         if reason is not None:
-            self.send_kv_status_message(targets=targets, bootstrap_room=room, status=KVPoll.Failed, failure_reason=reason)
+            self.send_kv_status_message(
+                targets=targets, bootstrap_room=room, status=KVPoll.Failed, failure_reason=reason
+            )
 
     def sender_created(self, room: int) -> None:
         """A Sender exists now: if every decode rank already called in, the room may proceed."""
         with self._lock:
             out = self._rooms.get(room)
             failed = out.failed if out is not None else None
-            if failed is None and out is not None and out.peers and \
-                    len(out.peers) == int(next(iter(out.peers.values()))["tp"]):
+            if (
+                failed is None
+                and out is not None
+                and out.peers
+                and len(out.peers) == int(next(iter(out.peers.values()))["tp"])
+            ):
                 self.update_status(room, KVPoll.WaitingForInput)
         if failed is not None:  # a decode rank failed it before this Sender existed
             self.record_failure(room, failed)
             self.update_status(room, KVPoll.Failed)
 
     def _maybe_start_locked(self, room: int, out: _Outgoing) -> None:
-        if out.started or out.failed or not out.complete or not out.peers:
+        self._maybe_send_locked(room, out)
+
+    def _maybe_send_locked(self, room: int, out: _Outgoing) -> None:
+        """Once every decode rank called in: send the chunks queued and not sent yet, on a pool thread (one
+        per room at a time); the metadata rows follow the last chunk."""
+        if out.failed or out.sending or out.sent or not out.peers or not out.pages:
             return
         tp = int(next(iter(out.peers.values()))["tp"])
-        if len(out.peers) < tp:
+        if len(out.peers) < tp or (out.chunks_sent == len(out.pages) and not out.complete):
             return
-        out.started = True
-        self._pool.submit(self._start, room, out)
+        out.sending = out.started = True
+        self._pool.submit(self._send_chunks, room, out)
 
-    def _start(self, room: int, out: _Outgoing) -> None:
-        """Connect to the decode ranks not connected yet, send the pages, send the metadata rows (pool thread)."""
+    def _send_chunks(self, room: int, out: _Outgoing) -> None:
+        """Send every queued chunk not sent yet as its token span of the room, then (after the last) the
+        metadata rows (pool thread)."""
         try:
-            peers = [out.peers[d] for d in range(len(out.peers))]
-            pages = np.concatenate(out.pages) if out.pages else np.zeros(0, dtype=np.int64)
-            want = {int(h["pages"]) for h in peers}
-            if want != {len(pages)}:
-                raise ConfigError(f"the decode ranks allocated {sorted(want)} pages, this prefill rank holds {len(pages)}")
-            engines = {str(h.get("engine", "")) for h in peers}
-            if len(engines) != 1:
-                raise ConfigError(f"the decode ranks of room {room} name engines {sorted(engines)}: one engine's "
-                                  "ranks share one id")
-            engine = engines.pop()
-            if out.state and len(peers) != self.attn_tp_size:  # refused before any byte moves
-                raise ConfigError(f"state buffers (mamba/SWA/...) with prefill TP {self.attn_tp_size} and decode TP "
-                                  f"{len(peers)}: the kvstage backend moves state rows at equal TP only")
-            # the same plan the endpoints will agree on: a rank that writes nothing (MLA, replicated
-            # heads) finishes here, without waiting for any decode rank
+            if out.ready is None:
+                out.ready = self._connect_room(room, out)
+            engine, peers, writes = out.ready
+            size = self.cache.spec.page.page_size
+            total = int(peers[0]["pages"]) * size
+            while True:
+                with self._lock:
+                    if out.failed or out.chunks_sent == len(out.pages):
+                        complete = out.complete and not out.failed
+                        out.sending = False
+                        break
+                    k = out.chunks_sent
+                    start, chunk = sum(len(p) for p in out.pages[:k]), out.pages[k]
+                    last = out.complete and k == len(out.pages) - 1
+                if last and start + len(chunk) != total // size:
+                    raise ConfigError(
+                        f"the decode ranks allocated {total // size} pages, this prefill rank holds "
+                        f"{start + len(chunk)}"
+                    )
+                if writes and len(chunk):
+                    stop = total if last else (start + len(chunk)) * size
+                    h = self.src.send(str(room), chunk, total, engine=engine, span=range(start * size, stop))
+                    with self._lock:
+                        out.handles.append(h)
+                    if len(out.handles) == 1:
+                        self.update_status(room, KVPoll.Transferring)
+                with self._lock:
+                    out.chunks_sent = k + 1
+            if not complete:
+                return
+            log.debug(
+                "kvstage: prefill rank %d, room %d: %s %d pages to decode TP %d in %d chunks",
+                self.attn_tp_rank,
+                room,
+                "sent" if writes else "writes none of",
+                out.npages,
+                len(peers),
+                len(out.pages),
+            )
             spec = self.cache.spec
             p = plan(spec, SideSpec(spec.geometry, len(peers), spec.page))
-            handle = None
-            if p.targets_of(self.attn_tp_rank):
-                with self._connect_lock:  # rooms of a new decode engine that start together handshake once
-                    self.src.connect([tuple(h["dst"]) for h in peers])
-                if len(pages):
-                    handle = self.src.send(str(room), pages, len(pages) * spec.page.page_size, engine=engine)
-            with self._lock:
-                out.handle = handle
-            log.debug("kvstage: prefill rank %d, room %d: %s %d pages to decode TP %d", self.attn_tp_rank, room,
-                      "sending" if handle is not None else "writes none of", len(pages), len(peers))
-            if handle is not None:
-                self.update_status(room, KVPoll.Transferring)
             for d, h in enumerate(peers):
                 if p.writers_of(d)[0].src_rank == self.attn_tp_rank:  # the first writer sends the rows
                     self._send_aux(room, out, h)
             with self._lock:
                 out.sent = True
         except Exception as e:
+            with self._lock:
+                out.sending = False
             self.fail_room(room, f"{type(e).__name__}: {e}")  # the decode names this rank
+
+    def _connect_room(self, room: int, out: _Outgoing) -> tuple:
+        """The room's decode engine, its ranks' headers and whether this rank writes to them, once every
+        decode rank called in: checked, and connected to (known addresses are reused)."""
+        peers = [out.peers[d] for d in range(len(out.peers))]
+        want = {int(h["pages"]) for h in peers}
+        if len(want) != 1 or (out.complete and want != {out.npages}) or out.npages > max(want):
+            raise ConfigError(
+                f"the decode ranks allocated {sorted(want)} pages, this prefill rank holds {out.npages}"
+                + ("" if out.complete else " so far")
+            )
+        engines = {str(h.get("engine", "")) for h in peers}
+        if len(engines) != 1:
+            raise ConfigError(
+                f"the decode ranks of room {room} name engines {sorted(engines)}: one engine's ranks share one id"
+            )
+        # refused before any byte moves: a model with state buffers has state rows in every room, though they
+        # come with its last chunk
+        if (out.state or self.states) and len(peers) != self.attn_tp_size:
+            raise ConfigError(
+                f"state buffers (mamba/SWA/...) with prefill TP {self.attn_tp_size} and decode TP "
+                f"{len(peers)}: the kvstage backend moves state rows at equal TP only"
+            )
+        # the same plan the endpoints will agree on: a rank that writes nothing (MLA, replicated heads)
+        # finishes here, without waiting for any decode rank
+        spec = self.cache.spec
+        writes = bool(plan(spec, SideSpec(spec.geometry, len(peers), spec.page)).targets_of(self.attn_tp_rank))
+        if writes:
+            with self._connect_lock:  # rooms of a new decode engine that start together handshake once
+                self.src.connect([h["dst"] for h in peers])  # each decode rank's address, with its secret
+        return engines.pop(), peers, writes
 
     def _send_aux(self, room: int, out: _Outgoing, header: dict) -> None:
         frames, parts = [], []
@@ -451,11 +590,15 @@ class KVStageManager(CommonKVManager):
             want = {int(c): rows for c, rows in header.get("state") or []}
             for c, data in sorted(out.state.items()):
                 if c not in want:
-                    raise ConfigError(f"state component {c}: this prefill rank has rows, decode rank {header['rank']} expects none")
+                    raise ConfigError(
+                        f"state component {c}: this prefill rank has rows, decode rank {header['rank']} expects none"
+                    )
                 parts.append([c, want[c], len(data)])
                 frames += data
         meta = {"aux_index": header["aux_index"], "aux": len(out.aux), "state": parts}
-        msg = [AUX_TAG, str(room).encode(), str(self.attn_tp_rank).encode(), json.dumps(meta).encode()] + out.aux + frames
+        msg = (
+            [AUX_TAG, str(room).encode(), str(self.attn_tp_rank).encode(), json.dumps(meta).encode()] + out.aux + frames
+        )
         na = NetworkAddress(*header["status"])
         self._send_multipart_locked(na.to_tcp(), msg, is_ipv6=na.is_ipv6)
 
@@ -465,16 +608,16 @@ class KVStageManager(CommonKVManager):
             out = self._rooms.get(room)
             if out is None or out.concluded or not out.sent:
                 return
-            h = out.handle
-            if h is not None and not h.done():
+            if not all(h.done() for h in out.handles):
                 return
             out.concluded = True
             targets = out.status_targets()
-        if h is None or h.state is State.DONE:
+            bad = next((h for h in out.handles if h.state is not State.DONE), None)
+        if bad is None:
             log.debug("kvstage: prefill rank %d, room %d: sent", self.attn_tp_rank, room)
             self.conclude_transfer(bootstrap_room=room, status=KVPoll.Success, targets=targets)
         else:
-            self.fail_room(room, str(h.error))
+            self.fail_room(room, str(bad.error))
 
     def fail_room(self, room: int, reason: str) -> None:
         with self._lock:
@@ -494,8 +637,9 @@ class KVStageManager(CommonKVManager):
         self._failed[room] = out.failed
         while len(self._failed) > MAX_FAILED_ROOMS:
             self._failed.popitem(last=False)
-        if out.handle is not None and not out.handle.done():
-            out.handle.abort(reason)
+        for h in out.handles:
+            if not h.done():
+                h.abort(reason)
         if not first:
             return
         log.warning("kvstage: prefill rank %d, room %d failed: %s", self.attn_tp_rank, room, reason)
@@ -506,13 +650,16 @@ class KVStageManager(CommonKVManager):
         if room in self.request_status:
             self.conclude_failure(bootstrap_room=room, failure_reason=reason, targets=targets)
         else:
-            self.send_kv_status_message(targets=targets, bootstrap_room=room, status=KVPoll.Failed, failure_reason=reason)
+            self.send_kv_status_message(
+                targets=targets, bootstrap_room=room, status=KVPoll.Failed, failure_reason=reason
+            )
 
     def forget_room(self, room: int) -> None:
         with self._lock:
             out = self._rooms.pop(room, None)
-        if out is not None and out.handle is not None and not out.handle.done():
-            out.handle.abort("the prefill request was cleared")
+        for h in out.handles if out is not None else ():
+            if not h.done():
+                h.abort("the prefill request was cleared")
 
     # -- decode side -----------------------------------------------------------------------------
     def _resolve_rank_mapping(self, info) -> None:
@@ -542,17 +689,24 @@ class KVStageManager(CommonKVManager):
             spec = decode_spec(self.kv_args, self.mla, SglangKVLayout.from_wire(layout), self.attn_tp_size)
             dst = self._destination(spec)
             if dst.spec != spec:
-                raise ConfigError(f"its KV layout {layout} gives this decode rank the spec {spec}; this rank's "
-                                  f"Destination receives with {dst.spec} (the first prefill's): every prefill engine "
-                                  "of one decode engine must serve the same model with the same KV dtype and page size")
+                raise ConfigError(
+                    f"its KV layout {layout} gives this decode rank the spec {spec}; this rank's "
+                    f"Destination receives with {dst.spec} (the first prefill's): every prefill engine "
+                    "of one decode engine must serve the same model with the same KV dtype and page size"
+                )
         except ConfigError as e:
             refused = f"the prefill at {bootstrap_addr} cannot send to this decode: {e}"
             log.error("kvstage: decode rank %d: %s", self.attn_tp_rank, refused)
         with self._lock:
             self._prefills[bootstrap_addr] = _Prefill(layout, engines, refused)
         if refused is None:
-            log.info("kvstage: decode rank %d receives from prefill %s (engines %s) on %s:%d", self.attn_tp_rank,
-                     bootstrap_addr, sorted(engines.values()), *self.dst.address)
+            log.info(
+                "kvstage: decode rank %d receives from prefill %s (engines %s) on %s:%d",
+                self.attn_tp_rank,
+                bootstrap_addr,
+                sorted(engines.values()),
+                *self.dst.address,
+            )
         return True
 
     def _read_layout(self, bootstrap_addr: str) -> tuple[dict, dict] | None:
@@ -561,8 +715,10 @@ class KVStageManager(CommonKVManager):
         if r.status_code == 503:
             return None
         if r.status_code != 200:
-            raise ConfigError(f"the prefill at {bootstrap_addr} serves no kvstage layout ({r.status_code} {r.text[:200]}): "
-                              "start it with --disaggregation-transfer-backend kvstage too")
+            raise ConfigError(
+                f"the prefill at {bootstrap_addr} serves no kvstage layout ({r.status_code} {r.text[:200]}): "
+                "start it with --disaggregation-transfer-backend kvstage too"
+            )
         data = r.json()
         return data["layout"], {int(dp): str(e) for dp, e in data["engines"].items()}
 
@@ -573,10 +729,19 @@ class KVStageManager(CommonKVManager):
         with self._connect_lock:
             if self.dst is None:
                 cache = RankCache(spec, self.attn_tp_rank, kv_buffers(self.kv_args, spec, self.device))
-                self.dst = self._registered(Destination(cache, self.settings, listen=(self.local_ip, 0),
-                                                        engine=self.engine_id, model=self.model))
-                log.info("kvstage: decode rank %d of engine %r receives from every prefill engine on %s:%d (%s, "
-                         "model %s)", self.attn_tp_rank, self.engine_id, *self.dst.address, spec, self.model)
+                self.dst = self._registered(
+                    Destination(
+                        cache, self.settings, listen=(self.local_ip, 0), engine=self.engine_id, model=self.model
+                    )
+                )
+                log.info(
+                    "kvstage: decode rank %d of engine %r receives from every prefill engine on %s:%d (%s, model %s)",
+                    self.attn_tp_rank,
+                    self.engine_id,
+                    *self.dst.address,
+                    spec,
+                    self.model,
+                )
             return self.dst
 
     def prefill_engine(self, bootstrap_addr: str, dp: int) -> str:
@@ -593,24 +758,41 @@ class KVStageManager(CommonKVManager):
             if published is not None:
                 pf.engines.update(published[1])
         if dp not in pf.engines:
-            raise ConfigError(f"the prefill at {bootstrap_addr} has no DP rank {dp} with kvstage (it has "
-                              f"{sorted(pf.engines)})")
+            raise ConfigError(
+                f"the prefill at {bootstrap_addr} has no DP rank {dp} with kvstage (it has {sorted(pf.engines)})"
+            )
         return pf.engines[dp]
 
     def expect(self, bootstrap_addr: str, dp: int, room: int, kv_indices, aux_index: int, state_indices) -> tuple:
         """Open the kvstage request for ``room``; return the header every prefill rank gets."""
         pages = np.asarray(kv_indices, dtype=np.int64).reshape(-1)
         engine = self.prefill_engine(bootstrap_addr, dp)
-        handle = self.dst.expect(str(room), pages, len(pages) * self.kv_args.page_size, engine=engine) \
-            if len(pages) else None
+        handle = (
+            self.dst.expect(str(room), pages, len(pages) * self.kv_args.page_size, engine=engine)
+            if len(pages)
+            else None
+        )
         state = _rows_of(self.states, state_indices)
         with self._lock:
             self._incoming[room] = _Incoming(handle, int(aux_index), state)
-        log.debug("kvstage: decode rank %d, room %d: expecting %d pages from %r, metadata row %d", self.attn_tp_rank,
-                  room, len(pages), engine, aux_index)
-        return {"tp": self.attn_tp_size, "rank": self.attn_tp_rank, "engine": self.engine_id,
-                "dst": list(self.dst.address), "status": [self.local_ip, self.rank_port], "aux_index": int(aux_index),
-                "pages": len(pages), "state": state}
+        log.debug(
+            "kvstage: decode rank %d, room %d: expecting %d pages from %r, metadata row %d",
+            self.attn_tp_rank,
+            room,
+            len(pages),
+            engine,
+            aux_index,
+        )
+        return {
+            "tp": self.attn_tp_size,
+            "rank": self.attn_tp_rank,
+            "engine": self.engine_id,
+            "dst": self.dst.address.url,
+            "status": [self.local_ip, self.rank_port],
+            "aux_index": int(aux_index),
+            "pages": len(pages),
+            "state": state,
+        }
 
     def check_room(self, room: int) -> None:
         """Receiver.poll: Success once scattered and the metadata row landed; Failed on failure
@@ -622,8 +804,14 @@ class KVStageManager(CommonKVManager):
             if late:
                 waiting, told.waiting = sorted(told.waiting), set()
         if late:
-            log.warning("kvstage: decode rank %d, room %d: decode ranks %s did not acknowledge the failure's cause "
-                        "in %.0f s; reporting Failed without them", self.attn_tp_rank, room, waiting, CAUSE_ACK_TIMEOUT_S)
+            log.warning(
+                "kvstage: decode rank %d, room %d: decode ranks %s did not acknowledge the failure's cause "
+                "in %.0f s; reporting Failed without them",
+                self.attn_tp_rank,
+                room,
+                waiting,
+                CAUSE_ACK_TIMEOUT_S,
+            )
             self._report_failed(room)
         if inc is None or told is not None:
             return
@@ -699,8 +887,9 @@ class KVStageManager(CommonKVManager):
             self.abort_incoming(room, cause)
         if rank in self._siblings:
             na = NetworkAddress(*self._siblings[rank])
-            self._send_multipart_locked(na.to_tcp(), [CAUSE_ACK_TAG, msg[1], str(self.attn_tp_rank).encode()],
-                                        is_ipv6=na.is_ipv6)
+            self._send_multipart_locked(
+                na.to_tcp(), [CAUSE_ACK_TAG, msg[1], str(self.attn_tp_rank).encode()], is_ipv6=na.is_ipv6
+            )
 
     def _on_cause_ack(self, msg: list) -> None:
         room, rank = int(msg[1]), int(msg[2])
@@ -742,8 +931,13 @@ class KVStageManager(CommonKVManager):
         with self._lock:  # held while writing: clear() cannot hand the row to another request meanwhile
             inc = self._incoming.get(room)
             if inc is None or inc.aux_index != int(meta["aux_index"]):
-                log.debug("kvstage: decode rank %d, room %d: metadata row from prefill rank %s dropped (request "
-                          "cleared, or an earlier use of the room)", self.attn_tp_rank, room, msg[2].decode())
+                log.debug(
+                    "kvstage: decode rank %d, room %d: metadata row from prefill rank %s dropped (request "
+                    "cleared, or an earlier use of the room)",
+                    self.attn_tp_rank,
+                    room,
+                    msg[2].decode(),
+                )
                 return
             try:
                 n = int(meta["aux"])
@@ -754,7 +948,7 @@ class KVStageManager(CommonKVManager):
                 for c, rows, count in meta["state"]:
                     if want.get(c) != rows:
                         raise ConfigError(f"state component {c}: rows {rows} received, this rank expects {want.get(c)}")
-                    self.states[c].write(rows, frames[at:at + count])
+                    self.states[c].write(rows, frames[at : at + count])
                     at += count
                     got[c] = rows
                 if got != want:
@@ -767,6 +961,7 @@ class KVStageManager(CommonKVManager):
 
 
 # -- sender (prefill) ----------------------------------------------------------------------------
+
 
 class KVStageSender(CommonKVSender):
     def __init__(self, mgr: KVStageManager, bootstrap_addr: str, bootstrap_room: int, *args, **kwargs):
@@ -793,27 +988,46 @@ class KVStageSender(CommonKVSender):
 
 # -- receiver (decode) ---------------------------------------------------------------------------
 
+
 class KVStageReceiver(CommonKVReceiver):
-    def send_metadata(self, kv_indices, aux_index: Optional[int] = None, state_indices=None,
-                      decode_prefix_len: Optional[int] = None,
-                      destination: KVTransferDestination = KVTransferDestination.DEVICE, device_kv_indices=None):
+    def send_metadata(
+        self,
+        kv_indices,
+        aux_index: int | None = None,
+        state_indices=None,
+        decode_prefix_len: int | None = None,
+        destination: KVTransferDestination = KVTransferDestination.DEVICE,
+        device_kv_indices=None,
+    ):
         mgr: KVStageManager = self.kv_mgr
         if self.conclude_state == KVPoll.Failed:
             return
         if destination != KVTransferDestination.DEVICE:
             raise NotImplementedError("Host KV destinations are not supported")
         if getattr(self, "bootstrap_infos", None) is None:
-            mgr.record_failure(self.bootstrap_room, f"Could not fetch prefill parallel info from bootstrap_addr: {self.bootstrap_addr}")
+            mgr.record_failure(
+                self.bootstrap_room, f"Could not fetch prefill parallel info from bootstrap_addr: {self.bootstrap_addr}"
+            )
             mgr.update_status(self.bootstrap_room, KVPoll.Failed)
             return
         try:
-            header = mgr.expect(self.bootstrap_addr, int(getattr(self, "prefill_dp_rank", 0) or 0), self.bootstrap_room,
-                                kv_indices, aux_index, state_indices)
+            header = mgr.expect(
+                self.bootstrap_addr,
+                int(getattr(self, "prefill_dp_rank", 0) or 0),
+                self.bootstrap_room,
+                kv_indices,
+                aux_index,
+                state_indices,
+            )
         except Exception as e:  # the prefill ranks are told too: they fail the room now, not at their timeout
             cause = f"kvstage could not receive into this rank: {type(e).__name__}: {e}"
             mgr.fail_incoming(self.bootstrap_room, cause)
-            header = {"tp": mgr.attn_tp_size, "rank": mgr.attn_tp_rank, "status": [mgr.local_ip, mgr.rank_port],
-                      "failed": cause}
+            header = {
+                "tp": mgr.attn_tp_size,
+                "rank": mgr.attn_tp_rank,
+                "status": [mgr.local_ip, mgr.rank_port],
+                "failed": cause,
+            }
         header["prefix_len"] = int(decode_prefix_len or 0)
         message = [ROOM_TAG, str(self.bootstrap_room).encode(), json.dumps(header).encode()]
         for info in self.bootstrap_infos:
@@ -847,6 +1061,7 @@ class KVStageReceiver(CommonKVReceiver):
 
 # -- bootstrap server ----------------------------------------------------------------------------
 
+
 class KVStageBootstrapServer(CommonKVBootstrapServer):
     """SGLang's bootstrap server plus ``/kvstage/layout``: the prefill ranks' KV layout and their
     engine id per DP rank."""
@@ -863,15 +1078,22 @@ class KVStageBootstrapServer(CommonKVBootstrapServer):
             data = await request.json()
             layout, engine, dp = data.get("layout"), data.get("engine"), data.get("dp")
             if not isinstance(engine, str) or not engine:
-                return web.Response(status=400, text=f"prefill rank {data.get('rank')}: engine={engine!r}, must be "
-                                                     "a non-empty string")
+                return web.Response(
+                    status=400, text=f"prefill rank {data.get('rank')}: engine={engine!r}, must be a non-empty string"
+                )
             for (d, r), (other, other_engine) in ranks.items():
                 if other != layout:
-                    return web.Response(status=400, text=f"prefill rank {data.get('rank')} publishes KV layout "
-                                                         f"{layout}, rank {r} published {other}")
+                    return web.Response(
+                        status=400,
+                        text=f"prefill rank {data.get('rank')} publishes KV layout "
+                        f"{layout}, rank {r} published {other}",
+                    )
                 if d == dp and other_engine != engine:
-                    return web.Response(status=400, text=f"prefill rank {data.get('rank')} of DP rank {dp} publishes "
-                                                         f"engine {engine!r}, rank {r} published {other_engine!r}")
+                    return web.Response(
+                        status=400,
+                        text=f"prefill rank {data.get('rank')} of DP rank {dp} publishes "
+                        f"engine {engine!r}, rank {r} published {other_engine!r}",
+                    )
             ranks[(dp, data.get("rank"))] = (layout, engine)
             return web.Response(text="OK", status=200)
         if request.method == "GET":

@@ -20,8 +20,8 @@ both sides use the same ``--kv-cache-dtype``.
 from __future__ import annotations
 
 import ctypes
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import torch
 
@@ -49,11 +49,16 @@ class SglangKVLayout:
         return spec
 
     def to_wire(self) -> dict:
-        return {"layers": self.layers, "kv_heads": self.kv_heads, "head_bytes": self.head_bytes,
-                "page_size": self.page_size, "mla": self.mla}
+        return {
+            "layers": self.layers,
+            "kv_heads": self.kv_heads,
+            "head_bytes": self.head_bytes,
+            "page_size": self.page_size,
+            "mla": self.mla,
+        }
 
     @classmethod
-    def from_wire(cls, d: dict) -> "SglangKVLayout":
+    def from_wire(cls, d: dict) -> SglangKVLayout:
         try:
             return cls(int(d["layers"]), int(d["kv_heads"]), int(d["head_bytes"]), int(d["page_size"]), bool(d["mla"]))
         except (KeyError, TypeError, ValueError) as e:
@@ -68,18 +73,26 @@ def _check_args(kv_args, mla: bool) -> tuple[int, int]:
     """(layers, item_len) of ``kv_args``, or ``ConfigError`` naming what kvstage cannot describe."""
     ptrs, lens, items = list(kv_args.kv_data_ptrs), list(kv_args.kv_data_lens), list(kv_args.kv_item_lens)
     if not ptrs or not (len(ptrs) == len(lens) == len(items)):
-        raise ConfigError(f"KVArgs: kv_data_ptrs/lens/item_lens have lengths {len(ptrs)}/{len(lens)}/{len(items)}; "
-                          "kvstage needs one entry per KV buffer, at least one")
+        raise ConfigError(
+            f"KVArgs: kv_data_ptrs/lens/item_lens have lengths {len(ptrs)}/{len(lens)}/{len(items)}; "
+            "kvstage needs one entry per KV buffer, at least one"
+        )
     if getattr(kv_args, "num_draft_entries", 0):
-        raise ConfigError(f"KVArgs.num_draft_entries={kv_args.num_draft_entries}: kvstage does not move a speculative "
-                          "draft model's KV (disable speculative decoding on disaggregated engines)")
+        raise ConfigError(
+            f"KVArgs.num_draft_entries={kv_args.num_draft_entries}: kvstage does not move a speculative "
+            "draft model's KV (disable speculative decoding on disaggregated engines)"
+        )
     per = _buffers_per_layer(mla)
     if len(ptrs) % per:
-        raise ConfigError(f"KVArgs: {len(ptrs)} KV buffers is not K and V per layer; kvstage needs 2 buffers per "
-                          "layer (all K layers, then all V layers) for MHA/GQA pools")
+        raise ConfigError(
+            f"KVArgs: {len(ptrs)} KV buffers is not K and V per layer; kvstage needs 2 buffers per "
+            "layer (all K layers, then all V layers) for MHA/GQA pools"
+        )
     if len(set(items)) != 1:
-        raise ConfigError(f"KVArgs.kv_item_lens={sorted(set(items))}: kvstage needs every KV buffer to have the same "
-                          "page size in bytes (K and V of equal head_dim, one pool kind)")
+        raise ConfigError(
+            f"KVArgs.kv_item_lens={sorted(set(items))}: kvstage needs every KV buffer to have the same "
+            "page size in bytes (K and V of equal head_dim, one pool kind)"
+        )
     if any(n % items[0] for n in lens):
         raise ConfigError(f"KVArgs.kv_data_lens={lens}: not whole pages of {items[0]} bytes")
     return len(ptrs) // per, items[0]
@@ -92,11 +105,15 @@ def prefill_layout(kv_args, mla: bool) -> SglangKVLayout:
     local = 1 if mla else int(getattr(kv_args, "kv_head_num", 0) or 0)
     total = 1 if mla else int(getattr(kv_args, "total_kv_head_num", 0) or 0)
     if local < 1 or total < 1:
-        raise ConfigError(f"KVArgs.kv_head_num={local}, total_kv_head_num={total}: the prefill scheduler sets both "
-                          "for MHA/GQA pools; kvstage needs them to plan head slices")
+        raise ConfigError(
+            f"KVArgs.kv_head_num={local}, total_kv_head_num={total}: the prefill scheduler sets both "
+            "for MHA/GQA pools; kvstage needs them to plan head slices"
+        )
     if item % (page * local):
-        raise ConfigError(f"KVArgs.kv_item_lens[0]={item} is not page_size*kv_head_num*head_bytes "
-                          f"(page_size={page}, kv_head_num={local})")
+        raise ConfigError(
+            f"KVArgs.kv_item_lens[0]={item} is not page_size*kv_head_num*head_bytes "
+            f"(page_size={page}, kv_head_num={local})"
+        )
     return SglangKVLayout(layers, total, item // (page * local), page, mla)
 
 
@@ -115,9 +132,9 @@ def decode_spec(kv_args, mla: bool, prefill: SglangKVLayout, tp: int) -> SideSpe
     want = page * spec.local_heads() * prefill.head_bytes
     if item != want:
         raise ConfigError(
-            f"KVArgs.kv_item_lens[0]={item} on this decode rank; the prefill's layout ({prefill.kv_heads} KV heads of "
-            f"{prefill.head_bytes} bytes) at decode TP {tp} means {spec.local_heads()} heads per rank, {want} bytes per "
-            "page: prefill and decode must serve the same model with the same KV dtype"
+            f"KVArgs.kv_item_lens[0]={item} on this decode rank; the prefill's layout ({prefill.kv_heads} KV heads "
+            f"of {prefill.head_bytes} bytes) at decode TP {tp} means {spec.local_heads()} heads per rank, {want} "
+            "bytes per page: prefill and decode must serve the same model with the same KV dtype"
         )
     return spec
 
@@ -129,6 +146,7 @@ def raw_bytes(ptr: int, nbytes: int, device: torch.device) -> torch.Tensor:
     if device.type == "cpu":
         return torch.frombuffer((ctypes.c_uint8 * nbytes).from_address(ptr), dtype=torch.uint8)
     if device.type == "cuda":
+
         class _Span:  # what torch.as_tensor reads to wrap device memory without copying
             __cuda_array_interface__ = {"shape": (nbytes,), "typestr": "|u1", "data": (ptr, False), "version": 3}
 
@@ -160,9 +178,13 @@ class RowBuffers:
     views: list[torch.Tensor]  # [rows, item_len] uint8 each
 
     @classmethod
-    def of(cls, ptrs: Sequence[int], lens: Sequence[int], items: Sequence[int], device: torch.device) -> "RowBuffers":
-        return cls([raw_bytes(int(p), int(n), device).view(int(n) // int(i), int(i))
-                    for p, n, i in zip(ptrs, lens, items)])
+    def of(cls, ptrs: Sequence[int], lens: Sequence[int], items: Sequence[int], device: torch.device) -> RowBuffers:
+        return cls(
+            [
+                raw_bytes(int(p), int(n), device).view(int(n) // int(i), int(i))
+                for p, n, i in zip(ptrs, lens, items, strict=False)
+            ]
+        )
 
     @property
     def item_lens(self) -> list[int]:
@@ -175,10 +197,14 @@ class RowBuffers:
 
     def write(self, rows: Sequence[int], frames: Sequence[bytes]) -> None:
         if len(frames) != len(self.views):
-            raise ConfigError(f"{len(frames)} buffers received, {len(self.views)} here: both sides must register "
-                              "the same metadata/state buffers")
+            raise ConfigError(
+                f"{len(frames)} buffers received, {len(self.views)} here: both sides must register "
+                "the same metadata/state buffers"
+            )
         idx = torch.as_tensor(list(rows), dtype=torch.long)
-        for v, f in zip(self.views, frames):
+        for v, f in zip(self.views, frames, strict=True):  # the same count: checked above
             if len(f) != len(rows) * v.shape[1]:
                 raise ConfigError(f"{len(f)} bytes received for {len(rows)} rows of {v.shape[1]} bytes")
-            v[idx.to(v.device)] = torch.frombuffer(bytearray(f), dtype=torch.uint8).view(len(rows), v.shape[1]).to(v.device)
+            v[idx.to(v.device)] = (
+                torch.frombuffer(bytearray(f), dtype=torch.uint8).view(len(rows), v.shape[1]).to(v.device)
+            )

@@ -63,7 +63,7 @@ def _into_vllms_log() -> None:
 class KVStageConnector(KVConnectorBase_V1):
     """vLLM's connector interface, split by role into ``Scheduler`` and ``Worker``."""
 
-    def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole, kv_cache_config: "KVCacheConfig | None" = None):
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig | None = None):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         _into_vllms_log()
         extra = extra_config(vllm_config)
@@ -75,54 +75,69 @@ class KVStageConnector(KVConnectorBase_V1):
         else:
             self._s, self._w = None, Worker(vllm_config, extra)
 
+    # Each process serves one role: the other's handle is None, and vLLM calls only this role's methods.
+    @property
+    def _sched(self) -> Scheduler:
+        assert self._s is not None, "a scheduler-side call on a worker-role connector"
+        return self._s
+
+    @property
+    def _work(self) -> Worker:
+        assert self._w is not None, "a worker-side call on a scheduler-role connector"
+        return self._w
+
     @classmethod
-    def get_required_kvcache_layout(cls, vllm_config: "VllmConfig") -> str | None:
+    def get_required_kvcache_layout(cls, vllm_config: VllmConfig) -> str | None:
         return extra_config(vllm_config).get("kv_cache_layout")
 
     # scheduler side
-    def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int | None, bool]:
-        return self._s.get_num_new_matched_tokens(request, num_computed_tokens)
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        return self._sched.get_num_new_matched_tokens(request, num_computed_tokens)
 
-    def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int) -> None:
-        self._s.update_state_after_alloc(request, blocks, num_external_tokens)
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
+        self._sched.update_state_after_alloc(request, blocks, num_external_tokens)
 
-    def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
-        return self._s.build_connector_meta(scheduler_output)
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        return self._sched.build_connector_meta(scheduler_output)
 
-    def update_connector_output(self, connector_output: "KVConnectorOutput") -> None:
-        self._s.update_connector_output(connector_output)
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        self._sched.update_connector_output(connector_output)
 
-    def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
-        return self._s.request_finished(request, block_ids)
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        return self._sched.request_finished(request, block_ids)
 
     def set_xfer_handshake_metadata(self, metadata: dict[int, KVConnectorHandshakeMetadata]) -> None:
-        self._s.set_ranks(metadata)
+        self._sched.set_ranks(metadata)
 
     # worker side
-    def register_kv_caches(self, kv_caches: dict[str, "torch.Tensor"]) -> None:
-        self._w.register(kv_caches)
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        self._work.register(kv_caches)
 
     def get_handshake_metadata(self) -> KVConnectorHandshakeMetadata | None:
         return self._w.handshake() if self._w is not None else None
 
-    def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         meta = self._connector_metadata
         if isinstance(meta, KVStageMeta):
-            self._w.start_load(meta)
+            self._work.start_load(meta)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return  # loads finish before the request is scheduled
 
-    def save_kv_layer(self, layer_name: str, kv_layer: "torch.Tensor", attn_metadata: "AttentionMetadata", **kwargs: Any) -> None:
-        return  # the prefill's blocks are sent whole once the prompt is computed
+    def save_kv_layer(
+        self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: AttentionMetadata, **kwargs: Any
+    ) -> None:
+        meta = self._connector_metadata
+        if isinstance(meta, KVStageMeta) and self._w is not None:
+            self._w.layer_saved(meta, layer_name)
 
     def wait_for_save(self) -> None:
         meta = self._connector_metadata
         if isinstance(meta, KVStageMeta):
-            self._w.after_forward(meta)
+            self._work.after_forward(meta)
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
-        return self._w.results(finished_req_ids)
+        return self._work.results(finished_req_ids)
 
     def shutdown(self) -> None:
         if self._w is not None:
@@ -130,7 +145,7 @@ class KVStageConnector(KVConnectorBase_V1):
 
     # stats: each step's loads (worker) and recomputes (scheduler), through vLLM's connector stats (stats.py)
     def get_kv_connector_stats(self) -> KVStageStats | None:
-        return (self._w if self._w is not None else self._s).stats.take()
+        return (self._w if self._w is not None else self._sched).stats.take()
 
     @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVStageStats:

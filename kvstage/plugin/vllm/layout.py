@@ -37,8 +37,8 @@ field on ``KVGeometry`` would remove both tricks.
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Mapping, Sequence
 
 import numpy as np
 import torch
@@ -73,7 +73,9 @@ def physical_order(t: torch.Tensor, hint: str | None = None) -> str:
     name the same order. Raises ``ConfigError`` when the layer is not one dense
     buffer (block-outer layouts interleave layers; padded blocks leave holes)."""
     if t.dim() != 4:
-        raise ConfigError(f"KV cache layer tensor has shape {tuple(t.shape)}; expected [blocks, heads, block_size, content]")
+        raise ConfigError(
+            f"KV cache layer tensor has shape {tuple(t.shape)}; expected [blocks, heads, block_size, content]"
+        )
     fits = [name for name, perm in ORDERS.items() if t.permute(*perm).is_contiguous()]
     if len(fits) > 1 and hint is not None:
         want = VLLM_LAYOUTS.get(hint.upper(), hint.lower())
@@ -154,11 +156,17 @@ class VllmKVLayout:
 
     # -- what a peer needs to know to check it can pair with this side ------
     def to_wire(self) -> dict:
-        return {"layers": self.layers, "kv_heads": self.kv_heads, "content": self.content,
-                "page_size": self.page_size, "order": self.order, "dtype": self.dtype,
-                "block_size": self.block_size}
+        return {
+            "layers": self.layers,
+            "kv_heads": self.kv_heads,
+            "content": self.content,
+            "page_size": self.page_size,
+            "order": self.order,
+            "dtype": self.dtype,
+            "block_size": self.block_size,
+        }
 
-    def check_peer(self, peer: Mapping) -> None:
+    def check_peer(self, peer: object) -> None:
         """Raise ``ConfigError`` naming the first field a peer engine's layout differs in.
 
         Whole-page moves need the same page size and order on both sides (the
@@ -174,8 +182,9 @@ class VllmKVLayout:
                 )
 
 
-def describe(kv_caches: Mapping[str, torch.Tensor], kv_heads: int, block_size: int,
-             layout_hint: str | None = None) -> VllmKVLayout:
+def describe(
+    kv_caches: Mapping[str, torch.Tensor], kv_heads: int, block_size: int, layout_hint: str | None = None
+) -> VllmKVLayout:
     """Describe the tensors vLLM registered. ``kv_heads`` is the model's total
     KV head count, ``block_size`` the scheduler's block size (tokens),
     ``layout_hint`` vLLM's resolved layout name (``LBHNC``, ``LBNHC``)."""
@@ -195,15 +204,27 @@ def describe(kv_caches: Mapping[str, torch.Tensor], kv_heads: int, block_size: i
     blocks, heads, page_size, content = first.shape
     for name in names[1:]:
         t = kv_caches[name]
-        if t.shape != first.shape or t.dtype != first.dtype or t.device != first.device or physical_order(t, order) != order:
+        if (
+            t.shape != first.shape
+            or t.dtype != first.dtype
+            or t.device != first.device
+            or physical_order(t, order) != order
+        ):
             raise ConfigError(
                 f"layer {name}: {tuple(t.shape)} {t.dtype} on {t.device}; layer {names[0]}: "
-                f"{tuple(first.shape)} {first.dtype} on {first.device}. kvstage needs one shape, dtype and layout for all layers "
+                f"{tuple(first.shape)} {first.dtype} on {first.device}. "
+                "kvstage needs one shape, dtype and layout for all layers "
                 "(hybrid models with several KV cache groups are not supported)"
             )
     if block_size % page_size:
         raise ConfigError(f"block_size={block_size} is not a multiple of the KV tensors' block size {page_size}")
     return VllmKVLayout(
-        names=tuple(names), kv_heads=kv_heads, local_heads=heads, content=content, page_size=page_size,
-        order=order, dtype=dtype_name(first.dtype), pages_per_block=block_size // page_size,
+        names=tuple(names),
+        kv_heads=kv_heads,
+        local_heads=heads,
+        content=content,
+        page_size=page_size,
+        order=order,
+        dtype=dtype_name(first.dtype),
+        pages_per_block=block_size // page_size,
     )

@@ -20,7 +20,8 @@ if TYPE_CHECKING:
     from vllm.config import VllmConfig
 
 #: the kvstage part of a request's ``kv_transfer_params``; a decode refuses another version's
-PARAMS_VERSION = 2
+#: (3: ``remote_secrets``, one per prefill rank, that its connect port asks for)
+PARAMS_VERSION = 3
 
 #: ``kv_connector_extra_config`` keys and their defaults (docs/vllm.md lists them)
 DEFAULTS = {
@@ -28,6 +29,10 @@ DEFAULTS = {
     "lease_s": 120.0,  # a prefilled request's blocks wait this long for a decode to read them
     "pull_timeout_s": 15.0,  # a decode rank waits this long for a prefill rank to connect to it
     "kv_cache_layout": None,  # ask vLLM for "NHD" or "HND"; None keeps the engine's choice
+    # true: a prefill sends each prompt's KV layer group by layer group during its last forward (save_kv_layer).
+    # Off by default: vLLM's decode learns of a request from its prefill's answer, after the forward, so nothing
+    # overlaps and the groups only add steps (docs/benchmarks.md, vLLM streaming)
+    "stream_layers": False,
 }
 #: the layouts ``kv_cache_layout`` may ask for: vLLM's own names of them
 KV_CACHE_LAYOUTS = ("NHD", "HND")
@@ -37,19 +42,25 @@ SETTINGS_KEYS = tuple(f.name for f in dataclasses.fields(Settings))
 READY_TIMEOUT_S = 30.0
 
 
-def extra_config(vllm_config: "VllmConfig") -> dict:
+def extra_config(vllm_config: VllmConfig) -> dict:
     """``kv_connector_extra_config`` with the defaults filled in; an unknown key or a bad layout is
     refused by name."""
     cfg = vllm_config.kv_transfer_config
     extra = dict(getattr(cfg, "kv_connector_extra_config", None) or {})
     unknown = set(extra) - set(DEFAULTS) - set(SETTINGS_KEYS)
     if unknown:
-        raise ConfigError(f"kv_connector_extra_config: unknown keys {sorted(unknown)}; known: "
-                          f"{sorted(set(DEFAULTS) | set(SETTINGS_KEYS))}")
+        raise ConfigError(
+            f"kv_connector_extra_config: unknown keys {sorted(unknown)}; known: "
+            f"{sorted(set(DEFAULTS) | set(SETTINGS_KEYS))}"
+        )
+    if not isinstance(extra.get("stream_layers", False), bool):
+        raise ConfigError(f"kv_connector_extra_config: stream_layers={extra['stream_layers']!r}: must be true or false")
     layout = extra.get("kv_cache_layout")
     if layout is not None and layout not in KV_CACHE_LAYOUTS:
-        raise ConfigError(f"kv_connector_extra_config: kv_cache_layout={layout!r}: must be one of "
-                          f"{', '.join(KV_CACHE_LAYOUTS)}, or unset to keep the engine's choice")
+        raise ConfigError(
+            f"kv_connector_extra_config: kv_cache_layout={layout!r}: must be one of "
+            f"{', '.join(KV_CACHE_LAYOUTS)}, or unset to keep the engine's choice"
+        )
     return {**DEFAULTS, **extra}
 
 
@@ -70,18 +81,39 @@ def prefill_settings(extra: dict) -> Settings:
     return Settings(**kw)
 
 
-def model_identity(vllm_config: "VllmConfig") -> str:
+def model_identity(vllm_config: VllmConfig) -> str:
     """What kvstage's handshake compares between two engines: the model's name or path and a hash
     of what shapes its KV (as vLLM's own NixlConnector's compatibility hash). Another model of the
     same shapes would take the KV and decode wrong tokens; a mismatch is refused by name."""
     from vllm import __version__ as vllm_version
 
     mc, cc = vllm_config.model_config, vllm_config.cache_config
-    factors = {"vllm": vllm_version, "model": mc.model, "dtype": str(mc.dtype), "kv_heads": mc.get_total_num_kv_heads(),
-               "head_size": mc.get_head_size(), "layers": mc.get_total_num_hidden_layers(),
-               "cache_dtype": str(cc.cache_dtype)}
+    factors = {
+        "vllm": vllm_version,
+        "model": mc.model,
+        "dtype": str(mc.dtype),
+        "kv_heads": mc.get_total_num_kv_heads(),
+        "head_size": mc.get_head_size(),
+        "layers": mc.get_total_num_hidden_layers(),
+        "cache_dtype": str(cc.cache_dtype),
+    }
     digest = hashlib.sha256(json.dumps(factors, sort_keys=True).encode()).hexdigest()[:16]
-    return f"{str(mc.model)[-400:]}#{digest}"
+    return f"{str(mc.model)[-400:]}#{digest}" + weights_part(str(mc.model), getattr(mc, "revision", None))
+
+
+def weights_part(model: str, revision=None) -> str:
+    from kvstage.plugin.fingerprint import identity_part
+
+    return identity_part(model, revision, "kvstage.vllm")
+
+
+def pull_secret(rank_secret: str, req_id: str) -> str:
+    """What a decode must present at a prefill rank's connect port to have it connect for request ``req_id``
+    (carried in that request's ``kv_transfer_params``): an HMAC of the id under the rank's own secret, which
+    never leaves the prefill engine."""
+    import hmac
+
+    return hmac.new(rank_secret.encode(), b"kvstage-pull:" + req_id.encode(), hashlib.sha256).hexdigest()
 
 
 def is_remote_prefill(params: dict | None) -> bool:
@@ -108,7 +140,9 @@ class KVStageMeta(KVConnectorMetadata):
     recv: list[Recv] = field(default_factory=list)
     cancel: list[str] = field(default_factory=list)  # decode requests finished while loading
     release: list[dict] = field(default_factory=list)  # prefills the decode will not read
-    produce: dict = field(default_factory=dict)  # prefill req -> (block ids, prompt computed after this step, prompt tokens)
+    produce: dict = field(
+        default_factory=dict
+    )  # prefill req -> (block ids, prompt computed after this step, prompt tokens)
     preempted: list[str] = field(default_factory=list)
     drop: list[str] = field(default_factory=list)  # prefill requests finished without a hand-off
     delay_freed: list[str] = field(default_factory=list)  # prefill requests whose blocks wait for a decode
@@ -119,3 +153,4 @@ class KVStageHandshake(KVConnectorHandshakeMetadata):
     rank: int
     connect: tuple | None  # a producer rank's port where a decode rank asks it to connect
     layout: dict
+    secret: str = ""  # the producer rank's own secret: its scheduler derives each request's ``pull_secret`` from it

@@ -10,8 +10,14 @@ reads them. Once connected, nothing crosses this port for a request.
 
 Messages are kvstage's framed JSON (``kvstage.protocol.wire``):
 
-- ``{"type": "connect", "token", "address": [host, port], "engine", "rank"}`` -> ``{"type": "ok"}``
-  once the prefill rank is connected to that address, or ``{"type": "error", "reason"}``.
+- ``{"type": "connect", "token", "req", "address": "kvstage://SECRET@HOST:PORT", "engine", "rank"}`` ->
+  ``{"type": "ok"}`` once the prefill rank is connected to that address (the decode rank's
+  ``Destination.address``, whose secret it presents there), or ``{"type": "error", "reason"}``.
+
+Who may ask: the holder of request ``req``'s ``kv_transfer_params``, which carry this rank's
+``pull_secret`` of it (an HMAC of the id under the rank's own secret), or a peer presenting the
+deployment's auth token where one is set; with neither set, anyone only where
+``allow_unauthenticated`` says so by name. Anyone else is told only that authentication failed.
 """
 
 from __future__ import annotations
@@ -20,9 +26,10 @@ import hmac
 import logging
 import socket
 import threading
-from typing import Callable
+from collections.abc import Callable
 
 from kvstage.errors import KVStageError, ProtocolError
+from kvstage.protocol.handshake import AUTH_FAILED
 from kvstage.protocol.wire import Connection
 
 log = logging.getLogger("kvstage.vllm")
@@ -35,8 +42,19 @@ class PullError(KVStageError):
 class PullServer:
     """Answers connect requests with ``handler(msg) -> reply``; one thread per connection."""
 
-    def __init__(self, host: str, handler: Callable[[dict], dict], token: str = "", port: int = 0):
-        self._handler, self._token = handler, token
+    def __init__(
+        self,
+        host: str,
+        handler: Callable[[dict], dict],
+        token: str = "",
+        port: int = 0,
+        secret_of: Callable[[str], str] | None = None,
+        open_to_all: bool = False,
+    ):
+        """``token``: the deployment's, accepted from anyone presenting it (""; none); ``secret_of(req)``: what
+        the holder of request ``req``'s transfer params presents; ``open_to_all``: no check at all (the
+        operator's ``allow_unauthenticated``, with no token)."""
+        self._handler, self._token, self._secret_of, self._open = handler, token, secret_of, open_to_all
         self._sock = socket.create_server((host, port))
         self.address: tuple[str, int] = self._sock.getsockname()[:2]
         self._closing = False
@@ -56,8 +74,8 @@ class PullServer:
             conn.sock.settimeout(30.0)
             while True:
                 msg = conn.recv()
-                if not hmac.compare_digest(str(msg.get("token", "")).encode(), self._token.encode()):
-                    reply = {"type": "error", "reason": "auth token does not match KVSTAGE_AUTH_TOKEN on the prefill"}
+                if not self._admits(msg):
+                    reply = {"type": "error", "reason": AUTH_FAILED}
                 else:
                     try:
                         reply = self._handler(msg)
@@ -71,6 +89,15 @@ class PullServer:
             pass
         finally:
             conn.close()
+
+    def _admits(self, msg: dict) -> bool:
+        given = str(msg.get("token", "")).encode()
+        if self._token and hmac.compare_digest(given, self._token.encode()):
+            return True
+        req = msg.get("req")
+        if self._secret_of is not None and isinstance(req, str) and 0 < len(req) <= 512:
+            return hmac.compare_digest(given, self._secret_of(req).encode())
+        return self._open and not self._token
 
     def close(self) -> None:
         self._closing = True
@@ -94,7 +121,9 @@ def pull(address, msg: dict, token: str = "", timeout: float = 10.0) -> dict:
         conn.send(dict(msg, token=token))
         reply = conn.recv()
     except (OSError, ConnectionError, ProtocolError) as e:
-        raise PullError(f"{where}: no answer to {msg.get('type')} within {timeout:g} s ({e or type(e).__name__})") from e
+        raise PullError(
+            f"{where}: no answer to {msg.get('type')} within {timeout:g} s ({e or type(e).__name__})"
+        ) from e
     finally:
         conn.close()
     if reply.get("type") != "ok":

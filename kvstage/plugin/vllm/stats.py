@@ -38,7 +38,7 @@ class KVStageStats(KVConnectorStats):
             self.data.setdefault(key, [])
 
     def reset(self) -> None:
-        self.data = {key: [] for key in _KEYS}
+        self.data: dict[str, list[Any]] = {key: [] for key in _KEYS}
 
     def record_load(self, ok: bool, seconds: float, nbytes: int, cause: str | None = None) -> None:
         """A worker's load finished: done (its seconds and bytes), or failed (its cause class)."""
@@ -52,7 +52,7 @@ class KVStageStats(KVConnectorStats):
         """The scheduler: a request whose load failed is recomputed (``kv_load_failure_policy=recompute``)."""
         self.data["recomputes"].append(1)
 
-    def take(self) -> "KVStageStats | None":
+    def take(self) -> KVStageStats | None:
         """This interval's figures (None when there were none), and a fresh interval."""
         if self.is_empty():
             return None
@@ -69,22 +69,24 @@ class KVStageStats(KVConnectorStats):
                 self.data.setdefault(key, []).extend(other.data.get(key, ()))
         return self
 
-    def reduce(self) -> dict[str, int | float]:
+    def reduce(self) -> dict[str, int | float | str]:
         seconds = np.asarray(self.data["load_seconds"], dtype=np.float64)
         mb = float(np.sum(self.data["load_bytes"])) / 2**20 if self.data["load_bytes"] else 0.0
-        out: dict[str, int | float] = {
+        out: dict[str, int | float | str] = {
             "Loads done": len(seconds),
             "Loads failed": len(self.data["failed_loads"]),
             "Recomputes": len(self.data["recomputes"]),
             "MB loaded": round(mb, 3),
         }
         if len(seconds):
-            out.update({
-                "Avg load time (ms)": round(float(seconds.mean()) * 1e3, 3),
-                "P50 load time (ms)": round(float(np.percentile(seconds, 50)) * 1e3, 3),
-                "P90 load time (ms)": round(float(np.percentile(seconds, 90)) * 1e3, 3),
-                "Throughput (MB/s)": round(mb / float(seconds.sum()), 3) if seconds.sum() > 0 else 0.0,
-            })
+            out.update(
+                {
+                    "Avg load time (ms)": round(float(seconds.mean()) * 1e3, 3),
+                    "P50 load time (ms)": round(float(np.percentile(seconds, 50)) * 1e3, 3),
+                    "P90 load time (ms)": round(float(np.percentile(seconds, 90)) * 1e3, 3),
+                    "Throughput (MB/s)": round(mb / float(seconds.sum()), 3) if seconds.sum() > 0 else 0.0,
+                }
+            )
         failed = self.data["failed_loads"]
         if failed:
             causes = sorted(set(failed))
@@ -95,34 +97,61 @@ class KVStageStats(KVConnectorStats):
 class KVStagePromMetrics(KVConnectorPromMetrics):
     """``vllm:kvstage_*``: registered by vLLM's Prometheus logger in the process that serves ``/metrics``."""
 
-    def __init__(self, vllm_config, metric_types, labelnames: list[str], per_engine_labelvalues: dict[int, list[object]]):
+    def __init__(
+        self, vllm_config, metric_types, labelnames: list[str], per_engine_labelvalues: dict[int, list[object]]
+    ):
         super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
         def per_engine(metric):
             return create_metric_per_engine(metric, self.per_engine_labelvalues)
 
-        self.load_time = per_engine(self._histogram_cls(
-            name="vllm:kvstage_load_time_seconds", documentation="Seconds of each rank's KV load through kvstage.",
-            buckets=LOAD_BUCKETS, labelnames=labelnames))
-        self.loads_done = per_engine(self._counter_cls(
-            name="vllm:kvstage_loads_done", documentation="KV loads through kvstage that completed (one per rank).",
-            labelnames=labelnames))
-        self.loads_failed = per_engine(self._counter_cls(
-            name="vllm:kvstage_loads_failed", documentation="KV loads through kvstage that failed (one per rank).",
-            labelnames=labelnames))
-        self.loaded_bytes = per_engine(self._counter_cls(
-            name="vllm:kvstage_loaded_bytes", documentation="KV bytes received through kvstage.",
-            labelnames=labelnames))
-        self.recomputes = per_engine(self._counter_cls(
-            name="vllm:kvstage_recomputes", documentation="Requests recomputed after their KV load through kvstage "
-            "failed (kv_load_failure_policy=recompute).", labelnames=labelnames))
+        self.load_time = per_engine(
+            self._histogram_cls(
+                name="vllm:kvstage_load_time_seconds",
+                documentation="Seconds of each rank's KV load through kvstage.",
+                buckets=LOAD_BUCKETS,
+                labelnames=labelnames,
+            )
+        )
+        self.loads_done = per_engine(
+            self._counter_cls(
+                name="vllm:kvstage_loads_done",
+                documentation="KV loads through kvstage that completed (one per rank).",
+                labelnames=labelnames,
+            )
+        )
+        self.loads_failed = per_engine(
+            self._counter_cls(
+                name="vllm:kvstage_loads_failed",
+                documentation="KV loads through kvstage that failed (one per rank).",
+                labelnames=labelnames,
+            )
+        )
+        self.loaded_bytes = per_engine(
+            self._counter_cls(
+                name="vllm:kvstage_loaded_bytes",
+                documentation="KV bytes received through kvstage.",
+                labelnames=labelnames,
+            )
+        )
+        self.recomputes = per_engine(
+            self._counter_cls(
+                name="vllm:kvstage_recomputes",
+                documentation="Requests recomputed after their KV load through kvstage "
+                "failed (kv_load_failure_policy=recompute).",
+                labelnames=labelnames,
+            )
+        )
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0):
         data = transfer_stats_data
         for s in data.get("load_seconds", ()):
             self.load_time[engine_idx].observe(s)
-        for metric, key in ((self.loads_done, "load_seconds"), (self.loads_failed, "failed_loads"),
-                            (self.recomputes, "recomputes")):
+        for metric, key in (
+            (self.loads_done, "load_seconds"),
+            (self.loads_failed, "failed_loads"),
+            (self.recomputes, "recomputes"),
+        ):
             if data.get(key):
                 metric[engine_idx].inc(len(data[key]))
         total = sum(data.get("load_bytes", ()))
