@@ -468,9 +468,38 @@ def markdown(result: dict, title: str | None = None, command: str | None = None)
     return "\n".join(lines) + "\n"
 
 
+def _measured_columns(r: dict) -> dict:
+    """The CSV columns every result row has of its own measurement: latency, descriptors, what it took,
+    and its stages' seconds."""
+    st = r.get("stages") or {}
+    return {
+        "latency_p50_ms": r["latency_p50_s"] * 1e3,
+        "latency_p99_ms": r["latency_p99_s"] * 1e3,
+        "descriptors_per_request": r["descriptors"],
+        "path": "+".join(r.get("path") or []),
+        "arena": "+".join(r.get("arena") or []),
+        "copier": "+".join(r.get("copier") or []),
+        **{f"{k}_s": st.get(k) for k in ("gather", "read", "scatter", "gather_gpu", "read_gpu", "scatter_gpu")},
+    }
+
+
+def _config_columns(cfg: dict) -> dict:
+    """The CSV columns of the run's configuration, the same on every row."""
+    g = cfg["geometry"]
+    return {
+        **{k: g[k] for k in ("layers", "kv_heads", "head_dim", "dtype", "mla")},
+        "device": cfg["device"],
+        "src_page_size": cfg["src_page"]["page_size"],
+        "src_layout": cfg["src_page"]["order"],
+        "dst_page_size": cfg["dst_page"]["page_size"],
+        "dst_layout": cfg["dst_page"]["order"],
+        "iters": cfg["iters"],
+        "warmup": cfg["warmup"],
+    }
+
+
 def csv_rows(result: dict) -> list[dict]:
     cfg = result["config"]
-    g = cfg["geometry"]
     if is_multi(result):
         return _engine_csv_rows(result)
     out = []
@@ -497,33 +526,11 @@ def csv_rows(result: dict) -> list[dict]:
                         "verified",
                     )
                 },
-                "latency_p50_ms": r["latency_p50_s"] * 1e3,
-                "latency_p99_ms": r["latency_p99_s"] * 1e3,
-                "descriptors_per_request": r["descriptors"],
-                "path": "+".join(r.get("path") or []),
-                "arena": "+".join(r.get("arena") or []),
-                "copier": "+".join(r.get("copier") or []),
+                **_measured_columns(r),
                 "bulk_degraded": r.get("bulk_degraded"),
-                "gather_s": st.get("gather"),
-                "read_s": st.get("read"),
                 "slot_wait_s": st.get("slot_wait"),
-                "scatter_s": st.get("scatter"),
-                "gather_gpu_s": st.get("gather_gpu"),
-                "read_gpu_s": st.get("read_gpu"),
-                "scatter_gpu_s": st.get("scatter_gpu"),
                 "stage_overlap": st.get("overlap"),
-                "layers": g["layers"],
-                "kv_heads": g["kv_heads"],
-                "head_dim": g["head_dim"],
-                "dtype": g["dtype"],
-                "mla": g["mla"],
-                "device": cfg["device"],
-                "src_page_size": cfg["src_page"]["page_size"],
-                "src_layout": cfg["src_page"]["order"],
-                "dst_page_size": cfg["dst_page"]["page_size"],
-                "dst_layout": cfg["dst_page"]["order"],
-                "iters": cfg["iters"],
-                "warmup": cfg["warmup"],
+                **_config_columns(cfg),
                 "prefill_ms": cfg.get("prefill_ms"),
                 "layer_groups": " ".join(f"{a}-{b}" for a, b in r["layer_groups"]) if r.get("layer_groups") else None,
             }
@@ -533,10 +540,8 @@ def csv_rows(result: dict) -> list[dict]:
 
 def _engine_csv_rows(result: dict) -> list[dict]:
     cfg = result["config"]
-    g = cfg["geometry"]
     out = []
     for r in result["results"]:
-        st = r.get("stages") or {}
         out.append(
             {
                 **{
@@ -566,30 +571,8 @@ def _engine_csv_rows(result: dict) -> list[dict]:
                         "dst_peer_engines",
                     )
                 },
-                "latency_p50_ms": r["latency_p50_s"] * 1e3,
-                "latency_p99_ms": r["latency_p99_s"] * 1e3,
-                "descriptors_per_request": r["descriptors"],
-                "path": "+".join(r.get("path") or []),
-                "arena": "+".join(r.get("arena") or []),
-                "copier": "+".join(r.get("copier") or []),
-                "gather_s": st.get("gather"),
-                "read_s": st.get("read"),
-                "scatter_s": st.get("scatter"),
-                "gather_gpu_s": st.get("gather_gpu"),
-                "read_gpu_s": st.get("read_gpu"),
-                "scatter_gpu_s": st.get("scatter_gpu"),
-                "layers": g["layers"],
-                "kv_heads": g["kv_heads"],
-                "head_dim": g["head_dim"],
-                "dtype": g["dtype"],
-                "mla": g["mla"],
-                "device": cfg["device"],
-                "src_page_size": cfg["src_page"]["page_size"],
-                "src_layout": cfg["src_page"]["order"],
-                "dst_page_size": cfg["dst_page"]["page_size"],
-                "dst_layout": cfg["dst_page"]["order"],
-                "iters": cfg["iters"],
-                "warmup": cfg["warmup"],
+                **_measured_columns(r),
+                **_config_columns(cfg),
             }
         )
     return out

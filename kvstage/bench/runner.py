@@ -525,6 +525,22 @@ def percentile(values, q: float) -> float:
     return s[int(k) - 1]
 
 
+def _timing(payload: int, n: int, walls: list, lat: list) -> dict:
+    """A result row's bytes and times: the median step's wall time over ``walls`` (``n`` requests of
+    ``payload`` bytes each), every step's, and the latencies' nearest-rank p50 and p99."""
+    wall = statistics.median(walls)
+    return {
+        "bytes": payload,
+        "total_bytes": payload * n,
+        "seconds": wall,
+        "seconds_all": walls,
+        "gbps": payload * n / wall / 1e9,
+        "latency_p50_s": percentile(lat, 50),
+        "latency_p99_s": percentile(lat, 99),
+        "latency_samples": len(lat),
+    }
+
+
 def _per_request(total: int, n: int):
     """A count over ``n`` requests in flight, per request (an int when it divides evenly)."""
     return total / n if total % n else total // n
@@ -590,7 +606,6 @@ def summarize(group: Group, reports: list) -> list[dict]:
                 if flags:
                     verified = all(flags)
                     errors += [e for d in dsts for e in d["errors"]]
-            wall = statistics.median(walls)
             mid = walls.index(sorted(walls)[len(walls) // 2])
             row = {
                 "mode": mode,
@@ -598,14 +613,7 @@ def summarize(group: Group, reports: list) -> list[dict]:
                 "dst_tp": sc.dst_tp,
                 "tokens": sc.tokens,
                 "concurrency": n,
-                "bytes": payload,
-                "total_bytes": payload * n,
-                "seconds": wall,
-                "seconds_all": walls,
-                "gbps": payload * n / wall / 1e9,
-                "latency_p50_s": percentile(lat, 50),
-                "latency_p99_s": percentile(lat, 99),
-                "latency_samples": len(lat),
+                **_timing(payload, n, walls, lat),
                 "exposed_s": statistics.median(exposed),
                 "exposed_s_all": exposed,
                 "descriptors": _per_request(descs[mid], n),
@@ -699,7 +707,6 @@ def summarize_engines(group: Group, reports: list) -> list[dict]:
                     if flags:
                         verified = all(flags)
                         errors += [e for d in D for e in d["errors"][i]]
-                wall = statistics.median(walls)
                 mid = walls.index(sorted(walls)[len(walls) // 2])
                 payload = sc.payload_bytes(j)
                 row = {
@@ -711,14 +718,7 @@ def summarize_engines(group: Group, reports: list) -> list[dict]:
                     "dst_tp": dst_tps[j],
                     "tokens": sc.tokens,
                     "concurrency": n,
-                    "bytes": payload,
-                    "total_bytes": payload * n,
-                    "seconds": wall,
-                    "seconds_all": walls,
-                    "gbps": payload * n / wall / 1e9,
-                    "latency_p50_s": percentile(lat, 50),
-                    "latency_p99_s": percentile(lat, 99),
-                    "latency_samples": len(lat),
+                    **_timing(payload, n, walls, lat),
                     "slot_wait_s": dst_wait[mid],
                     "src_slot_wait_s": stage_rows[mid]["slot_wait"],
                     "descriptors": _per_request(descs[mid], n),

@@ -94,7 +94,6 @@ class LayerStream:
         self.groups = layer_groups(layers, tokens)
         self.handles: list = []
         self._aborted: str | None = None
-        self.created = time.perf_counter()
 
     def written(self, layers: int) -> None:
         if self._aborted is not None:
@@ -156,10 +155,3 @@ class LayerStream:
         else:
             for h in self.handles:
                 h.abort(reason)
-
-    @property
-    def finished(self) -> float | None:
-        """When the last group finished (``time.perf_counter``), once every group is done."""
-        if not self.sent or not all(h.done() for h in self.handles):
-            return None
-        return max(h.finished for h in self.handles)

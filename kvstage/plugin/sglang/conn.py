@@ -247,7 +247,6 @@ class _Outgoing:
     aux: list | None = None  # snapshot of this rank's metadata row (frames)
     state: dict = field(default_factory=dict)  # component -> frames (snapshot)
     peers: dict = field(default_factory=dict)  # decode rank -> its KVSTAGE_ROOM header
-    started: bool = False
     sent: bool = False  # every chunk sent and the aux rows sent
     failed: str | None = None
     concluded: bool = False
@@ -422,7 +421,7 @@ class KVStageManager(CommonKVManager):
                 out.state = {c: self.states[c].read(rows) for c, rows in _rows_of(self.states, state_indices)}
             except Exception as e:
                 return self._fail_locked(bootstrap_room, out, f"reading the metadata/state rows: {e}")
-            self._maybe_start_locked(bootstrap_room, out)
+            self._maybe_send_locked(bootstrap_room, out)
 
     def _on_decode_message(self, msg: list) -> None:
         tag = msg[0]
@@ -462,7 +461,7 @@ class KVStageManager(CommonKVManager):
                     self.req_to_decode_prefix_len[room] = int(header.get("prefix_len") or 0)
                     if room in self.request_status:
                         self.update_status(room, KVPoll.WaitingForInput)
-                self._maybe_start_locked(room, out)
+                self._maybe_send_locked(room, out)
         if reason is not None:
             self.send_kv_status_message(
                 targets=targets, bootstrap_room=room, status=KVPoll.Failed, failure_reason=reason
@@ -484,9 +483,6 @@ class KVStageManager(CommonKVManager):
             self.record_failure(room, failed)
             self.update_status(room, KVPoll.Failed)
 
-    def _maybe_start_locked(self, room: int, out: _Outgoing) -> None:
-        self._maybe_send_locked(room, out)
-
     def _maybe_send_locked(self, room: int, out: _Outgoing) -> None:
         """Once every decode rank called in: send the chunks queued and not sent yet, on a pool thread (one
         per room at a time); the metadata rows follow the last chunk."""
@@ -495,7 +491,7 @@ class KVStageManager(CommonKVManager):
         tp = int(next(iter(out.peers.values()))["tp"])
         if len(out.peers) < tp or (out.chunks_sent == len(out.pages) and not out.complete):
             return
-        out.sending = out.started = True
+        out.sending = True
         self._pool.submit(self._send_chunks, room, out)
 
     def _send_chunks(self, room: int, out: _Outgoing) -> None:
