@@ -11,7 +11,7 @@ endpoint's loop thread, and each endpoint says so in its log (`kvstage bench
 from setuptools import Extension, setup
 
 setup(ext_modules=[
-    Extension("kvstage.staging._spans", ["kvstage/staging/_spans.c"], extra_compile_args=["-O2"], optional=True),
+    Extension("kvstage.staging._spans", ["kvstage/staging/_spans.c"], extra_compile_args=["-O3"], optional=True),
     Extension("kvstage.protocol._beat", ["kvstage/protocol/_beat.c"], extra_compile_args=["-O2", "-pthread"],
               extra_link_args=["-pthread"], optional=True),
 ])

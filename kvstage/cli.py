@@ -316,7 +316,7 @@ def _check_outputs(a: argparse.Namespace) -> None:
     if a.plot:
         if not a.plot.lower().endswith((".png", ".svg", ".pdf")):
             raise ConfigError(f"plot={a.plot!r}: must end in .png, .svg or .pdf")
-        from kvstage.bench.report import check_plot_available
+        from kvstage.bench.report_plot import check_plot_available
 
         check_plot_available()
     if a.metrics:
@@ -351,7 +351,7 @@ def _check_memory(sweep, roles) -> None:
 
 
 def _emit(result: dict, a: argparse.Namespace, title: str | None) -> None:
-    from kvstage.bench import report
+    from kvstage.bench import report, report_csv, report_plot
 
     for line in report.link_warnings(result):  # on stderr, above the table
         print(line, file=sys.stderr, flush=True)
@@ -364,9 +364,9 @@ def _emit(result: dict, a: argparse.Namespace, title: str | None) -> None:
             with open(a.json, "w") as f:
                 json.dump(result, f, indent=2)
     if a.csv:
-        report.write_csv(result, a.csv)
+        report_csv.write_csv(result, a.csv)
     if a.plot:
-        report.write_plot(result, a.plot, title)
+        report_plot.write_plot(result, a.plot, title)
     if a.markdown:
         with open(a.markdown, "w") as f:
             f.write(report.markdown(result, title, _command_line(a)))
@@ -417,8 +417,8 @@ def _terminate_cleanly() -> None:
 
 
 def cmd_bench(a: argparse.Namespace) -> int:
-    from kvstage.bench import report
     from kvstage.bench.control import parse_hostport
+    from kvstage.bench.progress import Progress
     from kvstage.bench.runner import run_source_host, run_sweep
     from kvstage.errors import ConfigError
 
@@ -462,7 +462,7 @@ def cmd_bench(a: argparse.Namespace) -> int:
                 flush=True,
             )
 
-        progress = report.Progress(a.progress)
+        progress = Progress(a.progress)
         _terminate_cleanly()
         try:
             result = run_sweep(

@@ -40,7 +40,9 @@ PING_INTERVAL_S = 1.0  # every endpoint pings each peer this often; silence past
 #: transports ``Settings.transport`` may name; the one-sided ones read a peer's pages without its offer
 TRANSPORTS = ("nixl", "ucx", "cma")
 ONE_SIDED = ("nixl", "cma")
-MIN_ARENA_BYTES = 4096  # one page: the smallest arena that holds a slot
+MIN_ARENA_BYTES = 4096
+#: ``Settings.checksum``: which requests a source checksums (``protocol.checksums``)
+CHECKSUMS = ("off", "sampled", "all")  # one page: the smallest arena that holds a slot
 
 
 @dataclass
@@ -60,6 +62,10 @@ class Settings:
     #: which way requests go: auto (by the route's rule, per request: ``protocol.route``), or one of ipc,
     #: direct, pages, read, forced (a request that cannot take it fails, naming why)
     path: str = field(default_factory=lambda: _env("KVSTAGE_PATH", "auto", str))
+    #: which requests carry a checksum of every chunk, summed as the source reads the bytes and checked where
+    #: they land (a mismatch fails the request): off, sampled (a fixed share of requests), all. Set on the
+    #: source (the prefill); a destination checks every chunk that carries one
+    checksum: str = field(default_factory=lambda: _env("KVSTAGE_CHECKSUM", "sampled", str))
     #: a request waits this long for its other side: a destination for its sources' ``ready``, a source for a
     #: destination to start reading it
     ready_timeout_s: float = field(default_factory=lambda: _env("KVSTAGE_READY_TIMEOUT_S", 120.0, float))
@@ -101,6 +107,13 @@ class Settings:
             raise ConfigError(
                 f"peer_timeout_s={self.peer_timeout_s!r}: must be >= {2 * PING_INTERVAL_S:g} s "
                 f"(peers ping every {PING_INTERVAL_S:g} s)"
+            )
+        if self.checksum not in CHECKSUMS:
+            raise ConfigError(f"checksum={self.checksum!r}: must be one of {', '.join(CHECKSUMS)}")
+        if self.checksum == "all" and self.path in PAGE_PATHS:
+            raise ConfigError(
+                f"checksum='all' with path={self.path!r}: a checksummed request goes the read path, whose gather "
+                "sums the bytes; set KVSTAGE_PATH=auto or read, or KVSTAGE_CHECKSUM=sampled or off"
             )
         if self.arena not in ARENA_LOCATIONS:
             raise ConfigError(f"arena={self.arena!r}: must be one of {', '.join(ARENA_LOCATIONS)}")

@@ -54,6 +54,7 @@ CAUSES = (
     "read_error",
     "copy_error",
     "mismatch",
+    "corrupt",
     "shutdown",
     "other",
 )
@@ -67,6 +68,7 @@ FAILURE_STAGES = (
     "read",
     "gather",
     "scatter",
+    "checksum",
     "abort",
     "shutdown",
     "other",
@@ -95,14 +97,20 @@ _RULES = (  # (class, pattern), first match wins; the texts are the protocol's a
     ("mismatch", re.compile(r"tokens?,? .*(expects|sends)|they must agree")),
     ("shutdown", re.compile(r"^(source|destination) closed$")),
     ("timeout", _TIMEOUT),
-    ("aborted", re.compile(r"aborted by caller|request was aborted|finished while its kv was loading")),
+    (
+        "aborted",
+        re.compile(r"aborted by caller|request was aborted|aborted the request|finished while its kv was loading"),
+    ),
     ("refused", re.compile(r"no allowed path|taken by engine|past the .* pages|lie outside|is not allowed here")),
+    # a rank that only echoes another rank's failure (SGLang's poll all-reduce): the cause is that rank's, counted there
+    ("other", re.compile(r"(on|from) another (prefill |decode )?rank")),
 )
 _BY_STAGE = {
     "abort": "aborted",
     "read": "read_error",
     "gather": "copy_error",
     "scatter": "copy_error",
+    "checksum": "corrupt",
     "shutdown": "shutdown",
     "start": "mismatch",
     "route": "refused",
@@ -230,6 +238,12 @@ class _Families:
             registry=None,
             multiprocess_mode="livemax",
         )
+        self.checksum_failures = Counter(
+            "kvstage_checksum_failures",
+            "Chunks whose bytes landed with another checksum than the source's (each fails its request).",
+            ep + ("peer",),
+            registry=None,
+        )
         self.recomputes = Counter(
             "kvstage_recomputes",
             "Engine requests whose KV load failed and that the engine recomputes instead.",
@@ -247,6 +261,7 @@ class _Families:
             self.slots_total,
             self.in_flight,
             self.links,
+            self.checksum_failures,
             self.recomputes,
         )
         self.registry = CollectorRegistry(auto_describe=True)
@@ -447,6 +462,10 @@ class EndpointMetrics:
             child = self._counted[key] = self._fam.failures.labels(*self._labels, self._fam.peer_label(peer), *key[1:])
         child.inc()
 
+    def checksum_failure(self, peer: str) -> None:
+        """A chunk from ``peer`` landed with another checksum than its source's: ``checksum_failures_total``."""
+        self._fam.checksum_failures.labels(*self._labels, self._fam.peer_label(peer)).inc()
+
     def slow(self, peer: str, stage: str) -> None:
         """A request waited long at ``stage`` on a peer that is alive: ``slow_requests_total{stage}``."""
         key = (peer, stage_label(stage))
@@ -524,6 +543,9 @@ class _NoMetrics:
         pass
 
     def slow(self, peer, stage) -> None:
+        pass
+
+    def checksum_failure(self, peer) -> None:
         pass
 
     def stage(self, stage, seconds) -> None:

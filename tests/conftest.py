@@ -49,3 +49,15 @@ def host_copy(request, monkeypatch):
 
     monkeypatch.setattr(RankCache, "allocate", classmethod(with_copier))
     return request.param
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _one_bench_launcher():
+    """The bench runs in this process (``runner.run``: test_transfer.py, test_bench_run.py) share one
+    warm launcher for the session instead of starting one each: every rank is still a process
+    forked afresh from it (kvstage/bench/launcher.py), in the test's environment. A ``kvstage bench``
+    a test starts has its own. PYTEST_CURRENT_TEST changes with every test and is read by no rank."""
+    from kvstage.bench.children import keep_launcher
+
+    with keep_launcher(ignore_env=("PYTEST_CURRENT_TEST",)):
+        yield

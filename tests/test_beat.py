@@ -2,7 +2,6 @@
 never inside another frame, and a busy peer that is waited for, not failed."""
 
 import json
-import multiprocessing as mp
 import socket
 import struct
 import threading
@@ -20,7 +19,7 @@ from kvstage.protocol.destination import Destination
 from kvstage.protocol.wire import Connection
 from kvstage.staging.cache import RankCache
 
-CTX = mp.get_context("spawn")
+from support.procs import CTX  # forked from a warm server, as spawned children were
 
 
 def test_the_pinger_is_built():

@@ -215,9 +215,12 @@ def test_concurrent_requests_contend_for_a_small_arena_and_stay_byte_exact(path)
         assert rows["staged"]["stages"]["gather"] == 0
 
 
-def _ranks_of(pid: int) -> list[int]:
-    """Live rank processes started by ``pid`` (they carry --parent PID)."""
-    found = []
+def _processes_of(pid: int) -> tuple[list[int], list[int]]:
+    """Live processes started for the run of ``pid``: its rank processes, and the launcher that forks
+    them. Each carries --parent PID on its command line: a rank started on its own as
+    ``python -m kvstage.bench.worker``, or forked by the launcher (``python -m kvstage.bench.launcher``),
+    whose command line it keeps; the launcher is the one of those whose parent is ``pid``."""
+    ranks, launchers = [], []
     for p in os.listdir("/proc"):
         if not p.isdigit():
             continue
@@ -225,13 +228,21 @@ def _ranks_of(pid: int) -> list[int]:
             with open(f"/proc/{p}/cmdline", "rb") as f:
                 cmd = f.read().split(b"\0")
             with open(f"/proc/{p}/stat") as f:
-                state = f.read().rsplit(")", 1)[1].split()[0]
+                state, ppid = f.read().rsplit(")", 1)[1].split()[:2]
         except OSError:
             continue
-        if b"kvstage.bench.worker" in cmd and b"--parent" in cmd and cmd[cmd.index(b"--parent") + 1] == str(pid).encode() \
-                and state != "Z":
-            found.append(int(p))
-    return found
+        if b"--parent" not in cmd or cmd[cmd.index(b"--parent") + 1] != str(pid).encode() or state == "Z":
+            continue
+        if b"kvstage.bench.worker" in cmd:
+            ranks.append(int(p))
+        elif b"kvstage.bench.launcher" in cmd:
+            (launchers if int(ppid) == pid else ranks).append(int(p))
+    return ranks, launchers
+
+
+def _ranks_of(pid: int) -> list[int]:
+    """Live rank processes started by ``pid`` (they carry --parent PID)."""
+    return _processes_of(pid)[0]
 
 
 def test_ctrl_c_stops_cleanly_with_no_orphans():
@@ -247,7 +258,7 @@ def test_ctrl_c_stops_cleanly_with_no_orphans():
             proc.wait()
     assert proc.returncode == 130, err
     assert "interrupted" in err and "Traceback" not in err
-    assert _ranks_of(proc.pid) == []
+    assert _processes_of(proc.pid) == ([], [])  # no rank, nor the launcher that forked them
     for r in ranks:
         assert not os.path.exists(f"/proc/{r}") or open(f"/proc/{r}/stat").read().rsplit(")", 1)[1].split()[0] == "Z"
 
@@ -281,7 +292,7 @@ def test_a_rank_dying_fails_the_run_and_ends_the_others():
     # the coordinator or a destination rank noticed first; either way the dead rank is named
     assert re.search(r"source rank \d+ (disconnected|exited with code)|with peer source rank \d+", err), err
     assert "Traceback" not in err
-    assert _ranks_of(proc.pid) == []
+    assert _processes_of(proc.pid) == ([], [])
 
 
 def test_bulk_buffers_are_real_memory_before_the_first_step():
@@ -292,7 +303,7 @@ def test_bulk_buffers_are_real_memory_before_the_first_step():
 
     import torch
 
-    from kvstage.bench.worker import _bulk_buffer
+    from kvstage.bench.ranks import _bulk_buffer
     from kvstage.transports.nixl import NixlTransport
 
     def rss() -> int:
@@ -407,10 +418,10 @@ def test_metrics_file_holds_every_ranks_exposition(tmp_path):
 
 def test_a_ranks_recorded_metrics_reach_the_file(tmp_path):
     """The plumbing from a rank's metrics to the coordinator's file: the exposition a rank takes at
-    the end of its run (``worker._exposition``) and the file the coordinator writes from them."""
+    the end of its run (``ranks._exposition``) and the file the coordinator writes from them."""
     from kvstage import metrics
+    from kvstage.bench.ranks import _exposition
     from kvstage.bench.runner import write_metrics
-    from kvstage.bench.worker import _exposition
 
     m = metrics.endpoint_metrics("dst", 0, "bench-plumbing")
     m.request_finished("src/1", True, 0.01, 4096)

@@ -9,10 +9,11 @@ import json
 import numpy as np
 import pytest
 
-from kvstage.bench import runner
-from kvstage.bench.report import CSV_COLUMNS, csv_rows, link_warnings, render_table, write_csv
-from kvstage.bench.runner import links_of, percentile, summarize
+from kvstage.bench import children, runner
+from kvstage.bench.report import link_warnings, render_table
+from kvstage.bench.report_csv import CSV_COLUMNS, csv_rows, write_csv
 from kvstage.bench.scenario import Group, Scenario, Sweep, parse_int_list
+from kvstage.bench.summary import links_of, percentile, summarize
 from kvstage.cli import main
 from kvstage.errors import ConfigError, IncompatibleGeometry
 from kvstage.layout import KVGeometry, PageLayout
@@ -26,7 +27,7 @@ def no_processes(monkeypatch):
     def refuse(*a, **k):
         raise AssertionError("a rank process was started")
 
-    monkeypatch.setattr(runner.Children, "start", refuse)
+    monkeypatch.setattr(children.Children, "start", refuse)
 
 
 @pytest.mark.parametrize("text,want", [
@@ -286,7 +287,7 @@ def test_a_staged_row_whose_requests_took_several_paths_names_them_all():
 
 def test_plot_is_a_png(tmp_path):
     pytest.importorskip("matplotlib", reason="matplotlib is the optional 'plot' extra")
-    from kvstage.bench.report import write_plot
+    from kvstage.bench.report_plot import write_plot
 
     sc, g, reports = _synthetic()
     result = {"config": sc.to_dict(), "results": summarize(g, reports)}
@@ -442,7 +443,7 @@ def test_an_engine_pair_that_cannot_plan_is_named():
 def test_every_pair_has_its_own_pages_and_bytes():
     """Each request a rank holds in a step has pages of its own and bytes from a seed of its own
     (source engine, destination engine, k): a request landing in another's pages shows."""
-    from kvstage.bench.worker import content_seed, request_index, request_pages
+    from kvstage.bench.steps import content_seed, request_index, request_pages
 
     sc = _engines((2, 2), (1, 2), concurrency=3)
     g = Group([sc])
@@ -471,7 +472,7 @@ def test_verification_catches_a_request_from_another_engine():
     import torch
 
     from kvstage.bench.reference import check_shard, fill_shard
-    from kvstage.bench.worker import content_seed, request_index, request_pages
+    from kvstage.bench.steps import content_seed, request_index, request_pages
     from kvstage.staging.cache import RankCache
 
     sc = _engines((2, 4), (1,), concurrency=2)
@@ -542,7 +543,8 @@ def test_engine_summary_has_one_row_per_pair():
 def test_engine_table_markdown_and_csv(tmp_path):
     import csv
 
-    from kvstage.bench.report import ENGINE_CSV_COLUMNS, markdown
+    from kvstage.bench.report import markdown
+    from kvstage.bench.report_csv import ENGINE_CSV_COLUMNS
 
     sc, g, reports = _engine_reports()
     reports[-1][-1]["verified"] = [True, False]
@@ -568,7 +570,7 @@ def test_engine_table_markdown_and_csv(tmp_path):
 
 def test_engine_plot(tmp_path):
     pytest.importorskip("matplotlib", reason="matplotlib is the optional 'plot' extra")
-    from kvstage.bench.report import write_plot
+    from kvstage.bench.report_plot import write_plot
 
     sc, g, reports = _engine_reports()
     write_plot({"config": runner._config(Sweep([g])), "results": summarize(g, reports)}, str(tmp_path / "a.png"))

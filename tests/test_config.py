@@ -11,11 +11,11 @@ from kvstage.errors import ConfigError
 
 DOCS = pathlib.Path(__file__).parent.parent / "docs" / "configuration.md"
 #: every setting there is; a new one must earn its place here (and in the docs table)
-NAMES = ("transport", "auth_token", "arena_mb", "arena", "path", "ready_timeout_s", "stall_timeout_s", "peer_timeout_s",
+NAMES = ("transport", "auth_token", "arena_mb", "arena", "path", "checksum", "ready_timeout_s", "stall_timeout_s", "peer_timeout_s",
          "allow_unauthenticated", "metrics_port")
 
 
-def test_the_settings_are_these_ten():
+def test_the_settings_are_these_eleven():
     """Everything else is a constant or a rule beside its code: the list stays short on purpose."""
     assert tuple(f.name for f in dataclasses.fields(Settings)) == NAMES
 
@@ -115,3 +115,13 @@ def test_every_variable_kvstage_reads_is_in_the_docs_table():
     fields = {f"KVSTAGE_{f.name.upper()}" for f in dataclasses.fields(Settings)}
     text = DOCS.read_text()
     assert not {v for v in read - fields if f"`{v}`" not in text}
+
+
+def test_checksum_is_off_sampled_or_all_and_all_needs_the_read_path():
+    assert Settings(checksum="all").checksum == "all"
+    with pytest.raises(ConfigError, match="checksum='every': must be one of off, sampled, all"):
+        Settings(checksum="every")
+    for path in ("ipc", "direct", "pages"):
+        with pytest.raises(ConfigError, match=f"checksum='all' with path='{path}': a checksummed request goes the read"):
+            Settings(checksum="all", path=path, auth_token="t" * 16)
+        assert Settings(checksum="sampled", path=path, auth_token="t" * 16).checksum == "sampled"

@@ -13,7 +13,6 @@ logged once per address and cause. Bad API input is refused where it is given.
 
 import json
 import logging
-import multiprocessing as mp
 import os
 import re
 import signal
@@ -35,7 +34,7 @@ from kvstage.bench.reference import fill_shard
 from kvstage.config import Settings
 from kvstage.errors import ConfigError, IncompatibleGeometry, TransferFailed
 from kvstage.layout import KVGeometry, PageLayout, pages_needed
-from kvstage.protocol import destination as destination_mod
+from kvstage.protocol import dst_listener
 from kvstage.protocol.destination import Destination
 from kvstage.protocol.gate import MAX_UNAUTHENTICATED, PRE_AUTH_MAX_FRAME
 from kvstage.protocol.address import Address
@@ -47,7 +46,7 @@ from kvstage.staging.cache import RankCache
 from kvstage.tp import SideSpec
 
 TESTS = Path(__file__).resolve().parent
-CTX = mp.get_context("spawn")
+from support.procs import CTX  # forked from a warm server, as spawned children were
 TOKEN = "s3cret"
 
 
@@ -198,7 +197,7 @@ def test_the_accept_loop_survives_running_out_of_descriptors():
         for s in flood:
             s.close()
         flood.clear()
-        time.sleep(destination_mod.ACCEPT_QUIET_S + 2.0)  # the burst is over (the backlog drained, then quiet)
+        time.sleep(dst_listener.ACCEPT_QUIET_S + 2.0)  # the burst is over (the backlog drained, then quiet)
         s = socket.create_connection(dst.address)
         s.sendall(_frame(_hello(token="guess")))
         reply = _reply(s)
@@ -392,7 +391,7 @@ def _probe(address, token: str) -> tuple[socket.socket, dict | None]:
 
 
 def test_probe_leases_need_the_token_are_limited_and_expire(monkeypatch):
-    monkeypatch.setattr(destination_mod, "PROBE_LEASE_S", 1.0)
+    monkeypatch.setattr(dst_listener, "PROBE_LEASE_S", 1.0)
     tokenless = _dst(auth_token="")  # the default: a secret of its own, which a stranger does not hold
     try:
         s, reply = _probe(tokenless.address, "")

@@ -341,3 +341,51 @@ def test_calls_the_kernel_cannot_run_go_the_torch_way_with_the_same_bytes(gpu, w
     prepare_scatter(dev, TokenIndex(dev, ids, start, count), pieces, slot)()
     torch.cuda.synchronize()
     assert same_buffers(host_buffers(dev), expected_cache(spec, host, ids, start, count, pieces, slot_bytes))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("side", SIDES)
+@pytest.mark.parametrize("host_region", [False, True])
+def test_kernel_sums_every_checksum_segment_as_the_reference_does(gpu, side, host_region):
+    """The fused kernel's sums (staging.checksum) on a gather and on a prepared scatter, device or
+    pinned host region, several pieces of both orders; a row window's scatter sums its whole rows
+    in a pass after the copy; one flipped byte moves one segment's sum."""
+    from kvstage.staging import checksum
+
+    spec = SideSpec(GEO, 1, PageLayout(*side))
+    start, count = 5, 300
+    src = _random_cache(spec, 400, 11)
+    ids = np.random.default_rng(2).permutation(400)[: pages_needed(start + count, side[0])]
+    whole = end_to_end([RegionPiece(0, 2, range(0, 3), 0, Order.HEADS), RegionPiece(2, 2, range(0, 6), 0, Order.TOKENS),
+                        RegionPiece(0, 2, range(3, 6), 0, Order.HEADS)], HB, count, offset=16)
+    kw = {"dtype": torch.uint8}
+    region = torch.zeros(_size(whole, count), device="cpu" if host_region else "cuda", **kw)
+    if host_region:
+        region = region.pin_memory()
+    idx = TokenIndex(src, ids, start, count, upload_pages(src, ids))
+    sums = checksum.ChunkSums.of(whole, HB, count)
+    gather(src, idx, whole, region, sums)
+    torch.cuda.synchronize()
+    want = checksum.ChunkSums.of(whole, HB, count)
+    checksum.region_sums(region.cpu(), whole, HB, count, want)
+    assert want.values.any() and np.array_equal(sums.values, want.values)
+    dst = _random_cache(spec, 400, 12)
+    landed = checksum.ChunkSums.of(whole, HB, count)
+    prepare_scatter(dst, idx, whole, region, None, landed)()
+    torch.cuda.synchronize()
+    assert np.array_equal(landed.values, want.values)
+    windows = _slot_pieces(count)  # two of its pieces are row windows: summed in a pass over their rows
+    slot = torch.randint(0, 256, (_size(windows, count),), dtype=torch.uint8, device=region.device)
+    if host_region:
+        slot = slot.pin_memory()
+    got = checksum.ChunkSums.of(windows, HB, count)
+    scatter_chunk(dst, idx, windows, slot, None, got)
+    torch.cuda.synchronize()
+    ref = checksum.ChunkSums.of(windows, HB, count)
+    checksum.region_sums(slot.cpu(), windows, HB, count, ref)
+    assert np.array_equal(got.values, ref.values)
+    region[whole[1].offset + 3] ^= 0x40
+    flipped = checksum.ChunkSums.of(whole, HB, count)
+    scatter_chunk(dst, idx, whole, region, None, flipped)
+    torch.cuda.synchronize()
+    assert list(np.flatnonzero(flipped.values != want.values)) == [checksum.segment_count(whole[0])]

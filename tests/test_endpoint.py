@@ -19,7 +19,7 @@ from kvstage.errors import TransferFailed, TransportError
 from kvstage.layout import pages_needed
 from kvstage.protocol.destination import Destination
 from kvstage.protocol.source import Source
-from kvstage.protocol.endpoint import _SELECT_LIMIT
+from kvstage.protocol.waiting import SELECT_LIMIT
 from kvstage.staging.cache import RankCache
 
 
@@ -29,7 +29,7 @@ def test_sockets_past_descriptor_1023_are_served_by_epoll_byte_exact(caplog):
     several chunks on the read path (the handshake, readies, chunks, reads, done:
     every message over those sockets) completes exactly."""
     caplog.set_level(logging.INFO, logger="kvstage")
-    held = [os.open(os.devnull, os.O_RDONLY) for _ in range(_SELECT_LIMIT + 16)]
+    held = [os.open(os.devnull, os.O_RDONLY) for _ in range(SELECT_LIMIT + 16)]
     tokens, seed = 150, 41  # 32-token slots at the destination: 5 chunks
     try:
         dcache = RankCache.allocate(fr.dst_spec(), 0, pages_needed(tokens, 4) + 6)

@@ -137,13 +137,14 @@ static Index blockIdx, threadIdx;
 #define __forceinline__ inline
 #define __global__
 #define __grid_constant__
+static inline unsigned int atomicAdd(unsigned int* at, unsigned int v) { unsigned int old = *at; *at = old + v; return old; }
 """
 
 _GRID = r"""
 extern "C" void run_grid(unsigned int gx, unsigned int gy, unsigned int gz, int inline_ids,
     unsigned long long table_addr, unsigned long long region_addr, unsigned long long meta_addr,
     unsigned long long pages_addr, unsigned int count, unsigned int first, unsigned int page_size,
-    unsigned int nheads, unsigned int head_words, int hnd, int to_region)
+    unsigned int nheads, unsigned int head_words, int hnd, int to_region, unsigned long long sums_addr)
 {
     PageIds ids;
     if (inline_ids)
@@ -157,10 +158,10 @@ extern "C" void run_grid(unsigned int gx, unsigned int gy, unsigned int gz, int 
                     threadIdx = {t, 0, 0};
                     if (inline_ids)
                         kvstage_copy_words_inline(table_addr, region_addr, meta_addr, ids, count, first, page_size,
-                                                  nheads, head_words, hnd, to_region);
+                                                  nheads, head_words, hnd, to_region, sums_addr);
                     else
                         kvstage_copy_words(table_addr, region_addr, meta_addr, pages_addr, count, first, page_size,
-                                           nheads, head_words, hnd, to_region);
+                                           nheads, head_words, hnd, to_region, sums_addr);
                 }
 }
 """
@@ -180,12 +181,14 @@ def host_kernel(tmp_path_factory):
     run = ctypes.CDLL(str(lib)).run_grid
     run.restype = None
     run.argtypes = [ctypes.c_uint32] * 3 + [ctypes.c_int32] + [ctypes.c_uint64] * 4 + [ctypes.c_uint32] * 5 + \
-                   [ctypes.c_int32] * 2
+                   [ctypes.c_int32] * 2 + [ctypes.c_uint64]
     return run
 
 
-def _host_launch(run, cache, ids, start, count, pieces, region: np.ndarray, to_region: bool, inline: bool):
-    """One launch of the kernel for a chunk, as ``WordCopier._fill`` sets it up, on host memory."""
+def _host_launch(run, cache, ids, start, count, pieces, region: np.ndarray, to_region: bool, inline: bool,
+                 sums: np.ndarray | None = None):
+    """One launch of the kernel for a chunk, as ``WordCopier._fill`` sets it up, on host memory; ``sums``
+    (uint32, zeroed) takes its checksum segments' sums."""
     wg = words.WordGeometry.of(cache.spec, 16)
     pages, first = words.chunk_pages(ids, wg.page_size, start, count)
     if inline:
@@ -195,7 +198,7 @@ def _host_launch(run, cache, ids, start, count, pieces, region: np.ndarray, to_r
     meta = words.piece_table(pieces)
     grid = cuda_copy.launch_grid(pieces, count, wg.head_words)
     run(*grid, int(inline), table.ctypes.data, region.ctypes.data, meta.ctypes.data, pages.ctypes.data, count, first,
-        wg.page_size, wg.heads, wg.head_words, int(wg.hnd), int(to_region))
+        wg.page_size, wg.heads, wg.head_words, int(wg.hnd), int(to_region), 0 if sums is None else sums.ctypes.data)
 
 
 @pytest.mark.parametrize("page", [(1, "nhd"), (16, "nhd"), (64, "hnd"), (4, "hnd")])
@@ -224,3 +227,35 @@ def test_the_copy_kernel_source_run_on_the_host_moves_the_bytes_the_reference_sa
         zero = host_buffers(dst)
         _host_launch(host_kernel, dst, ids, start, count, pieces, before.copy(), False, inline)
         assert same_buffers(host_buffers(dst), expected_cache(spec, zero, ids, start, count, pieces, before))
+
+
+@pytest.mark.parametrize("page", [(1, "nhd"), (16, "hnd")])
+@pytest.mark.parametrize("inline", [False, True])
+def test_the_copy_kernel_source_sums_each_checksum_segment_as_the_reference_does(host_kernel, page, inline):
+    """Both directions add up every piece's segments (checksum.segments) as they move the words: a
+    gather's sums are the reference's over the region it wrote, a scatter's over the region it read."""
+    from kvstage.staging import checksum
+
+    geo = KVGeometry(3, 4, 16, "int8")
+    spec = SideSpec(geo, 1, PageLayout(*page))
+    hb, nb, heads, start, count = geo.head_bytes(), geo.buffers, geo.kv_heads, 5, 40
+    ids = np.random.default_rng(3).permutation(90)[: pages_needed(start + count, page[0])]
+    cache = RankCache.allocate(spec, 0, 90, fill=None)
+    random_bytes(cache, start + count)
+    pieces = end_to_end([RegionPiece(0, 2, range(0, nb), 0, Order.HEADS),
+                         RegionPiece(2, 2, range(1, nb), 0, Order.TOKENS),
+                         RegionPiece(1, 1, range(nb - 1, nb), 0, Order.HEADS)], hb, count, offset=16)
+    region = np.zeros(pieces[-1].offset + pieces[-1].nbytes(hb, count) + 16, dtype=np.uint8)
+    want = checksum.ChunkSums.of(pieces, hb, count)
+    for to_region in (True, False):
+        sums = np.zeros(len(want.values), dtype=np.uint32)
+        _host_launch(host_kernel, cache, ids, start, count, pieces, region, to_region, inline, sums)
+        import torch
+        checksum.region_sums(torch.from_numpy(region), pieces, hb, count, want)
+        assert want.values.any() and np.array_equal(sums, want.values), (to_region, sums, want.values)
+        region[pieces[1].offset + 7] ^= 1  # a flipped bit moves its segment's sum and no other
+        flipped = np.zeros_like(sums)
+        _host_launch(host_kernel, cache, ids, start, count, pieces, region, False, inline, flipped)
+        moved = np.flatnonzero(flipped != sums)
+        assert list(moved) == [checksum.segment_count(pieces[0])], moved
+        random_bytes(cache, start + count)  # the scatter wrote the flipped bit; fresh bytes for the next turn

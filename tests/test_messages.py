@@ -12,6 +12,8 @@ from kvstage.protocol.messages import (MAX_ID, Abort, Chunk, Done, Error, Offer,
     Ready("r1", 10, "ipc", [3, 1, 2]),
     Chunk("r1", 2, 8192, b"\x01\x02"),
     Chunk("r1", 2, 8192),
+    Ready("r1", 10, "read", None, 4, 3, [[0, 4096, "", 0xFFFFFFFF]], "heads", checksum=True),
+    Chunk("r1", 2, 8192, checksum=0x1234ABCD),
     Read("r1", 1),
     Done("r1"),
     Abort("r1", "why"),
@@ -34,6 +36,9 @@ def test_round_trip(msg):
     ({"type": "ready", "req": "r", "tokens": 4, "path": "ipc", "pages": [1, 2.0]}, "non-negative integer"),
     ({"type": "ready", "req": "r", "tokens": 4, "path": "ipc", "pages": [True]}, "non-negative integer"),
     ({"type": "chunk", "req": "r", "index": 0, "offset": 0, "ticket": "%%%"}, "not base64"),
+    ({"type": "chunk", "req": "r", "index": 0, "offset": 0, "checksum": 1 << 32}, "checksum=4294967296: above"),
+    ({"type": "chunk", "req": "r", "index": 0, "offset": 0, "checksum": -1}, "checksum=-1: below 0"),
+    ({"type": "ready", "req": "r", "tokens": 4, "path": "read", "checksum": 1}, "checksum=1: must be bool"),
 ])
 def test_a_bad_field_is_refused_by_name(raw, needle):
     with pytest.raises(ProtocolError, match=needle.replace("(", r"\(").replace(")", r"\)").replace("*", r"\*")):

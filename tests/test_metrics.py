@@ -193,7 +193,7 @@ def test_the_families_are_in_prometheus_clients_default_registry():
     ("no allowed path can carry it (direct: the pieces are not whole shards with equal paging)", "route", "refused"),
     ("path=pages is not allowed to this destination rank: a page path needs KVSTAGE_AUTH_TOKEN on both sides",
      "route", "refused"),
-    # a writer's ready refused (``incoming.check_ready``, ``Destination._on_request_message``)
+    # a writer's ready refused (``incoming.check_ready``, ``dst_requests.on_request_message``)
     ("ready for 'r': path ipc is not allowed here (the handshake with this source agreed pages, read)", "ready", "refused"),
     ("ready for 'r': page id 90 is past the 64 pages the source offered", "ready", "refused"),
     ("chunk 2 of 'r': 4096 bytes at offset 65536 lie outside the source's arena of 65536 bytes", "ready", "refused"),
@@ -217,6 +217,11 @@ def test_the_families_are_in_prometheus_clients_default_registry():
     ("prefill rank at 10.0.0.1:5000: cannot connect ([Errno 111] Connection refused)", "abort", "connection_lost"),
     ("prefill rank at 10.0.0.1:5000: no answer to connect within 15 s (timed out)", "abort", "timeout"),
     ("peer layout None is not a mapping", "start", "mismatch"),  # an engine plugin's load that could not start
+    # an SGLang prefill room that failed before kvstage sent a chunk of it (kvstage/plugin/sglang/prefill.py)
+    ("the prefill aborted the request", "start", "aborted"),
+    ("the decode aborted the request (abort or its waiting timeout)", "start", "aborted"),
+    ("Request 5005 timed out after 25.0s in KVPoll.Bootstrapping", "start", "timeout"),
+    ("failed on another prefill rank", "start", "other"),  # an echo: the rank that failed it counts the cause
     ("something new", "waiting for writers", "other"),
 ])
 def test_classify(cause, stage, want):

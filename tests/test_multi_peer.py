@@ -1,12 +1,11 @@
 """One endpoint per rank serves every peer engine (xPyD): real processes, real NIXL and UCX.
 
-Each prefill engine is a spawned process holding all its ranks' ``Source``
+Each prefill engine is a process of its own holding all its ranks' ``Source``
 endpoints under one engine id; the decode engines' ``Destination`` endpoints
 live in the test process. Every request is checked byte for byte against the
 full cache sharded by the destination's TP.
 """
 
-import multiprocessing as mp
 import os
 import signal
 import time
@@ -25,7 +24,7 @@ from kvstage.protocol.request import State
 from kvstage.staging.cache import RankCache
 from kvstage.tp import SideSpec
 
-CTX = mp.get_context("spawn")
+from support.procs import CTX  # forked from a warm server, as spawned children were
 BIG = 20_000  # tokens: hundreds of chunks through 16 KiB slots (a schedule's most=-BIG: exactly that many)
 
 

@@ -207,7 +207,7 @@ def test_bad_names_are_refused_where_they_are_given(dst, kw, needle):
 def test_a_request_keeps_its_own_copy_of_the_page_list(dst):
     """Engines reuse their block-table arrays: a list changed after ``send`` or ``expect``
     returns must not change where the request's chunks are read or written later."""
-    from kvstage.protocol.endpoint import check_pages
+    from kvstage.protocol.common import check_pages
 
     ids = np.array([7, 3, 9], dtype=np.int64)
     kept = check_pages(dst.cache, ids, 10)

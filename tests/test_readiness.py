@@ -19,7 +19,7 @@ from kvstage.bench.reference import fill_shard
 from kvstage.config import Settings
 from kvstage.errors import TransferFailed
 from kvstage.layout import PageLayout, pages_needed
-from kvstage.protocol import destination as destination_mod
+from kvstage.protocol import dst_requests
 from kvstage.protocol.destination import Destination
 from kvstage.protocol.request import State
 from kvstage.protocol.source import Source
@@ -92,7 +92,7 @@ def test_readies_kept_before_expect_are_bounded_the_oldest_dropped(monkeypatch):
     """At most ``MAX_EARLY`` requests' readies are kept: past that the oldest goes, and its request,
     expected later, waits for a ready that will not come again, until ``ready_timeout_s`` fails it on
     both sides; the kept ones are read byte-exact."""
-    monkeypatch.setattr(destination_mod, "MAX_EARLY", 2)
+    monkeypatch.setattr(dst_requests, "MAX_EARLY", 2)
     dst, src = _dst(ready_timeout_s=0.5), _src(ready_timeout_s=60)
     try:
         src.connect([dst.address])

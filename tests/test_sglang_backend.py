@@ -15,6 +15,8 @@ group, all scenarios at once to keep the run short on two cores:
 - an abort on either side, a prefill whose decode never calls (bootstrap
   timeout) and a decode whose prefill never sends (waiting timeout) end in
   Failed with a clear exception on the side(s) that hold the request, no hang;
+- every prefill rank's kvstage metrics count the rooms its log reports failed (aborts on either side
+  included), one each;
 - decode TP 2, a failure only decode rank 1 sees (kvstage's, or SGLang's own as its heartbeat sets for
   a lost prefill): SGLang's poll all-reduce fails the room on rank 0 too, and rank 0 (whose exception
   is what a client gets) reports rank 1's cause;
@@ -409,3 +411,22 @@ def test_the_same_path_and_shapes_with_other_weights_are_refused_by_name(other_w
         got = other_weights["results"][role][room]
         assert got["state"] == "failed", (role, got)
         assert "model weights" in got["error"] and fp_d in got["error"] and fp_p in got["error"], (role, got)
+
+
+def test_prefill_counts_each_failed_room_it_logs(runs):
+    """Each prefill rank's kvstage failed requests (``kvstage_requests_total{result="failed"}``, and
+    ``kvstage_failures_total``) equal its "room N failed" WARNINGs, one per room: aborts on either side (a
+    client that gives up), a decode's waiting timeout, a refused peer, each failed before kvstage sent a
+    chunk of it. Issue 50: such rooms were logged and counted 0."""
+    for name, res in runs.items():
+        for (role, rank), got in res.items():
+            if not role.startswith("prefill"):
+                continue
+            m = got["metrics"]
+            assert len(set(m["logged"])) == len(m["logged"]), (name, role, rank, m)  # one WARNING per room
+            assert m["failed"] == m["failures"] == len(m["logged"]), (name, role, rank, m)
+    for name in ("tp2-1", "tp1-2"):  # a prefill's abort and a decode's, on every prefill rank
+        for rank in range(SCENARIOS[name][0]):
+            m = runs[name][("prefill", rank)]["metrics"]
+            assert {"3003", "4004"} <= set(m["logged"]), (name, rank, m)
+            assert m["by_cause"].get("start/aborted", 0) >= 1, (name, rank, m)

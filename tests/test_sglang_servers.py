@@ -27,6 +27,9 @@ before kvstage sends):
 - one byte of a request's KV corrupted on the prefill, the control that the KV came through
   kvstage: the decode's tokens must differ from the reference (its first token, computed by the
   prefill before the corruption, must not);
+- one byte flipped in the prefill's staging arena after kvstage's gather read it (the prefills run
+  with ``KVSTAGE_CHECKSUM=all``): the decode's chunk checksum fails the request, the client gets an
+  error that names the checksum and no tokens, and the next request matches;
 - the prefill server killed with eight requests in flight: within 1 s every decode rank has failed
   each one and counted it as ``connection_lost`` in kvstage's metrics, every client gets the
   decode's failure with kvstage's cause, and the decode server stays up. This runs last: it takes
@@ -73,6 +76,7 @@ PROMPTS = {  # name: input ids (page 16 tokens, chunk 128: S.PAGE_SIZE, S.CHUNK)
     "radix hit": _LONG[:200] + _prompt(6, 41),  # after "300 tokens": the prefill reuses 192 cached tokens
 }
 CORRUPT_PROMPT = _prompt(7, 45)  # its own prefix: the prefill's radix cache keeps the corrupted page
+FLIP_PROMPT = _prompt(8, 45)
 IN_FLIGHT = 8  # requests in flight when the prefill is killed
 KILL_PROMPTS = [_prompt(100 + i, 40) for i in range(IN_FLIGHT)]  # distinct: no radix hit between them
 KILL_AFTER_S = 2.0  # the first one's hold on prefill rank 0 before the kill: the others reach both servers
@@ -100,7 +104,7 @@ class Cluster:
             os.makedirs(faults)
             bootstrap = S.free_port()
             prefill = self._add(S.server(f"{name}-prefill", self.model, S.free_port(), ptp, "prefill", self.logs,
-                                         bootstrap, env={"KVSTAGE_TEST_FAULTS": faults}))
+                                         bootstrap, env={"KVSTAGE_TEST_FAULTS": faults, "KVSTAGE_CHECKSUM": "all"}))
             metrics = S.free_port(dtp)  # kvstage's metrics, one port per decode rank
             decode = self._add(S.server(f"{name}-decode", self.model, S.free_port(), dtp, "decode", self.logs,
                                         env={"KVSTAGE_METRICS_PORT": str(metrics)}))
@@ -229,6 +233,21 @@ def test_corrupted_prefill_byte_shows_in_the_decode(cluster, reference, route):
     got, want = body["output_ids"], reference["corrupt"]
     assert got[0] == want[0], (got, want)  # the prefill's own token, computed before the corruption
     assert got[1:] != want[1:], f"decode output unchanged by a corrupted KV byte: {got}"
+
+
+@pytest.mark.parametrize("route", ROUTES)
+def test_a_chunk_corrupted_in_transit_fails_its_request_not_its_tokens(cluster, reference, route):
+    """One byte flipped in the prefill's arena after kvstage's gather read it (the prefills run with
+    ``KVSTAGE_CHECKSUM=all``): the decode's checksum fails the request, so the client gets an error naming the
+    checksum and no token computed from the changed byte; the next request is served and matches."""
+    r = cluster.routes[route]
+    _arm(r["faults"], "flip-next")
+    status, body = S.generate(r["router"].url, FLIP_PROMPT, MAX_NEW)
+    assert os.path.exists(os.path.join(r["faults"], "flip-next.fired")), "the flip hook never ran"
+    assert status != 200 and "checksum" in str(body), (status, body)
+    status, body = S.generate(r["router"].url, PROMPTS["37 tokens"], MAX_NEW)
+    assert status == 200, (status, body)
+    _check(body, reference["37 tokens"], "37 tokens")
 
 
 _LISTENING = re.compile(r"dst (\d+): listening on (\S+):(\d+) \([^;\n]*; ([^)\n]*)\)")

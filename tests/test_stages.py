@@ -9,7 +9,6 @@ needed at all: stopped, its request lands all the same.
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
 import signal
 import socket
@@ -29,7 +28,7 @@ from kvstage.protocol.request import State
 from kvstage.protocol.source import Source
 from kvstage.staging.cache import RankCache
 
-CTX = mp.get_context("spawn")
+from support.procs import CTX  # forked from a warm server, as spawned children were
 BIG = 40_000  # tokens: over a thousand 32-token chunks through 4 slots, seconds in flight
 
 

@@ -179,7 +179,7 @@ def test_the_piece_table_holds_every_field_the_kernel_reads_in_order():
     pieces = [RegionPiece(1, 2, range(3, 7), 48, Order.TOKENS, rows=90, row_first=37), RegionPiece(0, 1, range(2), 0)]
     table = piece_table(pieces)
     assert table.dtype == np.int64 and len(table) == META * len(pieces)
-    assert list(table) == [1, 2, 3, 4, 1, 90, 37, 48, 0, 1, 0, 2, 0, 0, 0, 0]
+    assert list(table) == [1, 2, 3, 4, 1, 90, 37, 48, 0, 0, 1, 0, 2, 0, 0, 0, 0, 4]  # last: its first checksum segment
 
 
 def test_token_index_refuses_page_ids_outside_the_cache():

@@ -124,6 +124,28 @@ def test_ipc_byte_exact(name, transport):
     assert row["stages"]["gather"] == 0
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["4to1", "1to4", "8to2_2heads", "mla_4to2", "page16nhd_to_page1hnd", "hnd_to_nhd"])
+def test_ipc_streamed_byte_exact(name):
+    """Streamed on the GPU default: each layer group is read by the destination's kernel over CUDA IPC as
+    the source's (simulated) forward writes it; checksums off, so that the request stays on ipc."""
+    sc = dataclasses.replace(scenario(**CASES[name], tokens=640, device="cuda", modes=("streamed",)), prefill_ms=4.0,
+                             settings_extra={"path": "auto", "checksum": "off"})
+    (row,) = [r for r in run(sc)["results"] if r["mode"] == "streamed"]
+    assert row["verified"] is True, row.get("errors")
+    assert row["path"] == ["ipc"], row["path"]
+    assert len(row.get("layer_groups") or []) > 1, row.get("layer_groups")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("name", ["4to1", "1to4", "2to4_2heads", "mla_4to2", "page16nhd_to_page1hnd", "hnd_to_nhd"])
+def test_checksummed_requests_go_read_and_land_byte_exact(name, device):
+    """``checksum=all``: every chunk summed by the gather and checked after the scatter, for ratios both
+    ways, replication, MLA, page size and layout; a false mismatch would fail the request."""
+    sc = dataclasses.replace(scenario(**CASES[name], device=device), settings_extra={"path": "auto", "checksum": "all"})
+    _check(run(sc), "read")
+
+
 def test_a_path_the_pair_cannot_take_fails_the_request_by_name():
     # page runs need whole shards with equal paging: 4 -> 1 cannot go direct
     with pytest.raises(Exception, match="direct: the pieces are not whole shards"):

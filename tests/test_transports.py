@@ -12,7 +12,6 @@ transport has (UCX tickets, cma's call planning, namespaces) is in that
 transport's own test file.
 """
 
-import multiprocessing as mp
 import os
 import signal
 import threading
@@ -27,6 +26,7 @@ from kvstage.transports import make_transport
 from kvstage.transports.base import Region, Spans, WriteState
 from support.read_sources import ReadSources, finish, random_spans
 from support.marks import TRANSPORTS, needs, over
+from support import procs
 from support.transport_pair import finish_write, transport_pair
 
 #: one case per transport, each carrying what its transport needs
@@ -55,7 +55,7 @@ def _receiver(name: str, conn, nbytes: int) -> None:
 @pytest.mark.parametrize("transport", EACH)
 def test_a_multi_span_write_between_two_processes_lands_byte_exact_before_its_notification(transport):
     nbytes = 8 << 20
-    ctx = mp.get_context("spawn")
+    ctx = procs.CTX
     parent, child = ctx.Pipe()
     proc = ctx.Process(target=_receiver, args=(transport, child, nbytes))
     proc.start()

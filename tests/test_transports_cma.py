@@ -8,7 +8,6 @@ that lies about its writer are refused, each saying why.
 
 import json
 import logging
-import multiprocessing as mp
 import socket
 import struct
 import time
@@ -21,6 +20,7 @@ from hypothesis import strategies as st
 
 from kvstage.errors import TransportError
 from support.transport_pair import transport_pair
+from support import procs
 from kvstage.transports.base import Region, Spans, WriteState
 from kvstage.transports.cma import IOV_MAX, CmaTransport, _writev, plan_calls
 
@@ -98,7 +98,7 @@ def _receiver(conn, nbytes, expected_notes):
 
 
 def _child(nbytes, expected_notes):
-    ctx = mp.get_context("spawn")
+    ctx = procs.CTX
     parent, child = ctx.Pipe()
     proc = ctx.Process(target=_receiver, args=(child, nbytes, expected_notes))
     proc.start()

@@ -57,7 +57,7 @@ def engines(tmp_path_factory):
         "B": EngineProcess("B", str(root / "B.log"), *common, "--tp", "1", "--policy", "fail",
                            env=SHARED_CORES),
         "C": EngineProcess("C", str(root / "C.log"), *common, "--tp", "1", "--role", "kv_producer",
-                           env=SHARED_CORES),
+                           env={**SHARED_CORES, "KVSTAGE_CHECKSUM": "all"}),
     }
     try:
         for p in procs.values():
@@ -174,6 +174,25 @@ def test_two_prefill_engines_feed_one_decode_engine(engines, plain):
     assert (after["endpoints"], after["arenas"], after["arena_bytes"]) == \
         (before["endpoints"], before["arenas"], before["arena_bytes"]) == (2, 2, 2 * EXTRA["arena_mb"] << 20)
     assert [e["endpoints"] for e in A.cmd(cmd="endpoints")["outputs"] + C.cmd(cmd="endpoints")["outputs"]] == [2, 2, 1]
+
+
+def test_a_chunk_corrupted_in_transit_is_recomputed_or_fails_by_policy(engines, plain):
+    """C prefills with ``KVSTAGE_CHECKSUM=all`` and flips one byte of its next gathered chunk after its gather
+    read it: the decode's checksum fails the load, so A (policy recompute) computes the prompt itself (its
+    plain tokens) and B (policy fail) ends the request with an error and no tokens, never wrong tokens."""
+    ps, ref = plain
+    C = engines["C"]
+    seen = len(engines["B"].cmd(cmd="transfers")["outputs"])
+    for name in ("A", "B"):
+        C.cmd(cmd="flip")
+        params = [C.cmd(cmd="prefill", prompts=ps[2:3])["outputs"][0]["params"]]
+        out = engines[name].cmd(cmd="generate", prompts=ps[2:3], params=params, max_tokens=MAX_TOKENS)
+        if name == "A":
+            assert tokens(out) == ref["A"][2:3]
+        else:
+            assert [(o["finish"], o["tokens"]) for o in out["outputs"]] == [("error", [])]
+    failed = [t for t in engines["B"].cmd(cmd="transfers")["outputs"][seen:] if not t["ok"]]
+    assert failed and "checksum" in failed[-1]["error"], failed
 
 
 def test_dead_or_hung_prefill_fails_or_recomputes_by_policy(engines, plain):

@@ -18,34 +18,27 @@ its next steps slowly.
 
 from __future__ import annotations
 
-import ctypes
 import errno
 import logging
-import os
 import queue
-import select
-import selectors
-import socket
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-import numpy as np
-import torch
-
 from kvstage.config import PING_INTERVAL_S, Settings
 from kvstage.errors import ConfigError, KVStageError, ProtocolError, TransportError
-from kvstage.layout import pages_needed, token_bytes
+from kvstage.layout import token_bytes
 from kvstage.link.connect import connect_line
-from kvstage.link.facts import collect_local, memory_facts, value
+from kvstage.link.facts import memory_facts, value
 from kvstage.link.finding import Finding, Severity
 from kvstage.metrics import endpoint_metrics, start_from_settings
-from kvstage.protocol import beat
+from kvstage.protocol import beat, opening
+from kvstage.protocol.common import check_engine, check_model_id, remember
 from kvstage.protocol.gate import PRE_AUTH_MAX_FRAME, PRE_AUTH_TYPES, RefusalLog, host_of, pending_cap
-from kvstage.protocol.messages import MAX_ENGINE_ID, MAX_ID, MAX_MODEL_ID, Error, Message, Ping, decode
+from kvstage.protocol.messages import MAX_ID, Error, Message, Ping, decode
+from kvstage.protocol.waiting import SocketWait, tight_timer
 from kvstage.protocol.wire import MAX_FRAME, Connection
-from kvstage.staging.arena import ArenaSize, StagingArena, arena_size, choose_arena
 from kvstage.staging.cache import RankCache
 from kvstage.staging.copy import copy_stream
 from kvstage.transports.base import Region, Transport
@@ -66,8 +59,6 @@ _IDLE_WAIT = 0.05
 #: a loop that did not run for this long, though it wakes every ``_IDLE_WAIT``, was stopped or starved
 #: (SIGSTOP, a host too busy): the time it lost is not held against its peers
 PAUSE_S = 1.0
-_SELECT_LIMIT = 1024  # select(2) sees no descriptor from here on (FD_SETSIZE)
-_PR_SET_TIMERSLACK = 29
 MAX_ABORTED = 4096
 #: peer links whose judgement ``stats`` keeps: every live peer of an engine, not every connection it ever had
 MAX_LINKS = 256
@@ -77,92 +68,6 @@ LIVE_LOOP_S = 2.0
 #: a request whose next step has waited this long (a chunk not landed after its grant, a write not complete)
 #: is reported slow once, in one log line; it fails only as ``stall_timeout_s`` says
 SLOW_S = 5.0
-
-
-def check_engine(engine) -> str:
-    """An engine id as given by a caller: a string of at most ``MAX_ENGINE_ID`` printable characters."""
-    if not isinstance(engine, str) or len(engine) > MAX_ENGINE_ID or not engine.isprintable():
-        raise ConfigError(
-            f"engine={str(engine)[:40]!r}: must be a string of at most {MAX_ENGINE_ID} printable "
-            "characters (the same on every rank of one engine)"
-        )
-    return engine
-
-
-def check_model_id(model) -> str:
-    """A model identity as an engine gives it (``""``: none, nothing is compared)."""
-    if not isinstance(model, str) or len(model) > MAX_MODEL_ID or not model.isprintable():
-        raise ConfigError(
-            f"model={str(model)[:40]!r}: must be a string of at most {MAX_MODEL_ID} printable "
-            "characters (the engine's model name or path and a hash of what shapes its KV)"
-        )
-    return model
-
-
-def peer_label(engine: str | None, rank: int | None = None) -> str:
-    """A peer as a metrics label: ``engine/rank``, or ``engine/*`` for every rank of that engine a
-    request involves (few distinct values: one per peer engine and rank); the unnamed engine's
-    peers are ``rank`` and ``*``."""
-    who = "*" if rank is None else str(rank)
-    return f"{engine}/{who}" if engine else who
-
-
-def rank_name(engine: str, role: str, rank: int) -> str:
-    """How a peer rank is named in logs and failures: ``source rank 2`` or ``source rank 2 of engine E``."""
-    return f"{role} rank {rank}" + (f" of engine {engine}" if engine else "")
-
-
-def _tight_timer() -> None:
-    """Linux lets a sleep overshoot by the thread's timer slack, 50 us by default:
-    more than the loop's poll interval on a GPU host. 1 us for the calling thread."""
-    try:
-        ctypes.CDLL(None).prctl(_PR_SET_TIMERSLACK, 1000, 0, 0, 0)
-    except (OSError, AttributeError):  # not Linux: its sleeps keep their own precision
-        pass
-
-
-def remember(recent: dict, key, value, most: int) -> None:
-    """Put ``key`` last in ``recent`` (insertion order = age), keeping at most ``most`` entries: the oldest go."""
-    recent.pop(key, None)
-    recent[key] = value
-    while len(recent) > most:
-        recent.pop(next(iter(recent)))
-
-
-def check_pages(cache: RankCache, page_ids, tokens: int) -> np.ndarray:
-    """Validate a request's page list against this rank's cache (caller's thread), and
-    keep a copy of it: a chunk's copy reads it later, on the host or in its launch.
-    The checks work on a Python list: on a request's critical path, which runs cold,
-    that is about half the time of numpy's reductions and ``unique``."""
-    if not isinstance(tokens, (int, np.integer)) or isinstance(tokens, (bool, np.bool_)) or tokens < 1:
-        raise ConfigError(f"tokens={tokens!r}: must be a positive integer (not a bool)")
-    try:
-        given = np.array(page_ids)  # a copy: the caller may reuse its list once this returns
-    except (ValueError, TypeError) as e:  # ragged, or not a sequence numpy can read
-        raise ConfigError(f"page_ids: must be a flat sequence of integers: {e}") from None
-    if given.size and given.dtype.kind not in "iu":  # a float would be truncated, a bool or string read as a number
-        raise ConfigError(
-            f"page_ids: must be integers, got {given.dtype} values (e.g. {given.reshape(-1)[:3].tolist()})"
-        )
-    ids = given.astype(np.int64, copy=False).reshape(-1) if given.size else np.zeros(0, dtype=np.int64)
-    need = pages_needed(int(tokens), cache.spec.page.page_size)
-    if len(ids) < need:
-        raise ConfigError(
-            f"page_ids: {len(ids)} pages given, {tokens} tokens of page size {cache.spec.page.page_size} need {need}"
-        )
-    ids = ids[:need]
-    values = ids.tolist()
-    low, high = min(values), max(values)
-    if low < 0 or high >= cache.pages:
-        raise ConfigError(f"page_ids: values must lie in [0, {cache.pages}); got {low}..{high}")
-    if len(set(values)) != len(values):
-        raise ConfigError("page_ids: a page appears twice; each token needs its own place")
-    return ids
-
-
-def _plugins(transport: Transport) -> list[str] | None:
-    plugins = getattr(transport, "plugins", None)
-    return plugins() if callable(plugins) else None
 
 
 @dataclass(frozen=True)
@@ -202,11 +107,11 @@ class Endpoint:
         self.engine = check_engine(engine)
         self.model = check_model_id(model)
         self.settings = settings or Settings()
-        self.transport, made = self._open_transport(transport)
+        self.transport, made = opening.open_transport(self, transport)
         try:
             self._check_cache()
-            self.facts = self._local_facts()
-            self.arena, self.arena_location = self._make_arena()
+            self.facts = opening.local_facts(self)
+            self.arena, self.arena_location = opening.make_arena(self)
             self.arena_region: Region = self.transport.register(self.arena.buffer)
             self.facts.update(memory_facts(self.arena.buffer, value(self.facts, "gpus")))
         except BaseException:
@@ -220,20 +125,7 @@ class Endpoint:
         start_from_settings(self.settings, self.rank)
         self._init_loop()
 
-    # -- construction, in order ------------------------------------------------
-    def _open_transport(self, transport: Transport | None) -> tuple[Transport, bool]:
-        """The transport this endpoint drives, and whether it made it (then it closes it)."""
-        if transport is None:
-            from kvstage.transports import make_transport
-
-            return make_transport(self.settings.transport, f"kvstage-{self.role}{self.rank}"), True
-        if self.settings.path in ("direct", "pages") and not transport.one_sided:
-            raise ConfigError(
-                f"path={self.settings.path!r} with a {transport.name} transport: {transport.name} is two-sided and "
-                f"cannot read a peer's pages; pass Settings(transport={transport.name!r}) or another path"
-            )
-        return transport, False
-
+    # -- construction (the transport, facts and arena: ``opening``) -------------
     def _check_cache(self) -> None:
         """The cache suits the transport; its copier is chosen (and logged) now, not on a request's path."""
         if self.transport.host_only and self.cache.device.type == "cuda":
@@ -242,53 +134,6 @@ class Endpoint:
                 f"{self.cache.device}: use nixl or ucx"
             )
         self.copier = self.cache.copier
-
-    def _local_facts(self) -> dict:
-        """This process's facts, with the transport's own account of its UCX where it gives one."""
-        facts = collect_local(agent_plugins=_plugins(self.transport))
-        own = getattr(self.transport, "facts", None)
-        if callable(own):  # the transport's own introspection (UCXX's UCX, not NIXL's bundled one)
-            facts.update(own())
-        return facts
-
-    def _make_arena(self) -> tuple[StagingArena, str]:
-        """The staging arena, where ``choose_arena`` puts it and as big as ``arena_size`` says (one log line)."""
-        cache = self.cache
-        where, why = choose_arena(self.settings.arena, cache.device, value(self.facts, "ucx_modules"), os.environ)
-        on_gpu = where == "device"
-        size = self._arena_size(where)
-        arena = StagingArena(
-            size.slot_bytes,
-            size.slots,
-            cache.device if on_gpu else torch.device("cpu"),
-            pinned=cache.device.type == "cuda",
-        )
-        place = (
-            f"{cache.device} memory"
-            if on_gpu
-            else "pinned host memory"
-            if cache.device.type == "cuda"
-            else "host memory"
-        )
-        log.info(
-            "%s %d: staging arena of %d slots x %.4g MiB in %s (%s; %s)",
-            self.role,
-            self.rank,
-            size.slots,
-            size.slot_bytes / 2**20,
-            place,
-            size.why,
-            why,
-        )
-        return arena, where
-
-    def _arena_size(self, where: str) -> ArenaSize:
-        """The rule's arena for this rank (``staging.arena.arena_size``), at most its KV cache's size."""
-        free = None
-        if where == "device":
-            free = torch.cuda.mem_get_info(self.cache.device)[0]
-        pool = sum(b.numel() * b.element_size() for b in self.cache.buffers)
-        return arena_size(self.settings.arena_bytes, self.token_bytes, where, free, pool)
 
     @property
     def token_bytes(self) -> int:
@@ -301,19 +146,13 @@ class Endpoint:
             tuple, tuple[str, str]
         ] = {}  # (engine, req) -> (peer, cause): aborted before this side knew it
         self._events: queue.Queue = queue.Queue()
-        # epoll over the watched sockets, made only while one is past select's reach
-        self._selector: selectors.BaseSelector | None = None
-        self._wake, self._waker = socket.socketpair()  # a byte on _waker: the queue holds an event
-        for s in (self._wake, self._waker):
-            s.setblocking(False)
-        self._watched: dict = {self._wake: None}  # socket -> its connection (None: the wake-up socket)
-        self._socks, self._low = [self._wake], True
-        self._sockets_changed()
         self._pending: dict = {}  # connection not authenticated yet -> (deadline, seconds given); insertion order = age
         self._refusals = RefusalLog(log, f"{self.role} {self.rank}")
         self._turned = time.monotonic()  # the end of the loop's last turn: a long gap is a pause (``PAUSE_S``)
         device = "cuda" if self.cache.device.type == "cuda" else "cpu"
         self._busy_wait, self._poll = _BUSY_WAIT[device], POLL_S[device]
+        # the control sockets the loop reads and its wait on them (select(2), or epoll past descriptor 1023)
+        self._sockets = SocketWait(f"{self.role} {self.rank}", self._busy_wait)
         self._stirred = 0.0  # the loop's last event: a message other than a ping, a call, a send (loop thread only)
         self.requests: dict = {}  # (peer engine, req) -> the subclass's record of a request in flight
         self._heard: dict = {}  # control connection -> when its peer last sent anything
@@ -344,7 +183,7 @@ class Endpoint:
 
     def _wake_loop(self) -> None:
         try:
-            self._waker.send(b"\0")
+            self._sockets.waker.send(b"\0")
         except OSError:  # full (the loop has bytes to read already) or closed (it stopped)
             pass
 
@@ -404,7 +243,7 @@ class Endpoint:
         self._drop(conn, cause)
 
     def _run(self) -> None:
-        _tight_timer()
+        tight_timer()
         while True:
             try:
                 if not self._turn():
@@ -418,7 +257,7 @@ class Endpoint:
         """Wait for something to do, do all of it, move the transfers on. False: stop.
         The state lock is held except while waiting."""
         with self._state:
-            for conn in [c for c in self._watched.values() if c is not None and c.closed]:
+            for conn in [c for c in self._sockets.watched.values() if c is not None and c.closed]:
                 self._drop(
                     conn, "closed by this side"
                 )  # a refused hello, a replaced peer: before a new socket takes its number
@@ -474,8 +313,8 @@ class Endpoint:
                 )
             self._pending[conn] = (time.monotonic() + authenticate_within, authenticate_within)
             conn.max_frame = PRE_AUTH_MAX_FRAME
-        self._watched[conn.sock] = conn
-        self._sockets_changed()
+        self._sockets.watched[conn.sock] = conn
+        self._sockets.changed()
 
     def _check_pause(self, since: float) -> bool:
         """Whether the loop lost more than ``PAUSE_S`` since ``since`` (then handled: ``_resumed``)."""
@@ -514,81 +353,34 @@ class Endpoint:
         last event, while a request is in flight) a wait for messages alone polls instead
         of sleeping: a thread that slept is slow to wake and slow for its next steps."""
         if fence is None and not busy and time.perf_counter() < poll_until:
-            ready = self._poll_sockets(poll_until)
+            ready = self._sockets.poll(poll_until)
             if not ready:  # the window passed quietly: back to sleeping
                 return []
         elif (
             fence is None
         ):  # the transport is polled every _busy_wait while a transfer is near; a message ends the wait
-            ready = self._ready(self._busy_wait if busy else self._idle_wait())
+            ready = self._sockets.ready(self._busy_wait if busy else self._idle_wait())
         else:  # messages first; then the copy's end wakes the loop, with no thread in between
-            ready = self._ready(0)
+            ready = self._sockets.ready(0)
             if not ready:
                 try:
                     fence.wait()
                 except Exception:  # a CUDA error: logged; the copy's fence keeps failing the poll too
                     log.exception("%s %d: waiting for a device copy", self.role, self.rank)
                     time.sleep(self._busy_wait)
-                ready = self._ready(0)
+                ready = self._sockets.ready(0)
         conns = []
         for sock in ready:
-            conn = self._watched.get(sock)
+            conn = self._sockets.watched.get(sock)
             if conn is not None:
                 conns.append(conn)
-            elif sock is self._wake:  # a call or a send: an event (``_read`` notes the messages)
+            elif sock is self._sockets.wake:  # a call or a send: an event (``_read`` notes the messages)
                 self._stirred = time.perf_counter()
                 try:
-                    self._wake.recv(4096)
+                    self._sockets.wake.recv(4096)
                 except OSError:
                     pass
         return conns
-
-    def _poll_sockets(self, until: float) -> list:
-        """The readable sockets, polled every ``_busy_wait`` until one is readable or
-        ``until`` passes. Short waits keep the thread warm and wake it fast, and leave
-        the GIL (an engine's own Python thread) and the state lock free between polls."""
-        while True:
-            left = until - time.perf_counter()
-            ready = self._ready(min(self._busy_wait, max(left, 0.0)))
-            if ready or left <= 0:
-                return ready
-
-    def _ready(self, timeout: float) -> list:
-        """The watched sockets readable within ``timeout`` s. select(2) waits in
-        microseconds (the loop polls the transport every 20-200 µs while a transfer
-        is near) but sees no descriptor past 1023; past that (a process with many
-        files open), epoll, which waits in milliseconds: a shorter wait is then a
-        sleep before the check, and a message waits for its end."""
-        if self._low:
-            return select.select(self._socks, [], [], timeout)[0]
-        if 0 < timeout < 1e-3:
-            time.sleep(timeout)
-            timeout = 0
-        assert self._selector is not None  # made by _sockets_changed whenever _low is False
-        return [key.fileobj for key, _ in self._selector.select(timeout)]
-
-    def _sockets_changed(self) -> None:
-        """The wait's view of ``_watched``: select(2)'s list, and past its reach an epoll set."""
-        self._socks = list(self._watched)
-        low = all(sock.fileno() < _SELECT_LIMIT for sock in self._socks)
-        if low != self._low:
-            log.info(
-                "%s %d: control sockets %s descriptor %d: the loop waits with %s",
-                self.role,
-                self.rank,
-                "below" if low else "past",
-                _SELECT_LIMIT - 1,
-                "select(2) again" if low else "epoll (millisecond timeouts: shorter waits become sleeps)",
-            )
-        self._low = low
-        if self._selector is not None:
-            self._selector.close()
-            self._selector = None
-        if not low:
-            self._selector = selectors.DefaultSelector()
-            for sock in self._socks:
-                if sock.fileno() >= 0:  # one closed by this side is swept before the next wait
-                    self._selector.register(sock, selectors.EVENT_READ)
 
     def _read(self, conn: Connection) -> None:
         """Handle every whole message ``conn`` holds now, each decoded and checked (``messages.decode``);
@@ -647,8 +439,8 @@ class Endpoint:
     def _drop(self, conn: Connection, reason: str, answered: bool = True) -> None:
         """Stop watching ``conn`` and tell the endpoint it is gone (``answered``:
         see ``_on_closed``)."""
-        if self._watched.pop(conn.sock, None) is not None:
-            self._sockets_changed()
+        if self._sockets.watched.pop(conn.sock, None) is not None:
+            self._sockets.changed()
         self._pending.pop(conn, None)
         self._heard.pop(conn, None)
         self._peer_loop.pop(conn, None)
@@ -749,10 +541,7 @@ class Endpoint:
     def _shutdown(self) -> None:
         self.metrics.close()
         self.transport.close()
-        if self._selector is not None:
-            self._selector.close()
-        self._wake.close()
-        self._waker.close()
+        self._sockets.close()
 
     def _reject(self, conn: Connection, raw: dict, err: KVStageError) -> None:
         """Refuse one message of an authenticated peer: one line here, an ``error`` naming it there."""
@@ -829,7 +618,7 @@ class Endpoint:
             len(self._peers()),
             aborts_remembered=len(self._aborted),
             polling=self._busy(),
-            wait="select" if self._low else "epoll",
+            wait="select" if self._sockets.low else "epoll",
             links=tuple(self._links.values()),
         )
 

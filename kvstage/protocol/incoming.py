@@ -18,7 +18,7 @@ import numpy as np
 
 from kvstage.errors import ProtocolError
 from kvstage.layout import buffer_shape, pages_needed
-from kvstage.protocol.endpoint import rank_name
+from kvstage.protocol.common import rank_name
 from kvstage.protocol.messages import Ready as ReadyMessage
 from kvstage.protocol.request import TransferHandle
 from kvstage.protocol.route import Path
@@ -97,7 +97,7 @@ class SourceEngine:
 @dataclass
 class Ready:
     """One writer's ``ready`` for a request, checked: its path, its page ids (the page paths) or its
-    chunking and the chunks gathered so far (the read path: index -> (arena offset, ticket))."""
+    chunking and the chunks gathered so far (the read path: index -> (arena offset, ticket, checksum or None))."""
 
     path: Path
     tokens: int
@@ -106,6 +106,7 @@ class Ready:
     chunks: int = 0
     gathered: dict = field(default_factory=dict)
     order: Order = Order.HEADS  # the read path: how each chunk's piece is laid out in the source's arena
+    checksum: bool = False  # the read path: each chunk comes with the checksum its bytes must have
 
 
 def check_ready(
@@ -143,7 +144,7 @@ def check_ready(
             order = Order(msg.order or "heads")
         except ValueError:
             raise ProtocolError(f"ready for {msg.req!r}: order {msg.order!r} is none of heads, tokens") from None
-        ready = Ready(path, tokens, None, msg.chunk_tokens, msg.chunks, order=order)
+        ready = Ready(path, tokens, None, msg.chunk_tokens, msg.chunks, order=order, checksum=bool(msg.checksum))
         for entry in msg.gathered or []:
             add_chunk(ready, writer, msg.req, entry, piece_bytes)
         return ready
@@ -175,16 +176,27 @@ def check_ready(
 
 
 def add_chunk(ready: Ready, writer: Writer, req: str, entry, piece_bytes: int) -> None:
-    """One gathered chunk of a read request: [index, arena offset, ticket], inside the writer's arena."""
+    """One gathered chunk of a read request: [index, arena offset, ticket] and, where the request is
+    checksummed, the sum its bytes must have, inside the writer's arena."""
     if not (
         isinstance(entry, (list, tuple))
-        and len(entry) == 3
+        and len(entry) in (3, 4)
         and type(entry[0]) is int
         and type(entry[1]) is int
         and isinstance(entry[2], str)
+        and (len(entry) == 3 or (type(entry[3]) is int and 0 <= entry[3] <= 0xFFFFFFFF))
     ):
-        raise ProtocolError(f"ready for {req!r}: a gathered chunk must be [index, offset, ticket]")
-    index, offset, ticket = entry
+        raise ProtocolError(
+            f"ready for {req!r}: a gathered chunk must be [index, offset, ticket] or [index, offset, ticket, "
+            "checksum] (checksum an integer in 0..2**32-1)"
+        )
+    index, offset, ticket = entry[:3]
+    checksum = entry[3] if len(entry) == 4 else None
+    if (checksum is None) == ready.checksum:
+        raise ProtocolError(
+            f"chunk {entry[0]} of {req!r}: {'no' if checksum is None else 'a'} checksum, but its ready said the "
+            f"request has {'them' if ready.checksum else 'none'}"
+        )
     if not 0 <= index < ready.chunks:
         raise ProtocolError(f"chunk {index} of {req!r} is out of range: the request has {ready.chunks} chunks")
     if index in ready.gathered:
@@ -200,7 +212,7 @@ def add_chunk(ready: Ready, writer: Writer, req: str, entry, piece_bytes: int) -
     import base64
 
     try:
-        ready.gathered[index] = (offset, base64.b64decode(ticket, validate=True) if ticket else b"")
+        ready.gathered[index] = (offset, base64.b64decode(ticket, validate=True) if ticket else b"", checksum)
     except ValueError:
         raise ProtocolError(f"chunk {index} of {req!r}: its ticket is not base64") from None
 

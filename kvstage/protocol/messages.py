@@ -28,8 +28,9 @@ from typing import ClassVar, TypeVar
 from kvstage.errors import ProtocolError
 
 #: the handshake refuses a peer of another version by name. 9: the decode reads the bytes (``ready``,
-#: ``read``, ``done``); no grants. 10: layer groups (``layers``) and token spans (``span``) of streamed requests
-PROTOCOL_VERSION = 10
+#: ``read``, ``done``); no grants. 10: layer groups (``layers``) and token spans (``span``) of streamed requests.
+#: 11: chunk checksums (``chunk.checksum``, a gathered entry's fourth item)
+PROTOCOL_VERSION = 11
 MAX_ID = 256
 #: an engine id names one engine's ranks on the wire and in logs: short, printable
 MAX_ENGINE_ID = 128
@@ -254,7 +255,9 @@ class Opened(Message):
 class Ready(Grouped, Message):
     """A request this source rank can be read for, by ``path``. ``pages``: its page ids (the paths that
     read them: ipc, pages, direct); ``chunk_tokens`` and ``chunks``: how a ``read`` request is cut, and
-    ``gathered``: the chunks in the arena already, as [index, arena offset, ticket (base64, ucx)];
+    ``gathered``: the chunks in the arena already, as [index, arena offset, ticket (base64, ucx)], and a
+    fourth item, the checksum its reader must find, where ``checksum`` says the request has them
+    (``protocol.checksums``);
     ``layers``: the layer group it makes readable, where the request is streamed."""
 
     TYPE = "ready"
@@ -269,6 +272,7 @@ class Ready(Grouped, Message):
         F("order", "text", most=16, optional=True),
         _LAYERS,
         _SPAN,
+        F("checksum", bool, optional=True),
     )
     req: str
     tokens: int
@@ -280,6 +284,7 @@ class Ready(Grouped, Message):
     order: str | None = None  # the read path: how each chunk's piece is laid out (``staging.region.Order``)
     layers: list | None = None
     span: list | None = None
+    checksum: bool | None = None  # the read path: every chunk's listing carries its checksum
 
 
 @dataclass(frozen=True)
@@ -292,6 +297,7 @@ class Chunk(Grouped, Message):
         F("ticket", "b64", most=4096, optional=True),
         _LAYERS,
         _SPAN,
+        F("checksum", int, least=0, most=0xFFFFFFFF, optional=True),
     )
     req: str
     index: int
@@ -299,6 +305,7 @@ class Chunk(Grouped, Message):
     ticket: bytes | None = None
     layers: list | None = None
     span: list | None = None
+    checksum: int | None = None  # the sum its reader must find in the bytes it read (``protocol.checksums``)
 
 
 @dataclass(frozen=True)

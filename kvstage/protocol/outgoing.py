@@ -1,4 +1,5 @@
-"""A source's request as it is read: its chunks, the box its gathers fill, and who still reads what.
+"""A source's request as it is read: its chunks, the box its gathers fill, and who still reads what;
+and the destination ranks it is sent to (``Target``, ``DestinationEngine``).
 
 The read path gathers, per chunk, a box of this rank's shard into one slot:
 the local heads and buffers its destinations' pieces lie in. Where every piece
@@ -20,7 +21,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from kvstage.protocol.common import rank_name
 from kvstage.protocol.request import TransferHandle
+from kvstage.protocol.wire import Connection
+from kvstage.staging.checksum import ChunkSums
 from kvstage.staging.region import Order, RegionPiece
 from kvstage.tp import Piece, SideSpec, TransferPlan, restrict
 
@@ -92,6 +96,7 @@ class SrcChunk:
     readers: dict = field(default_factory=dict)  # engine -> destination ranks told of it that have not read it
     offers: list = field(default_factory=list)  # two-sided transports: offers not taken yet
     blocked: float = 0.0  # when it found no free slot (``stages["slot_wait"]``)
+    sums: ChunkSums | None = None  # a checksummed request's: its gather's sums of the box
 
 
 def plan_chunks(tokens: int, own: int, capacity: int, src_page: int, dst_pages: list[int]) -> list[SrcChunk]:
@@ -146,6 +151,7 @@ class Outgoing:
     layers: range | None = None  # the layer group it makes readable (None: every layer)
     span: range | None = None  # the request's tokens its pages hold (None: every token)
     total: int = 0  # tokens of the whole request (0: the handle's)
+    checksum: bool = False  # every chunk carries its checksum (``protocol.checksums``): it goes the read path
 
     def __post_init__(self) -> None:
         import time
@@ -179,3 +185,33 @@ class Outgoing:
     def piece_of(self, target) -> Piece | None:
         """What it sends destination rank ``target``: the target's piece, cut to its layer group."""
         return group_piece(target.plan, target.piece, self.layers)
+
+
+@dataclass
+class Target:
+    """One connected destination rank, as routes and reads need it."""
+
+    engine: str
+    rank: int
+    conn: Connection
+    agent: str
+    plan: TransferPlan
+    piece: Piece  # what this rank sends it
+    address: tuple  # (host, port) it was connected at
+    ipc: bool  # it opened this rank's KV pages and ready event (same host, CUDA IPC)
+    paths: frozenset  # the paths both sides' settings allow
+    capacity: int  # tokens of its slot (its whole shard): a ``read`` chunk holds at most this many
+
+    @property
+    def name(self) -> str:
+        return rank_name(self.engine, "destination", self.rank)
+
+
+@dataclass
+class DestinationEngine:
+    """One decode engine's ranks as this source sees them: the plan from its welcomes, and the
+    connected ranks this source sends to."""
+
+    name: str
+    plan: TransferPlan
+    targets: dict[int, Target] = field(default_factory=dict)  # destination rank -> Target

@@ -14,7 +14,9 @@ kernel, so no source process is on the request's path from here on:
   writer's piece is read into a slot (from the writer's arena, one span; or from
   its pages, the spans ``staging.spans.piece_spans`` gives), then scattered into
   this rank's pages; a ``read`` message frees the writer's slot as soon as its
-  bytes are here.
+  bytes are here. A checksummed request's scatter sums the slot as it reads it,
+  and each writer's piece is checked against the total its source sent
+  (``protocol.checksums``) before the chunk counts as placed.
 
 ``stop`` (a failed request) waits for this rank's own kernels and gives up the
 transport reads; a read that may still land is handed back as a ``Leftover``,
@@ -30,9 +32,11 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from kvstage.errors import KVStageError, ProtocolError
+from kvstage.protocol.checksums import mismatches
 from kvstage.protocol.incoming import Group, Incoming, Ready, page_bytes
 from kvstage.protocol.messages import Read
 from kvstage.protocol.route import Path
+from kvstage.staging.checksum import ChunkSums
 from kvstage.staging.copy import TokenIndex, prepare_scatter
 from kvstage.staging.fence import CopyFence
 from kvstage.staging.region import RegionPiece
@@ -260,6 +264,7 @@ class DstChunk:
     posted: set = field(default_factory=set)  # writer ranks whose piece's read is posted
     layout: list = field(default_factory=list)  # each writer's piece's byte offset in the slot, in writer order
     started: float = 0.0
+    sums: ChunkSums | None = None  # a checksummed request's: what its scatter finds in each writer's piece
 
 
 class ArenaMove(Move):
@@ -371,8 +376,10 @@ class ArenaMove(Move):
             at += nbytes
         g = self.group
         idx = TokenIndex(dst.cache, inc.pages, c.want_start - g.first + g.dst_start, c.want, inc.kernel_pages)
+        if any(ready.checksum for _, _, ready in self.writers):
+            c.sums = ChunkSums.of(pieces, self.writers[0][0].spec.geometry.head_bytes(), c.want)
         c.scatter = prepare_scatter(
-            dst.cache, idx, pieces, dst.arena.view(dst.arena.offset(slot), at), dst._scatter_threads
+            dst.cache, idx, pieces, dst.arena.view(dst.arena.offset(slot), at), dst._scatter_threads, c.sums
         )
         log.debug("dst %d: %s chunk %d takes slot %d", dst.rank, inc.handle.req, c.index, slot)
         self._post(dst, c)
@@ -386,7 +393,7 @@ class ArenaMove(Move):
                 continue
             at = c.layout[k]
             if ready.path is Path.READ:
-                offset, ticket = ready.gathered[c.index]
+                offset, ticket, _ = ready.gathered[c.index]
                 nbytes = self._piece_bytes(piece, c.count)
                 remote = Spans.single(w.arena, [offset], [nbytes])
                 local = Spans.single(dst.arena_region, [base + at], [nbytes])
@@ -449,13 +456,37 @@ class ArenaMove(Move):
                 if gpu is not None:
                     inc.handle.stages["scatter_gpu"] = inc.handle.stages.get("scatter_gpu", 0.0) + gpu
                 c.fence.release()
-                c.fence, c.done = None, True
+                c.fence = None
+                if c.sums is not None and self._corrupt(dst, c):
+                    return
+                c.done = True
                 self._left -= 1
                 self._active.remove(c)
                 inc.touched = time.monotonic()
                 dst.arena.allocator.release(c.slot)
                 c.slot = None
                 log.debug("dst %d: %s chunk %d scattered", dst.rank, inc.handle.req, c.index)
+
+    def _corrupt(self, dst, c: DstChunk) -> bool:
+        """Whether a writer's piece of chunk ``c`` landed with another checksum than its source summed; the
+        request then fails at stage ``checksum``, naming the writer and the chunk."""
+        assert c.sums is not None
+        expect = [r.gathered[c.index][2] if r.path is Path.READ else None for _, _, r in self.writers]
+        bad = mismatches(c.sums, expect)
+        if not bad:
+            return False
+        k, want, got = bad[0]
+        w = self.writers[k][0]
+        dst.metrics.checksum_failure(w.name)
+        dst.warned_checksums.once(dst.rank, w.name, self.inc.handle.req, c.index, want, got)
+        dst._fail(
+            self.inc.key,
+            w.name,
+            "checksum",
+            f"chunk {c.index} landed with checksum {got:#010x}, its source summed {want:#010x}",
+            tell=True,
+        )
+        return True
 
     def _tell_read(self, dst, c: DstChunk) -> None:
         for w, _, ready in self.writers:

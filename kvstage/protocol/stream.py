@@ -21,7 +21,7 @@ log = logging.getLogger("kvstage")
 #: each extra group costs (a ready, a launch or a read, a done), so streaming it only adds time
 STREAM_MIN_TOKENS = 512
 #: a streamed request is cut into this many groups at most: what is left after the forward is one group's
-#: read, and each further group costs host steps of its own on both sides
+#: read, and each further group costs host steps of its own on both sides (swept: benchmarks/group_sweep.py)
 MAX_GROUPS = 8
 
 _logged: set = set()

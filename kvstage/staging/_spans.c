@@ -68,3 +68,74 @@ void kvstage_copy_spans(const uint64_t *dst_base, const uint64_t *src_base, size
         _mm_sfence(); /* streaming stores are weakly ordered: visible before the caller signals */
 #endif
 }
+
+static uint32_t checksum_terms(const uint32_t *v, size_t words, uint32_t key);
+
+/* kvstage/staging/checksum.py's sums: for each of nseg segments of seg_bytes bytes from base
+ * (seg_bytes a multiple of 4), the sum over its 32-bit words v[p] of (v[p] ^ key) * (key | 1),
+ * key = p * 0x9E3779B1 + 0x7F4A7C15, mod 2^32. Built for AVX2 too where the CPU has it: the
+ * 32-bit multiply vectorizes there, so the pass runs at memory speed. */
+__attribute__((target_clones("avx2", "default")))
+void kvstage_checksum_segments(const char *base, size_t nseg, size_t seg_bytes, uint32_t *out)
+{
+    const size_t words = seg_bytes / 4;
+    for (size_t g = 0; g < nseg; g++) {
+        out[g] = checksum_terms((const uint32_t *)(base + g * seg_bytes), words, 0x7F4A7C15u);
+    }
+}
+
+/* kvstage_copy_spans, and each copied byte's term of kvstage/staging/checksum.py's sum added to its
+ * segment's: the region side of the copy (the destination for a gather, region_is_dst, else the
+ * source) is cut into segments of seg_bytes from origin, and a word's key is its position in its
+ * segment. Each span is copied in pieces of at most CHECKSUM_STEP bytes, each summed right after it
+ * is copied, from the copy's source while it is still in the cache: the bytes are read from memory
+ * once. Lengths and offsets are multiples of 4 (whole words). Each segment's sum is written by one
+ * caller only (a host scatter shares its buffers among threads; segments do not span buffers). */
+#define CHECKSUM_STEP 4096
+__attribute__((target_clones("avx2", "default")))
+static uint32_t checksum_terms(const uint32_t *v, size_t words, uint32_t key)
+{
+    uint32_t s = 0, k = key;
+    for (size_t p = 0; p < words; p++) {  /* the key as a running sum: it vectorizes with no multiply */
+        s += (v[p] ^ k) * (k | 1u);
+        k += 0x9E3779B1u;
+    }
+    return s;
+}
+
+void kvstage_copy_spans_sum(const uint64_t *dst_base, const uint64_t *src_base, size_t blocks,
+                           const int64_t *dst_off, const int64_t *src_off, const int64_t *len,
+                           size_t spans, int streaming, int region_is_dst, uint64_t origin, size_t seg_bytes,
+                           uint32_t *sums)
+{
+    for (size_t b = 0; b < blocks; b++) {
+        char *d = (char *)(uintptr_t)dst_base[b];
+        const char *s = (const char *)(uintptr_t)src_base[b];
+        for (size_t i = 0; i < spans; i++) {
+            char *dp = d + dst_off[i];
+            const char *sp = s + src_off[i];
+            size_t n = (size_t)len[i];
+            while (n) {
+                const uint64_t at = region_is_dst ? (uint64_t)(uintptr_t)dp : (uint64_t)(uintptr_t)sp;
+                const uint64_t rel = at - origin;
+                const size_t in_seg = (size_t)(rel % seg_bytes);
+                size_t m = seg_bytes - in_seg;
+                if (m > n)
+                    m = n;
+                if (m > CHECKSUM_STEP)
+                    m = CHECKSUM_STEP;
+                if (streaming)
+                    copy_streaming(dp, sp, m);
+                else
+                    memcpy(dp, sp, m);
+                const uint32_t key = (uint32_t)(in_seg / 4) * 0x9E3779B1u + 0x7F4A7C15u;
+                sums[rel / seg_bytes] += checksum_terms((const uint32_t *)sp, m / 4, key);
+                dp += m, sp += m, n -= m;
+            }
+        }
+    }
+#if defined(__SSE2__)
+    if (streaming)
+        _mm_sfence();
+#endif
+}

@@ -10,10 +10,14 @@ from __future__ import annotations
 import collections
 import logging
 from dataclasses import dataclass
-
-import torch
+from typing import TYPE_CHECKING
 
 from kvstage.cudart import runtime
+
+if TYPE_CHECKING:
+    # imported where memory is allocated: sizing an arena (``arena_size``) needs no torch, so the
+    # bench's coordinator, which only sizes them, starts without loading it
+    import torch
 
 log = logging.getLogger(__name__)
 
@@ -57,6 +61,8 @@ class _DeviceAllocation:
 
     def __init__(self, nbytes: int, device: torch.device):
         import ctypes
+
+        import torch
 
         torch.cuda.init()
         self._rt = runtime()
@@ -110,6 +116,8 @@ def choose_arena(setting: str, device: torch.device, ucx_modules: list[str] | No
 def allocate_arena(nbytes: int, device: torch.device, pinned: bool = False) -> torch.Tensor:
     """A contiguous byte buffer for the arena: host memory (pinned for a CUDA rank's
     host arena, so its kernels reach it), or cudaMalloc'd device memory."""
+    import torch
+
     if device.type != "cuda":
         # touch every page now: a first write into untouched memory page-faults,
         # which would land inside the first transfers' timings

@@ -20,6 +20,11 @@ Every call checks its pieces against the rank and the region once, here, before
 anything moves (``region.check_pieces``); an implementation's ``_gather``,
 ``_scatter`` and ``_prepare_*`` take pieces already checked. ``idx`` is a
 ``staging.copy.TokenIndex``, built once per chunk.
+
+``sums`` (a ``staging.checksum.ChunkSums``, or None): the chunk checksum of every
+piece's whole rows in the region, filled by the same call (the kernel adds it up as it
+moves the words; elsewhere a pass over the region after the copy), readable once the
+copy's fence has passed.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ import abc
 from collections.abc import Sequence
 
 from kvstage.errors import ConfigError
+from kvstage.staging.checksum import ChunkSums, region_sums
 from kvstage.staging.copy import TokenIndex
 from kvstage.staging.region import RegionPiece, check_pieces
 
@@ -74,28 +80,32 @@ class Copier(abc.ABC):
         )
 
     # -- the contract: checked once here, run by the implementation ---------------------------
-    def gather(self, idx: TokenIndex, pieces: Sequence[RegionPiece], region) -> None:
+    def gather(self, idx: TokenIndex, pieces: Sequence[RegionPiece], region, sums: ChunkSums | None = None) -> None:
         """Copy every piece of the indexed tokens from the cache into ``region``: a source's
         chunk, laid out for one write (or one read by its destination)."""
         pieces = self.check(idx, pieces, region)
         if pieces and idx.count:
-            self._gather(idx, pieces, region)
+            self._gather(idx, pieces, region, sums)
 
-    def scatter_chunk(self, idx: TokenIndex, pieces: Sequence[RegionPiece], region, threads=None) -> None:
+    def scatter_chunk(
+        self, idx: TokenIndex, pieces: Sequence[RegionPiece], region, threads=None, sums: ChunkSums | None = None
+    ) -> None:
         """Copy every piece from ``region`` into the cache in one call, so an implementation can
         place them together; ``threads`` (``staging.copy.CopyThreads``) may take a share of a
         host scatter."""
         pieces = self.check(idx, pieces, region)
         if pieces and idx.count:
-            self._scatter(idx, pieces, region, threads)
+            self._scatter(idx, pieces, region, threads, sums)
 
-    def prepare_scatter(self, idx: TokenIndex, pieces: Sequence[RegionPiece], region, threads=None):
+    def prepare_scatter(
+        self, idx: TokenIndex, pieces: Sequence[RegionPiece], region, threads=None, sums: ChunkSums | None = None
+    ):
         """``scatter_chunk`` made ready when the chunk is granted, a callable that runs it, so
         the set-up is off the path between the last piece landing and the pages being written."""
         pieces = self.check(idx, pieces, region)
         if not (pieces and idx.count):
             return _nothing
-        return self._prepare_scatter(idx, pieces, region, threads)
+        return self._prepare_scatter(idx, pieces, region, threads, sums)
 
     def prepare_piece_scatters(self, idx: TokenIndex, pieces: Sequence[RegionPiece], region) -> list | None:
         """One prepared scatter per piece, so each piece can go to the pages the moment it
@@ -109,17 +119,29 @@ class Copier(abc.ABC):
         """Load what the copies run on (a kernel) now, since loading at the first copy may
         wait for work already queued on the device."""
 
+    @staticmethod
+    def _fuses(idx: TokenIndex, pieces) -> bool:
+        """Whether a copy that sums as it goes covers the pieces' whole rows: it moves every row of each
+        (a row window, a request starting inside the chunk, is summed by a pass instead)."""
+        return all(p.rows is None or (p.rows == idx.count and p.row_first == 0) for p in pieces)
+
+    def _sum(self, idx: TokenIndex, pieces: tuple[RegionPiece, ...], region, sums: ChunkSums | None) -> None:
+        """``sums`` of the pieces' whole rows by a pass over ``region`` (``checksum.region_sums``), for an
+        implementation whose copy does not add them up itself."""
+        if sums is not None:
+            region_sums(region, pieces, self.cache.spec.geometry.head_bytes(), idx.count, sums)
+
     # -- what an implementation provides (pieces already checked, at least one, count >= 1) ----
     @abc.abstractmethod
-    def _gather(self, idx: TokenIndex, pieces: tuple[RegionPiece, ...], region) -> None:
-        """``gather``'s copy."""
+    def _gather(self, idx: TokenIndex, pieces: tuple[RegionPiece, ...], region, sums=None) -> None:
+        """``gather``'s copy, and ``sums`` of what it read."""
 
     @abc.abstractmethod
-    def _scatter(self, idx: TokenIndex, pieces: tuple[RegionPiece, ...], region, threads=None) -> None:
-        """``scatter_chunk``'s copy."""
+    def _scatter(self, idx: TokenIndex, pieces: tuple[RegionPiece, ...], region, threads=None, sums=None) -> None:
+        """``scatter_chunk``'s copy, and ``sums`` of the region's pieces."""
 
-    def _prepare_scatter(self, idx: TokenIndex, pieces: tuple[RegionPiece, ...], region, threads=None):
-        return lambda: self._scatter(idx, pieces, region, threads)
+    def _prepare_scatter(self, idx: TokenIndex, pieces: tuple[RegionPiece, ...], region, threads=None, sums=None):
+        return lambda: self._scatter(idx, pieces, region, threads, sums)
 
     def _prepare_piece_scatters(self, idx: TokenIndex, pieces: tuple[RegionPiece, ...], region) -> list | None:
         return None

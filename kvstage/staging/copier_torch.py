@@ -106,7 +106,7 @@ class TorchCopier(Copier):
             self._words(buf)[idx.page, lo : lo + heads, idx.offset] = src
 
     # -- the contract -----------------------------------------------------------------------
-    def _gather(self, idx, pieces, region) -> None:
+    def _gather(self, idx, pieces, region, sums=None) -> None:
         cache = self.cache
         for piece in pieces:
             view = self._piece_view(region, piece, idx.count)
@@ -119,10 +119,12 @@ class TorchCopier(Copier):
                 self._gather_buffer(idx, cache.buffers[b], piece.head_lo, piece.heads, out[bi])
             if out is not view:
                 view.copy_(out)
+        self._sum(idx, pieces, region, sums)
 
-    def _scatter(self, idx, pieces, region, threads=None) -> None:
+    def _scatter(self, idx, pieces, region, threads=None, sums=None) -> None:
         """``threads``: share a host cache's tiled scatter (token-order pieces laid end to end)
         among them, by buffer."""
+        self._sum(idx, pieces, region, sums)
         cache = self.cache
         tiled = self._tiling(idx.count, pieces) if cache.device.type == region.device.type == "cpu" else None
         if tiled is not None:

@@ -141,31 +141,21 @@ class CopyThreads:
 
 
 # -- the verbs, on the copier the cache chose ------------------------------------------------
-def gather(cache: RankCache, idx: TokenIndex, pieces: Sequence[RegionPiece], region: torch.Tensor) -> None:
-    """Copy every piece of the indexed tokens from the cache into ``region``."""
-    cache.copier.gather(idx, pieces, region)
+def gather(cache: RankCache, idx: TokenIndex, pieces: Sequence[RegionPiece], region: torch.Tensor, sums=None) -> None:
+    """Copy every piece of the indexed tokens from the cache into ``region`` (and sum them into ``sums``,
+    a ``checksum.ChunkSums``)."""
+    cache.copier.gather(idx, pieces, region, sums)
 
 
-def scatter_chunk(
-    cache: RankCache,
-    idx: TokenIndex,
-    pieces: Sequence[RegionPiece],
-    region: torch.Tensor,
-    threads: CopyThreads | None = None,
-) -> None:
-    """Copy every piece from ``region`` into the indexed tokens of the cache."""
-    cache.copier.scatter_chunk(idx, pieces, region, threads)
+def scatter_chunk(cache: RankCache, idx: TokenIndex, pieces, region: torch.Tensor, threads=None, sums=None) -> None:
+    """Copy every piece (``RegionPiece``) from ``region`` into the indexed tokens of the cache (and sum the
+    region's pieces); ``threads``: a ``CopyThreads`` that may share a host scatter."""
+    cache.copier.scatter_chunk(idx, pieces, region, threads, sums)
 
 
-def prepare_scatter(
-    cache: RankCache,
-    idx: TokenIndex,
-    pieces: Sequence[RegionPiece],
-    region: torch.Tensor,
-    threads: CopyThreads | None = None,
-):
+def prepare_scatter(cache: RankCache, idx: TokenIndex, pieces, region: torch.Tensor, threads=None, sums=None):
     """``scatter_chunk`` made ready when the chunk is granted: a callable that runs it."""
-    return cache.copier.prepare_scatter(idx, pieces, region, threads)
+    return cache.copier.prepare_scatter(idx, pieces, region, threads, sums)
 
 
 def prepare_piece_scatters(

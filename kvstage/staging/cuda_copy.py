@@ -45,13 +45,54 @@ INLINE_PAGES = 256
 _SOURCE = r"""
 // grid: x = words of one buffer of the largest piece / (THREADS * UNROLL), y = buffer of a piece (as many as
 // the piece with the most; a block past its own piece's buffers returns), z = piece.
-// meta (device, int64): npieces x META (head_lo, heads, buffer_lo, nbuffers, order, rows, row_first, offset);
+// meta (device, int64): npieces x META (head_lo, heads, buffer_lo, nbuffers, order, rows, row_first, offset,
+// first checksum segment);
 // order 0: the piece's bytes are [heads][buffers][rows][head_words], 1: [buffers][rows][heads][head_words];
 // rows 0: the chunk's count. pages: the chunk's page ids, in device memory (kvstage_copy_words) or in the
 // launch's own parameters (kvstage_copy_words_inline).
+// sums: 0, or one uint32 per checksum segment of every piece (staging.checksum: a segment is a (head,
+// buffer) of order 0, a buffer of order 1), zeroed before the launch; each word's term is added to its
+// segment's sum, one atomic per block where the block's words share a segment, else per warp.
 // Index arithmetic is 32-bit (the host checks a piece's words fit); only the final
 // word offset inside a buffer is 64-bit.
-#define META 8
+#define META 9
+#define CHECKSUM_MULTIPLIER 0x9E3779B1u
+#define CHECKSUM_INCREMENT 0x7F4A7C15u
+
+// staging.checksum's term of the four 32-bit words of 16-byte word p16 of a segment
+__device__ __forceinline__ unsigned int checksum_terms(const uint4 v, const unsigned int p16)
+{
+    unsigned int key = 4u * p16 * CHECKSUM_MULTIPLIER + CHECKSUM_INCREMENT;
+    unsigned int s = (v.x ^ key) * (key | 1u);
+    key += CHECKSUM_MULTIPLIER;
+    s += (v.y ^ key) * (key | 1u);
+    key += CHECKSUM_MULTIPLIER;
+    s += (v.z ^ key) * (key | 1u);
+    key += CHECKSUM_MULTIPLIER;
+    return s + (v.w ^ key) * (key | 1u);
+}
+
+// add one word's term to its segment's sum (segment -1: this thread has no word)
+__device__ __forceinline__ void checksum_add(unsigned int* sums, const int segment, unsigned int term)
+{
+#ifdef __CUDA_ARCH__
+    const unsigned int all = 0xffffffffu;
+    if (!__any_sync(all, segment >= 0))
+        return;
+    const int first = __shfl_sync(all, segment, 0);  // lane 0 has a word when any lane has one
+    if (__all_sync(all, segment == first || segment < 0)) {
+        for (int d = 16; d > 0; d >>= 1)
+            term += __shfl_down_sync(all, term, d);
+        if ((threadIdx.x & 31) == 0)
+            atomicAdd(sums + first, term);
+    } else if (segment >= 0) {
+        atomicAdd(sums + segment, term);
+    }
+#else
+    if (segment >= 0)
+        atomicAdd(sums + segment, term);
+#endif
+}
 struct PageIds { long long id[INLINE]; };
 
 __device__ __forceinline__ void copy_words(
@@ -59,7 +100,7 @@ __device__ __forceinline__ void copy_words(
     const unsigned long long meta_addr, const long long* pages,
     const unsigned int count, const unsigned int first,
     const unsigned int page_size, const unsigned int nheads, const unsigned int head_words, const int hnd,
-    const int to_region)
+    const int to_region, const unsigned long long sums_addr)
 {
     const unsigned long long* table = (const unsigned long long*)table_addr;
     const long long* meta = (const long long*)meta_addr + META * blockIdx.z;
@@ -77,6 +118,8 @@ __device__ __forceinline__ void copy_words(
     uint4 v[UNROLL];
     long long at[UNROLL];
     unsigned int in_region[UNROLL];
+    int segment[UNROLL];
+    unsigned int p16[UNROLL];
     #pragma unroll
     for (int k = 0; k < UNROLL; k++) {
         const unsigned int i = i0 + k * THREADS;
@@ -89,12 +132,16 @@ __device__ __forceinline__ void copy_words(
                 j = r / head_words;
                 w = r - j * head_words;
                 in_region[k] = ((bi * rows + row_first + t) * heads + j) * head_words + w;
+                segment[k] = bi;
+                p16[k] = ((row_first + t) * heads + j) * head_words + w;
             } else {  // i walks [heads][count][words]: the region's rows in order
                 j = i / per_head;
                 const unsigned int r = i - j * per_head;
                 t = r / head_words;
                 w = r - t * head_words;
                 in_region[k] = ((j * nbuffers + bi) * rows + row_first + t) * head_words + w;
+                segment[k] = j * nbuffers + bi;
+                p16[k] = (row_first + t) * head_words + w;
             }
             const unsigned int u = first + t;
             const unsigned int q = u / page_size, off = u - q * page_size;
@@ -112,6 +159,50 @@ __device__ __forceinline__ void copy_words(
             else kv[at[k]] = v[k];
         }
     }
+    if (sums_addr) {
+        unsigned int* sums = (unsigned int*)sums_addr + (unsigned int)meta[8];
+        unsigned int term[UNROLL];
+        int own = -1, mixed = 0;  // the segment of all this thread's words, or mixed
+        unsigned int total = 0;
+        #pragma unroll
+        for (int k = 0; k < UNROLL; k++) {
+            term[k] = at[k] >= 0 ? checksum_terms(v[k], p16[k]) : 0u;
+            if (at[k] >= 0) {
+                mixed |= own >= 0 && own != segment[k];
+                own = own < 0 ? segment[k] : own;
+                total += term[k];
+            }
+        }
+#ifdef __CUDA_ARCH__
+        // most blocks lie in one segment (always in order 1: a block is one buffer of a piece): one atomic
+        // per block then, as one per warp would queue every block of a buffer on one address
+        __shared__ int block_segment;
+        __shared__ unsigned int warp_totals[THREADS / 32];
+        if (threadIdx.x == 0)
+            block_segment = own;  // -1: thread 0 has no word, so no thread of the block has one
+        __syncthreads();
+        const int first = block_segment;
+        if (first < 0)
+            return;
+        if (__syncthreads_and(!mixed && (own < 0 || own == first))) {
+            for (int d = 16; d > 0; d >>= 1)
+                total += __shfl_down_sync(0xffffffffu, total, d);
+            if ((threadIdx.x & 31) == 0)
+                warp_totals[threadIdx.x >> 5] = total;
+            __syncthreads();
+            if (threadIdx.x == 0) {
+                unsigned int block_total = 0;
+                for (int w = 0; w < THREADS / 32; w++)
+                    block_total += warp_totals[w];
+                atomicAdd(sums + first, block_total);
+            }
+            return;
+        }
+#endif
+        #pragma unroll
+        for (int k = 0; k < UNROLL; k++)
+            checksum_add(sums, at[k] >= 0 ? segment[k] : -1, term[k]);
+    }
 }
 
 extern "C" __global__ void kvstage_copy_words(
@@ -119,10 +210,10 @@ extern "C" __global__ void kvstage_copy_words(
     const unsigned long long meta_addr, const unsigned long long pages_addr,
     const unsigned int count, const unsigned int first,
     const unsigned int page_size, const unsigned int nheads, const unsigned int head_words, const int hnd,
-    const int to_region)
+    const int to_region, const unsigned long long sums_addr)
 {
     copy_words(table_addr, region_addr, meta_addr, (const long long*)pages_addr, count, first, page_size, nheads,
-               head_words, hnd, to_region);
+               head_words, hnd, to_region, sums_addr);
 }
 
 // __grid_constant__: the ids are read where the launch put them (the constant bank), not copied per thread
@@ -131,10 +222,10 @@ extern "C" __global__ void kvstage_copy_words_inline(
     const unsigned long long meta_addr, const __grid_constant__ PageIds pages,
     const unsigned int count, const unsigned int first,
     const unsigned int page_size, const unsigned int nheads, const unsigned int head_words, const int hnd,
-    const int to_region)
+    const int to_region, const unsigned long long sums_addr)
 {
     copy_words(table_addr, region_addr, meta_addr, pages.id, count, first, page_size, nheads, head_words, hnd,
-               to_region);
+               to_region, sums_addr);
 }
 """
 
@@ -151,6 +242,7 @@ _PARAMS = [
     ("head_words", ctypes.c_uint32),
     ("hnd", ctypes.c_int32),
     ("to_region", ctypes.c_int32),
+    ("sums_addr", ctypes.c_uint64),
 ]
 
 
@@ -391,21 +483,20 @@ class WordCopier(DeviceKernels):
         ids = np.array(page_ids, dtype=np.int64)
         return ids if len(ids) <= INLINE_PAGES else self._upload(ids)
 
-    def prepare(
-        self, pages, first: int, count: int, pieces, region: torch.Tensor, to_region: bool, page_offset: int = 0
-    ) -> PreparedCopy:
+    def prepare(self, pages, first: int, count: int, pieces, region, to_region: bool, page_offset=0, sums_addr=0):
         """The launch copying tokens ``first .. first+count`` of the chunk's pages for every
         piece (``region.RegionPiece``, checked, and ``supports``); nothing runs until it is
         called. ``pages``: the chunk's page ids on the host (passed in the launch, or uploaded
         now past ``INLINE_PAGES``), or a request's from ``upload_pages`` with the chunk's first
-        page at ``page_offset``."""
+        page at ``page_offset``. ``sums_addr``: zeroed device sums (``checksum.on_device``) the copy
+        adds each piece's checksum terms into, or 0."""
         block = _ArgBlock()
-        function, grid, params, keep = self._fill(block, pages, first, count, pieces, region, to_region, page_offset)
+        function, grid, params, keep = self._fill(
+            block, pages, first, count, pieces, region, to_region, page_offset, sums_addr
+        )
         return PreparedCopy(self, function, grid, params, (*keep, block))
 
-    def launch(
-        self, pages, first: int, count: int, pieces, region: torch.Tensor, to_region: bool, page_offset: int = 0
-    ) -> None:
+    def launch(self, pages, first: int, count: int, pieces, region, to_region: bool, page_offset=0, sums_addr=0):
         """``prepare(...)()`` for a copy launched at once (a source's gather): the arguments
         go in this thread's own block, which ``cuLaunchKernel`` copies when called, so no
         argument block or ``PreparedCopy`` is built per chunk. The tensors it reads need
@@ -414,7 +505,7 @@ class WordCopier(DeviceKernels):
         block = getattr(self._blocks, "block", None)
         if block is None:
             block = self._blocks.block = _ArgBlock()
-        self._launch(*self._fill(block, pages, first, count, pieces, region, to_region, page_offset)[:3])
+        self._launch(*self._fill(block, pages, first, count, pieces, region, to_region, page_offset, sums_addr)[:3])
 
     def device_table(self, pieces) -> torch.Tensor:
         """The pieces' rows of the kernel's table on the device, uploaded once per distinct
@@ -428,7 +519,7 @@ class WordCopier(DeviceKernels):
             self._pieces[key] = meta
         return meta
 
-    def _fill(self, block: _ArgBlock, pages, first, count, pieces, region, to_region, page_offset):
+    def _fill(self, block: _ArgBlock, pages, first, count, pieces, region, to_region, page_offset, sums_addr=0):
         """Write one copy's arguments into ``block``: the kernel to launch, its grid, its
         parameter array and the tensors it reads."""
         args = block.args
@@ -445,7 +536,7 @@ class WordCopier(DeviceKernels):
         meta = self.device_table(pieces)
         args.table_addr, args.meta_addr, args.region_addr = self._table_addr, meta.data_ptr(), region.data_ptr()
         args.pages_addr = 0 if inline else pages.data_ptr() + 8 * page_offset
-        args.count, args.first, args.to_region = count, first, int(to_region)
+        args.count, args.first, args.to_region, args.sums_addr = count, first, int(to_region), sums_addr
         args.page_size, args.nheads, args.head_words, args.hnd = self._fixed
         grid = launch_grid(pieces, count, self.geometry.head_words)
         if inline:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import ctypes
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -22,6 +23,7 @@ from kvstage.native import load as load_native
 
 _I64 = np.ctypeslib.ndpointer(dtype=np.int64, flags="C_CONTIGUOUS")
 _U64 = np.ctypeslib.ndpointer(dtype=np.uint64, flags="C_CONTIGUOUS")
+_U32 = np.ctypeslib.ndpointer(dtype=np.uint32, flags="C_CONTIGUOUS")
 _lib: ctypes.CDLL | None = None
 _why_not = ""
 
@@ -35,6 +37,23 @@ def _load() -> None:
         return
     lib.kvstage_copy_spans.restype = None
     lib.kvstage_copy_spans.argtypes = [_U64, _U64, ctypes.c_size_t, _I64, _I64, _I64, ctypes.c_size_t, ctypes.c_int]
+    lib.kvstage_copy_spans_sum.restype = None
+    lib.kvstage_copy_spans_sum.argtypes = [
+        _U64,
+        _U64,
+        ctypes.c_size_t,
+        _I64,
+        _I64,
+        _I64,
+        ctypes.c_size_t,
+        ctypes.c_int,
+        ctypes.c_int,
+        ctypes.c_uint64,
+        ctypes.c_size_t,
+        _U32,
+    ]
+    lib.kvstage_checksum_segments.restype = None
+    lib.kvstage_checksum_segments.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_size_t, _U32]
     _lib = lib
 
 
@@ -47,6 +66,19 @@ def why_unavailable() -> str:
     """Why ``available()`` is False ("" when it is True)."""
     _load()
     return _why_not
+
+
+@dataclass(frozen=True)
+class SpanSums:
+    """Where a span copy adds its checksum terms (``staging.checksum``): the region side (the copy's
+    destination for a gather, its source for a scatter) is cut into ``seg_bytes`` segments from address
+    ``origin``; ``sums`` (uint32, zeroed by the caller) takes one sum per segment. The spans must lie in
+    those segments: the caller's piece."""
+
+    region_is_dst: bool
+    origin: int
+    seg_bytes: int
+    sums: np.ndarray
 
 
 class SpanCopy:
@@ -79,8 +111,11 @@ class SpanCopy:
         """Bytes copied per buffer pair."""
         return int(self.lengths.sum())
 
-    def run(self, dst: Sequence[tuple[int, int]], src: Sequence[tuple[int, int]]) -> None:
-        """Copy the spans from each ``src[b]`` to ``dst[b]``, given as (address, bytes there)."""
+    def run(
+        self, dst: Sequence[tuple[int, int]], src: Sequence[tuple[int, int]], checksum: SpanSums | None = None
+    ) -> None:
+        """Copy the spans from each ``src[b]`` to ``dst[b]``, given as (address, bytes there); with
+        ``checksum``, add every copied word's checksum term to its segment's sum as it goes."""
         if len(dst) != len(src):
             raise ValueError(f"{len(dst)} destination buffers, {len(src)} source buffers")
         if not dst or not len(self.lengths):
@@ -95,7 +130,7 @@ class SpanCopy:
             raise IndexError(f"source buffer {b} holds {int(s[b, 1])} bytes; the spans reach {self.src_end}")
         if _lib is None:
             raise RuntimeError(f"native span copies are not loaded: {_why_not or 'available() was not asked'}")
-        _lib.kvstage_copy_spans(
+        spans = (
             np.ascontiguousarray(d[:, 0]),
             np.ascontiguousarray(s[:, 0]),
             len(d),
@@ -105,3 +140,20 @@ class SpanCopy:
             len(self.lengths),
             int(self.streaming),
         )
+        if checksum is None:
+            _lib.kvstage_copy_spans(*spans)
+        else:
+            c = checksum
+            _lib.kvstage_copy_spans_sum(*spans, int(c.region_is_dst), c.origin, c.seg_bytes, c.sums)
+
+
+def checksum_segments(address: int, nseg: int, seg_bytes: int, out: np.ndarray) -> None:
+    """``staging.checksum``'s sums of ``nseg`` segments of ``seg_bytes`` bytes from host ``address``
+    into ``out`` (uint32, ``nseg``), in one native call; the caller checks the bytes are its own."""
+    if _lib is None:
+        raise RuntimeError(f"native span copies are not loaded: {_why_not or 'available() was not asked'}")
+    if seg_bytes % 4 or len(out) != nseg or out.dtype != np.uint32:
+        raise ValueError(
+            f"{nseg} segments of {seg_bytes} bytes into {len(out)} {out.dtype}: need uint32, bytes % 4 == 0"
+        )
+    _lib.kvstage_checksum_segments(address, nseg, seg_bytes, out)

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from kvstage.layout import token_major
+from kvstage.staging.checksum import segment_count
 from kvstage.staging.region import Order, RegionPiece
 from kvstage.tp import SideSpec
 
@@ -62,16 +63,18 @@ def chunk_pages(page_ids: np.ndarray, page_size: int, start: int, count: int) ->
 
 
 #: int64 fields per piece in the kernel's piece table (``piece_table``; ``META`` in the kernel source)
-META = 8
+META = 9
 #: how the piece table names each order (the kernel's ``by_token`` flag)
 ORDER_CODES = {Order.HEADS: 0, Order.TOKENS: 1}
 
 
 def piece_table(pieces) -> np.ndarray:
     """The kernel's piece table: ``META`` int64 per piece, (head_lo, heads, buffer_lo, nbuffers,
-    order code, rows or 0 for the chunk's count, row_first, byte offset)."""
-    return np.array(
-        [
+    order code, rows or 0 for the chunk's count, row_first, byte offset, its first checksum
+    segment: the segments of the pieces before it, ``staging.checksum.segments``)."""
+    rows, first = [], 0
+    for p in pieces:
+        rows.append(
             (
                 p.head_lo,
                 p.heads,
@@ -81,11 +84,11 @@ def piece_table(pieces) -> np.ndarray:
                 p.rows or 0,
                 p.row_first,
                 p.offset,
+                first,
             )
-            for p in pieces
-        ],
-        dtype=np.int64,
-    ).reshape(-1)
+        )
+        first += segment_count(p)
+    return np.array(rows, dtype=np.int64).reshape(-1)
 
 
 def word_index(
@@ -95,7 +98,7 @@ def word_index(
     word ``i`` of that buffer's ``count * heads * head_words``), the buffer it is in, its
     index in the region and its index in that buffer; mirrors the kernel line by line,
     reading the piece from its row of the piece table as the kernel does."""
-    head_lo, heads, buffer_lo, nbuffers, by_token, rows, row_first, offset = (int(v) for v in piece_table([piece]))
+    head_lo, heads, buffer_lo, nbuffers, by_token, rows, row_first, offset, _ = (int(v) for v in piece_table([piece]))
     rows = rows if rows else count
     hw = wg.head_words
     per_head, per_token = count * hw, heads * hw

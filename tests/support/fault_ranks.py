@@ -1,4 +1,4 @@
-"""Rank processes for the fault suite (imported by spawned children).
+"""Rank processes for the fault suite (imported by the tests' child processes, ``support.procs``).
 
 A rank process here is one endpoint (a ``Source`` or a ``Destination``) in a
 spawned process, driven by the test over a pipe (``Rank``): it answers each
@@ -10,7 +10,6 @@ the test checks every byte it receives (``check``).
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
 import signal
 import time
@@ -22,10 +21,10 @@ from kvstage.config import Settings
 from kvstage.layout import KVGeometry, PageLayout, pages_needed
 from kvstage.staging.cache import RankCache
 from kvstage.tp import SideSpec
+from support.procs import CTX
 
 GEO = KVGeometry(2, 4, 16, "bfloat16")
 SETTINGS = dict(arena_mb=1 / 16, stall_timeout_s=5.0)  # 4 slots of 16 KiB: 32 tokens at TP 1
-CTX = mp.get_context("spawn")
 
 
 def src_spec(tp: int, geo: KVGeometry = GEO, page: int = 16) -> SideSpec:
@@ -392,20 +391,23 @@ def load_source(address, rank: int, tp: int, n: int, most: int, conc: int, seed:
     src.close()
 
 
-def two_to_one(settings: Settings, n: int, tokens: int, seed: int, content: int):
+def two_to_one(
+    settings: Settings, n: int, tokens: int, seed: int, content: int, copier: str | None = None, device: str = "cpu"
+):
     """A destination (TP 1, page 4) and two sources (TP 2, page 16) connected to it, in
     this process, with random pages for ``n`` requests of ``tokens`` tokens on each side;
     each source's pages of request k hold the reference content of seed ``content + k``.
     Returns (destination, sources, destination pages, each source's pages), one row per
-    request; the caller closes the endpoints."""
+    request; ``copier`` names every cache's copier (None: the rule's), ``device`` where the caches are. The
+    caller closes the endpoints."""
     from kvstage.protocol.destination import Destination
     from kvstage.protocol.source import Source
 
-    dcache = RankCache.allocate(dst_spec(), 0, n * pages_needed(tokens, 4) + 4)
+    dcache = RankCache.allocate(dst_spec(), 0, n * pages_needed(tokens, 4) + 4, device, copier=copier)
     dst = Destination(dcache, settings)
     srcs = []
     for rank in range(2):
-        cache = RankCache.allocate(src_spec(2), rank, n * pages_needed(tokens, 16) + 2)
+        cache = RankCache.allocate(src_spec(2), rank, n * pages_needed(tokens, 16) + 2, device, copier=copier)
         srcs.append(Source(cache, settings))
         srcs[-1].connect([dst.address])
     rng = np.random.default_rng(seed)

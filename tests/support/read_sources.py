@@ -64,14 +64,13 @@ class ReadSources:
         self.name, self.n, self.peer_bytes, self.dst_bytes = name, n, peer_bytes, dst_bytes
 
     def __enter__(self) -> "ReadSources":
-        import multiprocessing as mp
-
         import torch
 
         from kvstage.transports import make_transport
         from kvstage.transports.base import Region
 
-        ctx = mp.get_context("spawn")
+        from support.procs import CTX as ctx
+
         self.conns, self.procs = [], []
         for i in range(self.n):
             parent, child = ctx.Pipe()

@@ -16,6 +16,10 @@ byte), a file in the folder arms one fault for the next such request:
   becomes 0x7f. That is the most significant byte of a float32 element, or of
   the second element in 16-bit floats: a huge or non-finite value, which a
   decode computing from that KV must show.
+- ``flip-next``: one byte of the request's first gathered chunk changes in the
+  prefill's staging arena right after kvstage's gather read (and summed) it, so
+  the bytes change between the source's read and the decode's landing: the
+  chunk checksum (``KVSTAGE_CHECKSUM=all`` on the prefill) must fail the request.
 
 The hook removes the file it acts on and writes ``<fault>.fired`` with the
 room and the wall-clock time it acted at (for ``die-next``: right before the
@@ -34,7 +38,7 @@ import sys
 import time
 
 TARGET = "kvstage.plugin.sglang.conn"
-FAULTS = ("die-next", "corrupt-next", "stall-next")
+FAULTS = ("die-next", "corrupt-next", "stall-next", "flip-next")
 log = logging.getLogger("kvstage.tests.faults")
 
 
@@ -90,6 +94,12 @@ def _patch(conn, folder: str) -> None:
                 _fired(folder, fault, bootstrap_room)
                 _corrupt_one_byte(self.kv_args, int(kv_indices[0]))
                 log.warning("test fault: one KV byte of room %s corrupted on prefill rank 0", bootstrap_room)
+            elif fault == "flip-next":
+                _fired(folder, fault, bootstrap_room)
+                from support.flips import flip_after_next_gather
+
+                flip_after_next_gather()
+                log.warning("test fault: the next gather on prefill rank 0 (room %s) is flipped", bootstrap_room)
         return original(self, bootstrap_room, kv_indices, index_slice, is_last_chunk, *args, **kwargs)
 
     conn.KVStageManager.add_transfer_request = add_transfer_request

@@ -35,12 +35,17 @@ manager starts); with ``"ready_file"`` the rank writes its identity to that file
 A request with ``"corrupt": true`` has one byte of its KV, of its metadata row
 and of each state component changed on the prefill after the bytes the decode
 expects are fixed: the decode's comparison must report exactly those.
+
+A prefill rank also reports, under ``"metrics"``, its Source's failed requests and
+failures in kvstage's metrics and the rooms its log reported failed, taken together.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
+import re
 import sys
 import time
 
@@ -157,6 +162,8 @@ def main(cfg: dict) -> None:
         append_state_component(kv_args, StateType.MAMBA, [t.data_ptr() for t in mamba], [t.nbytes for t in mamba],
                                [t[0].nbytes for t in mamba])
     mode = DisaggregationMode.PREFILL if role == "prefill" else DisaggregationMode.DECODE
+    failed_rooms = _FailedRooms()  # the prefill's "room N failed" WARNINGs, from the first room on
+    logging.getLogger("kvstage.sglang").addFilter(failed_rooms)  # a filter: the log still goes where it went
     mgr = get_kv_class(backend, KVClassType.MANAGER)(kv_args, mode, args, mla)
     if cfg.get("ready_file"):  # the manager holds its model identity (its weights fingerprinted at load)
         with open(cfg["ready_file"] + ".tmp", "w") as f:
@@ -260,6 +267,8 @@ def main(cfg: dict) -> None:
             time.sleep(0.01)
         for room in list(waiting) + list(sent):
             results[room] = {"state": "hung"}
+        with mgr._lock:  # where a room's failure is logged and counted: both at once here
+            results["metrics"] = dict(_failed_counts(), logged=list(failed_rooms.rooms))
     else:
         def addr_of(r):
             return f"127.0.0.1:{r.get('bootstrap_port', cfg['bootstrap_port'])}"
@@ -328,6 +337,42 @@ def main(cfg: dict) -> None:
     if role == "prefill":
         time.sleep(cfg.get("linger_s", 2.0))  # decode ranks may still read the bootstrap server or call in
     os._exit(0)
+
+
+class _FailedRooms(logging.Filter):
+    """Notes the prefill manager's WARNING for each failed room (what an operator reads in its log)."""
+
+    def __init__(self):
+        super().__init__()
+        self.rooms: list[str] = []
+
+    def filter(self, record):
+        m = re.match(r"kvstage: prefill rank \d+, room (\d+) failed: ", record.getMessage())
+        if m and record.levelno == logging.WARNING:
+            self.rooms.append(m.group(1))
+        return True
+
+
+def _failed_counts() -> dict:
+    """This process's kvstage metrics of its Source (role src): failed requests (``kvstage_requests_total``,
+    result failed) and failures (``kvstage_failures_total``), summed over their labels, and the failures by
+    (stage, cause)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from kvstage import metrics
+
+    out: dict = {"failed": 0, "failures": 0, "by_cause": {}}
+    for family in text_string_to_metric_families(metrics.exposition().decode()):
+        for sample in family.samples:
+            if sample.labels.get("role") != "src":
+                continue
+            if sample.name == "kvstage_requests_total" and sample.labels["result"] == "failed":
+                out["failed"] += int(sample.value)
+            elif sample.name == "kvstage_failures_total":
+                out["failures"] += int(sample.value)
+                key = f"{sample.labels['stage']}/{sample.labels['cause']}"
+                out["by_cause"][key] = out["by_cause"].get(key, 0) + int(sample.value)
+    return out
 
 
 def _locs(pages) -> np.ndarray:

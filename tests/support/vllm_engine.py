@@ -25,6 +25,9 @@ Reads one JSON command per line on stdin and answers each with one line
   kvstage also ``received_s``, the load's start until this rank held every byte, and
   ``report_wait_s``, from then until the engine step that reported it).
   Other commands are answered between steps; generate/prefill/timed wait until none is in flight.
+- ``{"cmd": "flip"}`` (TP 1: the worker is this process): the next kvstage gather of this process flips
+  one bit of the middle byte of the staging region it wrote, after the copy read and summed it (a fault
+  between the source's read and the decode's landing, for the chunk checksum to catch)
 - ``{"cmd": "quit"}``
 
 A ready line ``@@ {"ready": true, "startup_s": S}`` comes first. One engine per
@@ -236,6 +239,7 @@ def endpoints(worker) -> dict:
     return out
 
 
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", required=True)
@@ -367,6 +371,12 @@ def main() -> None:
                 from vllm.distributed.kv_transfer import get_kv_transfer_group
 
                 outs = list(get_kv_transfer_group()._w.recent)
+            elif kind == "flip":
+                sys.path.insert(0, os.path.dirname(HERE))  # the tests folder: ``support`` as a package
+                from support.flips import flip_after_next_gather
+
+                flip_after_next_gather()
+                outs = []
             elif kind == "steps":  # the step times since the last ``steps``
                 outs, steps[:] = list(steps), []
             elif kind == "endpoints":

@@ -12,12 +12,14 @@ they registered. ``register`` (the entry point, see pyproject.toml):
    other backend.
 
 This module stays light (it runs in the tokenizer and detokenizer processes
-too); the classes in ``conn`` are imported on first use.
+too); the classes in ``conn`` (and the role modules behind it) are imported on
+first use.
 """
 
 from __future__ import annotations
 
 import enum
+from typing import Any
 
 NAME = "kvstage"
 MEMBER = "KVSTAGE"
@@ -29,7 +31,7 @@ def add_enum_member(cls: type[enum.Enum], name: str, value) -> enum.Enum:
     existing = cls._value2member_map_.get(value)
     if existing is not None:
         return existing
-    member = object.__new__(cls)
+    member: Any = object.__new__(cls)  # Enum's private fields, set by hand as EnumType sets them (not typed)
     member._name_, member._value_ = name, value
     member.__objclass__ = cls
     if hasattr(cls, "_sort_order_"):

@@ -158,7 +158,8 @@ def kv_buffers(kv_args, spec: SideSpec, device: torch.device) -> list[torch.Tens
     """kvstage's buffers (L0.K, L0.V, L1.K, ... or one per MLA layer) over SGLang's pool."""
     layers = spec.geometry.layers
     item = int(kv_args.kv_item_lens[0])
-    shape = (spec.page.page_size, spec.local_heads(), spec.geometry.head_dim)
+    shape: tuple[int, ...] = (spec.page.page_size, spec.local_heads(), spec.geometry.head_dim)
+    order: Sequence[int]
     if spec.geometry.mla:
         shape = (spec.page.page_size, spec.geometry.head_dim)
         order = range(layers)
