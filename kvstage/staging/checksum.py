@@ -134,9 +134,7 @@ def region_sums(region: torch.Tensor, pieces: Sequence[RegionPiece], head_bytes:
                 raise ValueError(
                     f"piece {k} spans bytes {p.offset}..{p.offset + n * size}, past the region's {flat.numel()}"
                 )
-            out = np.empty(n, dtype=np.uint32)
-            hostcopy.checksum_segments(flat.data_ptr() + p.offset, n, size, out)
-            sums.piece(k)[:] = out
+            hostcopy.checksum_segments(flat.data_ptr() + p.offset, n, size, sums.piece(k))
         return
     parts = []
     for p in pieces:
