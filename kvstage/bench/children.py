@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import signal
 import subprocess
 import threading
 import time
@@ -29,6 +30,13 @@ def _child_stdout():
         return 2
     except OSError:
         return subprocess.DEVNULL
+
+
+def _signal_name(sig: int) -> str:
+    try:
+        return signal.Signals(sig).name
+    except ValueError:
+        return f"signal {sig}"
 
 
 class _Kept:
@@ -130,7 +138,8 @@ class Children:
         for (_g, role, engine, r), p in self.procs.items():
             rc = p.poll()
             if rc not in (None, 0):
-                return f"{rank_name(role, r, engine)} exited with code {rc}"
+                how = f"was killed by {_signal_name(-rc)}" if rc < 0 else f"exited with code {rc}"
+                return f"{rank_name(role, r, engine)} {how}"
         return None
 
     def reap(self, group: int, timeout: float = 30.0) -> None:

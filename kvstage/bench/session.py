@@ -66,12 +66,22 @@ class Session:
             if kind == "closed":
                 if peer.said_bye:
                     continue
-                raise BenchError(f"{peer.name} disconnected ({ev[2]}) while waiting for {what}")
+                raise BenchError(f"{peer.name} disconnected ({ev[2]}) while waiting for {what}{self._exit_of_ranks()}")
             if kind == "msg" and ev[2]["type"] == "bye":
                 peer.said_bye = True
             if kind == "msg" and ev[2]["type"] == "error":
                 raise BenchError(f"{peer.name} failed:\n{ev[2].get('trace') or ev[2].get('reason')}")
             return ev
+
+    def _exit_of_ranks(self, wait_s: float = 2.0) -> str:
+        """A rank that crashed closes its connection before its launcher reports its exit: wait for that."""
+        deadline = time.monotonic() + wait_s
+        while time.monotonic() < deadline:
+            bad = self.children.failed()
+            if bad:
+                return f"; {bad}"
+            time.sleep(0.05)
+        return ""
 
     def _gather(self, peers, kind: str, what: str) -> dict:
         """Wait for one ``kind`` message from each of ``peers``; return {peer: msg}."""

@@ -29,6 +29,7 @@ the process that started it dies.
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import logging
 import os
 import signal
@@ -62,6 +63,7 @@ def _setup(label: str, level: str) -> None:
     import torch
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent handles Ctrl-C and ends us
+    faulthandler.enable(all_threads=True)  # a rank that crashes (SIGSEGV in a transport) says where
     torch.set_num_threads(max(1, min(4, (os.cpu_count() or 2) // 2)))
     logging.basicConfig(level=level, format=f"%(created).6f %(levelname)s {label} %(message)s")
     for h in logging.getLogger().handlers:

@@ -53,6 +53,7 @@ import os
 import random
 import struct
 import threading
+import time
 import uuid
 import weakref
 from typing import Any
@@ -71,6 +72,10 @@ _OFFER_BIT = 1 << 62  # offer tags: this bit, the offering endpoint's key, the c
 _KEY_BITS = 62 - _TAG_BITS
 _NOTIF_MAX = 4096  # bytes of one notification message, header included
 _NOTIF_POSTED = 16  # notification receives kept posted
+#: how long ``close`` progresses this side's open sends to live peers (hellos, offers, writes) before
+#: closing their endpoints: closing one over an open rendezvous makes UCX 1.21 abort it, and that abort
+#: crashed the process (SIGSEGV invalidating the send's memory registration)
+CLOSE_DRAIN_S = 0.5
 _MAX_DISCARD = 1 << 16  # messages of one stray write received and thrown away
 _TICKET = struct.Struct("!QI")  # first tag, number of spans
 _HEAD = struct.Struct("!4sI12sH")  # magic, total length, ticket, sender id length
@@ -586,9 +591,30 @@ class UcxTransport(Transport):
             return
         self._held.append((sender, base, count, note))
 
+    def _drain_sends(self) -> None:
+        """Progress (taking notifications, so peers' hellos to this side end too) until no send to a live
+        peer is open, or ``CLOSE_DRAIN_S`` passed."""
+
+        def open_sends() -> bool:
+            live = {p for p, ep in self._eps.items() if ep.alive}
+            hellos = any(not r.completed for r, _ in self._hellos)
+            return hellos or any(
+                not r.completed
+                for p in live
+                for t in self._transfers.get(p, ())
+                if t.what != "read from"
+                for r in t.requests
+            )
+
+        deadline = time.monotonic() + CLOSE_DRAIN_S
+        while open_sends() and time.monotonic() < deadline:
+            self.notifications()
+            time.sleep(0.001)
+
     def close(self) -> None:
         if getattr(self, "_worker", None) is None:
             return
+        self._drain_sends()
         try:
             self._worker.cancel_inflight_requests()
         except Exception as e:
