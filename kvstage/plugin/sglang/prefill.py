@@ -44,6 +44,11 @@ if TYPE_CHECKING:
     from kvstage.protocol.source import Source
 
 
+#: each chunk of a chunked prefill leaves as its forward ends, read by the decode while the next chunk
+#: computes; ``False`` holds every chunk until the last (benchmarks/sglang_streaming.py measures both)
+STREAM_CHUNKS = True
+
+
 @dataclass
 class _Outgoing:
     """A room on a prefill rank."""
@@ -147,10 +152,15 @@ class PrefillManager(ManagerBase):
                 return self._fail_locked(
                     bootstrap_room, out, f"chunk starts at page {start}, {out.npages} queued before"
                 )
-            out.pages.append(np.asarray(kv_indices, dtype=np.int64).reshape(-1))
-            out.npages += len(out.pages[-1])
-            if not is_last_chunk:  # streamed: the chunk moves now, while the next one's forward runs
-                self._maybe_send_locked(bootstrap_room, out)
+            pages = np.asarray(kv_indices, dtype=np.int64).reshape(-1)
+            if out.pages and not STREAM_CHUNKS:  # held: the room leaves as one span after its last chunk
+                out.pages[-1] = np.concatenate([out.pages[-1], pages])
+            else:
+                out.pages.append(pages)
+            out.npages += len(pages)
+            if not is_last_chunk:
+                if STREAM_CHUNKS:  # the chunk moves now, while the next one's forward runs
+                    self._maybe_send_locked(bootstrap_room, out)
                 return
             out.complete = True
             try:

@@ -9,7 +9,10 @@ its detokenizer all get:
 - ``sgl_kernel`` from this folder (see sgl_kernel.py);
 - with ``KVSTAGE_TEST_FAULTS`` set to a folder, the fault hook of
   ``support.sglang_faults`` (a control that must make a request fail or show
-  the damage).
+  the damage);
+- with ``KVSTAGE_BENCH_WHOLE_ROOMS`` set, the prefill's ``STREAM_CHUNKS`` off
+  (benchmarks/sglang_streaming.py's lever, not a setting: every chunk of a
+  room leaves after the last).
 
 Nothing is imported until the process first imports ``sglang``: the helper
 processes SGLang spawns (multiprocessing's resource tracker) never pay for it.
@@ -50,4 +53,28 @@ class _BeforeSglang(importlib.abc.MetaPathFinder):
         return None  # the regular finders import sglang itself
 
 
+class _WholeRooms(importlib.abc.MetaPathFinder):
+    """Turns the prefill's per-chunk streaming off as its module is first loaded."""
+
+    NAME = "kvstage.plugin.sglang.prefill"
+
+    def find_spec(self, name, path=None, target=None):
+        if name != self.NAME:
+            return None
+        sys.meta_path.remove(self)
+        import importlib.util
+
+        spec = importlib.util.find_spec(name)
+        run = spec.loader.exec_module
+
+        def exec_module(module):
+            run(module)
+            module.STREAM_CHUNKS = False
+
+        spec.loader.exec_module = exec_module
+        return spec
+
+
 sys.meta_path.insert(0, _BeforeSglang())
+if os.environ.get("KVSTAGE_BENCH_WHOLE_ROOMS"):
+    sys.meta_path.insert(0, _WholeRooms())
