@@ -24,6 +24,7 @@ import argparse
 import json
 import os
 import random
+import re
 import statistics
 import sys
 import tempfile
@@ -145,8 +146,6 @@ def main() -> int:
 def _chunks_logged(p: S.Proc) -> list:
     """The chunk counts of the rooms the prefill's kvstage DEBUG lines report sent (``in N chunks``),
     distinct values: proof of which way the route sent."""
-    import re
-
     with open(p.log_path, errors="replace") as f:
         return sorted({int(n) for n in re.findall(r"pages to decode TP \d+ in (\d+) chunks", f.read())})
 

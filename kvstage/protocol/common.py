@@ -13,24 +13,24 @@ from kvstage.protocol.messages import MAX_ENGINE_ID, MAX_MODEL_ID
 from kvstage.staging.cache import RankCache
 
 
+def _printable_id(value, field: str, limit: int, meaning: str) -> str:
+    if not isinstance(value, str) or len(value) > limit or not value.isprintable():
+        raise ConfigError(
+            f"{field}={str(value)[:40]!r}: must be a string of at most {limit} printable characters ({meaning})"
+        )
+    return value
+
+
 def check_engine(engine) -> str:
     """An engine id as given by a caller: a string of at most ``MAX_ENGINE_ID`` printable characters."""
-    if not isinstance(engine, str) or len(engine) > MAX_ENGINE_ID or not engine.isprintable():
-        raise ConfigError(
-            f"engine={str(engine)[:40]!r}: must be a string of at most {MAX_ENGINE_ID} printable "
-            "characters (the same on every rank of one engine)"
-        )
-    return engine
+    return _printable_id(engine, "engine", MAX_ENGINE_ID, "the same on every rank of one engine")
 
 
 def check_model_id(model) -> str:
     """A model identity as an engine gives it (``""``: none, nothing is compared)."""
-    if not isinstance(model, str) or len(model) > MAX_MODEL_ID or not model.isprintable():
-        raise ConfigError(
-            f"model={str(model)[:40]!r}: must be a string of at most {MAX_MODEL_ID} printable "
-            "characters (the engine's model name or path and a hash of what shapes its KV)"
-        )
-    return model
+    return _printable_id(
+        model, "model", MAX_MODEL_ID, "the engine's model name or path and a hash of what shapes its KV"
+    )
 
 
 def peer_label(engine: str | None, rank: int | None = None) -> str:
