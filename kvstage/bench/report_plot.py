@@ -99,17 +99,7 @@ def _plot_modes(ax, rows, panel, x_of, series, concs, styles, markers) -> None:
             ]
             if not sel:
                 continue
-            pts = sorted((x_of(r), r["gbps"]) for r in sel)
-            label = _mode_label(mode, sel)
-            label += f", {c} in flight" if c is not None and len(concs) > 1 else ""
-            ax.plot(
-                [p[0] for p in pts],
-                [p[1] for p in pts],
-                linestyle=styles[ci % 4],
-                marker=markers[ci % 4],
-                color=_COLORS[mode],
-                label=label,
-            )
+            _line(ax, sel, x_of, _mode_label(mode, sel), c, concs, styles[ci % 4], markers[ci % 4], _COLORS[mode])
 
 
 def _plot_pairs(ax, rows, x_of, by_conc, concs, styles, markers) -> None:
@@ -123,18 +113,17 @@ def _plot_pairs(ax, rows, x_of, by_conc, concs, styles, markers) -> None:
             ]
             if not sel:
                 continue
-            pts = sorted((x_of(r), r["gbps"]) for r in sel)
             label = (
                 "all pairs"
                 if key == ("all", "pairs")
                 else f"{key[0]} (TP {sel[0]['src_tp']}) \u2192 {key[1]} (TP {sel[0]['dst_tp']})"
             )
-            label += f", {c} in flight" if c is not None and len(concs) > 1 else ""
-            ax.plot(
-                [p[0] for p in pts],
-                [p[1] for p in pts],
-                linestyle=styles[ci % 4],
-                marker=markers[ci % 4],
-                color="black" if key == ("all", "pairs") else f"C{pi}",
-                label=label,
-            )
+            color = "black" if key == ("all", "pairs") else f"C{pi}"
+            _line(ax, sel, x_of, label, c, concs, styles[ci % 4], markers[ci % 4], color)
+
+
+def _line(ax, sel, x_of, label: str, c, concs, style, marker, color) -> None:
+    """One series' GB/s against ``x_of``, its label naming the concurrency where a panel has several."""
+    pts = sorted((x_of(r), r["gbps"]) for r in sel)
+    label += f", {c} in flight" if c is not None and len(concs) > 1 else ""
+    ax.plot([p[0] for p in pts], [p[1] for p in pts], linestyle=style, marker=marker, color=color, label=label)
