@@ -62,9 +62,9 @@ class Settings:
     #: which way requests go: auto (by the route's rule, per request: ``protocol.route``), or one of ipc,
     #: direct, pages, read, forced (a request that cannot take it fails, naming why)
     path: str = field(default_factory=lambda: _env("KVSTAGE_PATH", "auto", str))
-    #: which requests carry a checksum of every chunk, summed as the source reads the bytes and checked where
-    #: they land (a mismatch fails the request): off, sampled (a fixed share of requests), all. Set on the
-    #: source (the prefill); a destination checks every chunk that carries one
+    #: which requests carry a checksum of their bytes, summed on the source and checked where they land (a
+    #: mismatch fails the request), on every path: off, sampled (a fixed share of requests), all. Set on the
+    #: source (the prefill); a destination checks every request that carries one
     checksum: str = field(default_factory=lambda: _env("KVSTAGE_CHECKSUM", "sampled", str))
     #: a request waits this long for its other side: a destination for its sources' ``ready``, a source for a
     #: destination to start reading it
@@ -110,11 +110,6 @@ class Settings:
             )
         if self.checksum not in CHECKSUMS:
             raise ConfigError(f"checksum={self.checksum!r}: must be one of {', '.join(CHECKSUMS)}")
-        if self.checksum == "all" and self.path in PAGE_PATHS:
-            raise ConfigError(
-                f"checksum='all' with path={self.path!r}: a checksummed request goes the read path, whose gather "
-                "sums the bytes; set KVSTAGE_PATH=auto or read, or KVSTAGE_CHECKSUM=sampled or off"
-            )
         if self.arena not in ARENA_LOCATIONS:
             raise ConfigError(f"arena={self.arena!r}: must be one of {', '.join(ARENA_LOCATIONS)}")
         if not isinstance(self.allow_unauthenticated, bool):

@@ -117,11 +117,9 @@ def test_every_variable_kvstage_reads_is_in_the_docs_table():
     assert not {v for v in read - fields if f"`{v}`" not in text}
 
 
-def test_checksum_is_off_sampled_or_all_and_all_needs_the_read_path():
+def test_checksum_is_off_sampled_or_all_on_every_path():
     assert Settings(checksum="all").checksum == "all"
     with pytest.raises(ConfigError, match="checksum='every': must be one of off, sampled, all"):
         Settings(checksum="every")
-    for path in ("ipc", "direct", "pages"):
-        with pytest.raises(ConfigError, match=f"checksum='all' with path='{path}': a checksummed request goes the read"):
-            Settings(checksum="all", path=path, auth_token="t" * 16)
-        assert Settings(checksum="sampled", path=path, auth_token="t" * 16).checksum == "sampled"
+    for path in ("ipc", "direct", "pages", "read"):  # every path carries the checksum (protocol.checksums)
+        assert Settings(checksum="all", path=path, auth_token="t" * 16).checksum == "all"

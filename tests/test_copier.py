@@ -373,3 +373,42 @@ def test_the_old_tuple_pieces_are_refused(name, device, where):
     cache = RankCache.allocate(spec, 0, 4, device, copier=name)
     with pytest.raises(TypeError, match=r"pieces\[0\]=\(0, 2, 0\): must be a staging.region.RegionPiece"):
         gather(cache, TokenIndex(cache, np.arange(3), 0, 10), [(0, 2, 0)], _region(np.zeros(4096), where))
+
+
+@pytest.mark.parametrize("copier", ["native", "torch", pytest.param("cuda", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("page", [(1, "nhd"), (16, "nhd"), (4, "hnd")])
+@pytest.mark.parametrize("start,count", [(0, 37), (5, 64)])
+def test_a_sum_with_no_copy_equals_a_gathers_sums(copier, page, start, count):
+    """``sum_cache``: the sums a gather of the pieces adds up, with no region (the paths that gather nothing
+    sum a request's pages this way on both sides); a flipped byte moves its own piece's sum only."""
+    from kvstage.staging.checksum import ChunkSums
+
+    if copier == "native" and not hostcopy.available():
+        pytest.skip(hostcopy.why_unavailable())
+    device = "cuda" if copier == "cuda" else "cpu"
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    geo = KVGeometry(3, 4, 16, "float32")
+    cache = RankCache.allocate(SideSpec(geo, 1, PageLayout(*page)), 0, 90, device, fill=None, copier=copier)
+    assert cache.copier.name == copier
+    random_bytes(cache, 90 * page[0])
+    ids = np.random.default_rng(count).permutation(90)[: pages_needed(start + count, page[0])]
+    hb = geo.head_bytes()
+    pieces = end_to_end([RegionPiece(0, 2, range(0, 5), 0, Order.HEADS), RegionPiece(2, 2, range(3, 6), 0,
+                                                                                  Order.HEADS)], hb, count)
+    idx = TokenIndex(cache, ids, start, count, upload_pages(cache, ids))
+    gathered = ChunkSums.of(pieces, hb, count)
+    region = torch.empty(pieces[-1].offset + pieces[-1].nbytes(hb, count), dtype=torch.uint8, device=device)
+    gather(cache, idx, pieces, region, gathered)
+    summed = ChunkSums.of(pieces, hb, count)
+    cache.copier.sum_cache(idx, pieces, summed)
+    if device == "cuda":
+        torch.cuda.synchronize()
+    assert gathered.values.any() and np.array_equal(summed.values, gathered.values)
+    buf = cache.buffers[0]  # buffer 0 lies only in the first piece
+    buf.view(torch.uint8).reshape(buf.shape[0], -1)[int(ids[start // page[0]])] ^= 1  # the page of token start
+    flipped = ChunkSums.of(pieces, hb, count)
+    cache.copier.sum_cache(idx, pieces, flipped)
+    if device == "cuda":
+        torch.cuda.synchronize()
+    assert flipped.total(0) != summed.total(0) and flipped.total(1) == summed.total(1)

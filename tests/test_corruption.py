@@ -136,6 +136,75 @@ def _flipped_byte_case(transport, copier, side, caplog, device):
             s.close()
 
 
+def _flip_page(cache, page: int) -> None:
+    """One bit of the first token's second byte of ``page`` in ``cache``'s first buffer (on its device)."""
+    buf = cache.buffers[0]
+    buf.view(torch.uint8).reshape(buf.shape[0], -1)[int(page), 1] ^= 0x20
+
+
+def corrupt_landed(cache, pages, count: list) -> None:
+    """Every pass that sums ``cache``'s landed pages finds one byte of ``pages`` (its first) flipped first."""
+    real = cache.copier.sum_cache
+
+    def sum_cache(idx, pieces, sums):
+        _flip_page(cache, pages[0])
+        count.append(1)
+        real(idx, pieces, sums)
+
+    cache.copier.sum_cache = sum_cache
+
+
+#: the paths that gather nothing, on a pair each can carry: (path, sources, destination page size). The ipc path
+#: needs its sources in other processes (CUDA cannot open its own IPC handles): its sums are checked against
+#: the sources' in ``tests/test_cuda_ipc.py``
+PAGE_PATHS = [("pages", 2, 4), ("direct", 1, 16)]
+
+
+@pytest.mark.parametrize("side", ["source", "destination"])
+@pytest.mark.parametrize("path,src_tp,dst_page", PAGE_PATHS)
+def test_on_the_page_paths_a_flipped_byte_fails_its_request_by_name_and_the_next_is_byte_exact(
+        path, src_tp, dst_page, side, caplog):
+    """``source``: a byte of the source's pages changes after its sum pass and before the destination reads
+    them (a page reused too early); ``destination``: a byte of the pages the piece landed in changes before
+    their sum. Each is caught by the ``sums`` total, on the path it took."""
+    settings = Settings(**(fr.SETTINGS | {"path": path, "checksum": "all"}))
+    dst, srcs, dpages, spages = fr.connected(settings, 3, TOKENS, seed=7, content=70, src_tp=src_tp,
+                                             dst_page=dst_page)
+    before = _checksum_failures()
+    flipped: list = []
+    try:
+        for k in (0, 1):
+            real = dst.cache.copier.sum_cache
+            if side == "destination":
+                corrupt_landed(dst.cache, dpages[k], flipped)
+            with caplog.at_level(logging.ERROR, logger="kvstage"):
+                sent = [s.send(f"p{k}", p[k], TOKENS) for s, p in zip(srcs, spages)]
+                if side == "source":  # summed at send; the destination reads nothing before expect
+                    _flip_page(srcs[0].cache, spages[0][k][0])
+                    flipped.append(1)
+                h = dst.expect(f"p{k}", dpages[k], TOKENS)
+                _wait([h, *sent])
+            dst.cache.copier.sum_cache = real
+            assert flipped, "the fault was never injected"
+            assert h.error is not None and h.error.stage == "checksum", (h.error, h.path)
+            assert "source rank 0" in h.error.peer and "checksum" in h.error.cause, h.error
+            assert h.path == path and all(s.error is not None for s in sent), (h.path, [s.error for s in sent])
+        lines = [r for r in caplog.records if "landed with checksum" in r.getMessage()]
+        assert len(lines) == 1, [r.getMessage() for r in lines]  # once per peer
+        if _metrics_on():
+            assert _checksum_failures() - before == 2
+        h = dst.expect("p2", dpages[2], TOKENS)
+        sent = [s.send("p2", p[2], TOKENS) for s, p in zip(srcs, spages)]
+        _wait([h, *sent])
+        assert h.error is None and h.path == path, (h.error, h.path)
+        assert fr.check(dst.cache, 72, dpages[2], TOKENS) == []
+        fr.until(lambda: fr.free(dst.stats()) and all(fr.free(s.stats()) for s in srcs), 10)
+    finally:
+        dst.close()
+        for s in srcs:
+            s.close()
+
+
 def _metrics_on() -> bool:
     from kvstage import metrics
 

@@ -86,6 +86,41 @@ def test_every_plan_shape_lands_byte_for_byte_in_one_launch(gpu, name, ids, monk
     assert c.check() == []
 
 
+@pytest.mark.parametrize("name", list(CASES))
+def test_each_read_sums_what_it_reads_as_its_source_sums_its_pages(gpu, name):
+    """The kernel's sum of each read (``sums_addr``; also with ``skip``, a prefix read and summed but not
+    written) equals its source's sum of that piece over its own pages (``checksums.page_sums``: the source
+    side of the ipc path's checksum, the gather kernel summing with no copy); a byte flipped in one
+    source's pages changes that source's reads' sums and no other's."""
+    from kvstage.protocol.checksums import page_sums
+    from kvstage.staging import checksum
+
+    c, copiers, sources = _local(name)
+    skip = 5
+    for d, (dst, k) in enumerate(zip(c.dst, copiers)):
+        reads = _reads(c, sources, d, 0)
+        want = [page_sums(c.src[r.piece.src_rank], r.pages, None, c.tokens, [r.piece], "source", r.src_start)
+                for r in reads]
+        for first in (0, skip):  # the whole part written, or its first ``skip`` tokens cached here
+            got = checksum.ChunkSums(tuple(range(len(reads))), np.zeros(len(reads), dtype=np.uint32))
+            idx = TokenIndex(dst, c.dst_ids[d], first, c.tokens - first)
+            k.launch(idx, reads, first, checksum.on_device(got, dst.device))
+            checksum.to_host(got)
+            torch.cuda.synchronize()
+            assert [int(v) for v in got.values] == [w.total(0) for w in want], (d, first)
+        flipped = reads[0].piece.src_rank
+        buf = c.src[flipped].buffers[reads[0].piece.buffers.start]
+        page = int(reads[0].pages[reads[0].src_start // c.plan.src.page.page_size])
+        buf.view(torch.uint8).reshape(buf.shape[0], -1)[page].bitwise_xor_(255)  # the first page of the read
+        got = checksum.ChunkSums(tuple(range(len(reads))), np.zeros(len(reads), dtype=np.uint32))
+        k.launch(TokenIndex(dst, c.dst_ids[d], 0, c.tokens), reads, 0, checksum.on_device(got, dst.device))
+        checksum.to_host(got)
+        torch.cuda.synchronize()
+        changed = [int(v) != w.total(0) for v, w in zip(got.values, want)]
+        assert changed[0] and all(ch == (r.piece.src_rank == flipped) or not ch for ch, r in zip(changed, reads))
+        buf.view(torch.uint8).reshape(buf.shape[0], -1)[page].bitwise_xor_(255)
+
+
 def test_a_prepared_launch_moves_nothing_until_called(gpu):
     c, copiers, sources = _local("8->2 2 kv heads")
     before = [b.clone() for d in c.dst for b in d.buffers]

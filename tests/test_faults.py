@@ -204,7 +204,8 @@ def test_load_random_requests_byte_exact_and_nothing_leaked(path, checksum):
     """LOAD_N requests from 1 token to 4x the arena, 32 in flight, prefill TP 2 -> decode TP 1. ``auto``: each
     source routes each request by itself (the read path, or the pages path where its gather does not fit its
     free slots now); ``read``: every request through the sources' arenas, most waiting for their slots.
-    ``checksum=all`` (300 requests): every request checksummed, so every one goes read; not one false failure."""
+    ``checksum=all`` (300 requests): every request checksummed on the path it takes, read or pages (the pages
+    path's sums pass over both sides' pages); not one false failure."""
     conc, seed = 32, 11
     n = LOAD_N if checksum != "all" else min(LOAD_N, 300)
     most = 4 * 4 * 32  # four arenas of 4 slots x 32 tokens
@@ -257,8 +258,10 @@ def test_load_random_requests_byte_exact_and_nothing_leaked(path, checksum):
         for r in reports:  # every request sent, none failed or in flight, nothing held on either source
             assert r[2] == n and r[3] == [] and r[4] == 0 and fr.free_dict(r[5]), r[:6]
         assert leaked == 0
-        if path == "read" or checksum == "all":
+        if path == "read":
             assert set(paths) == {"read"}, paths
+        if checksum == "all":  # both paths' checksums under load
+            assert set(paths) == {"read", "pages"}, paths
     finally:
         for p in procs:
             p.join(10)

@@ -95,7 +95,7 @@ def test_the_read_pointer_kernel_takes_the_packed_parameters(read_ptx):
     params, body = _entry(read_ptx, "kvstage_ipc_read_words")
     assert [size for size, _ in params] == _packed(cuda_ipc._ARG_OFFSETS, cuda_ipc._ReadArgs)
     assert [size for size, _ in params] == [ctypes.sizeof(t) for _, t in cuda_ipc._PARAMS]
-    assert re.search(r"ld\.global(\.nc)?\.v4\.u32", body) and re.search(r"st\.global\.v4\.u32", body), \
+    assert re.search(r"ld\.global(\.nc)?\.v4\.u32", body) and re.search(r"st\.global(\.wb)?\.v4\.u32", body), \
         "the copy is not in 16-byte words"
     assert not re.search(r"\b(div|rem)\.", body), "a division instruction per word (words.divider avoids them)"
 
@@ -259,3 +259,28 @@ def test_the_copy_kernel_source_sums_each_checksum_segment_as_the_reference_does
         moved = np.flatnonzero(flipped != sums)
         assert list(moved) == [checksum.segment_count(pieces[0])], moved
         random_bytes(cache, start + count)  # the scatter wrote the flipped bit; fresh bytes for the next turn
+
+
+@pytest.mark.parametrize("page", [(1, "nhd"), (16, "hnd")])
+@pytest.mark.parametrize("inline", [False, True])
+def test_the_copy_kernel_source_sums_with_no_copy_as_its_gather_does(host_kernel, page, inline):
+    """``SUM_ONLY``: the sums a gather of the pieces would add up, with the region neither read nor written
+    (the source and the landed-pages sums of the paths that gather nothing)."""
+    from kvstage.staging import checksum
+
+    geo = KVGeometry(3, 4, 16, "int8")
+    spec = SideSpec(geo, 1, PageLayout(*page))
+    hb, nb, start, count = geo.head_bytes(), geo.buffers, 3, 41
+    ids = np.random.default_rng(4).permutation(90)[: pages_needed(start + count, page[0])]
+    cache = RankCache.allocate(spec, 0, 90, fill=None)
+    random_bytes(cache, start + count)
+    pieces = end_to_end([RegionPiece(0, 2, range(0, nb), 0, Order.HEADS),
+                         RegionPiece(2, 2, range(1, nb), 0, Order.HEADS)], hb, count)
+    region = np.zeros(pieces[-1].offset + pieces[-1].nbytes(hb, count), dtype=np.uint8)
+    gathered = np.zeros(len(checksum.ChunkSums.of(pieces, hb, count).values), dtype=np.uint32)
+    _host_launch(host_kernel, cache, ids, start, count, pieces, region, True, inline, gathered)
+    region[:] = 0xA5
+    summed = np.zeros_like(gathered)
+    _host_launch(host_kernel, cache, ids, start, count, pieces, region, cuda_copy.SUM_ONLY, inline, summed)
+    assert gathered.any() and np.array_equal(summed, gathered)
+    assert (region == 0xA5).all(), "a sum with no copy wrote the region"

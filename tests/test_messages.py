@@ -4,7 +4,8 @@ place, a bad field refused by name, round trips exact."""
 import pytest
 
 from kvstage.errors import ProtocolError
-from kvstage.protocol.messages import (MAX_ID, Abort, Chunk, Done, Error, Offer, Opened, Ping, Read, Ready, decode)
+from kvstage.protocol.messages import (MAX_ID, Abort, Chunk, Done, Error, Offer, Opened, Ping, Read, Ready, Sums,
+                                       decode)
 
 
 @pytest.mark.parametrize("msg", [
@@ -14,6 +15,9 @@ from kvstage.protocol.messages import (MAX_ID, Abort, Chunk, Done, Error, Offer,
     Chunk("r1", 2, 8192),
     Ready("r1", 10, "read", None, 4, 3, [[0, 4096, "", 0xFFFFFFFF]], "heads", checksum=True),
     Chunk("r1", 2, 8192, checksum=0x1234ABCD),
+    Ready("r1", 10, "ipc", [3, 1, 2], checksum=True),
+    Sums("r1", 0xFFFFFFFF),
+    Sums("r1", 0, [0, 2], [16, 32]),
     Read("r1", 1),
     Done("r1"),
     Abort("r1", "why"),
@@ -39,6 +43,9 @@ def test_round_trip(msg):
     ({"type": "chunk", "req": "r", "index": 0, "offset": 0, "checksum": 1 << 32}, "checksum=4294967296: above"),
     ({"type": "chunk", "req": "r", "index": 0, "offset": 0, "checksum": -1}, "checksum=-1: below 0"),
     ({"type": "ready", "req": "r", "tokens": 4, "path": "read", "checksum": 1}, "checksum=1: must be bool"),
+    ({"type": "sums", "req": "r"}, "lacks field 'checksum'"),
+    ({"type": "sums", "req": "r", "checksum": 1 << 32}, "checksum=4294967296: above"),
+    ({"type": "sums", "req": "r", "checksum": True}, "must be int"),
 ])
 def test_a_bad_field_is_refused_by_name(raw, needle):
     with pytest.raises(ProtocolError, match=needle.replace("(", r"\(").replace(")", r"\)").replace("*", r"\*")):

@@ -84,16 +84,3 @@ def test_allowed_paths():
     with pytest.raises(ValueError):
         allowed_paths("staged")
 
-
-def test_a_checksummed_request_goes_read_wherever_it_could_go_another_way():
-    """Only the read path's source reads the bytes (its gather), where the checksum is summed."""
-    for lk, rq in ((link("cuda", ipc=True, direct=True), req()), (link(direct=True), req(runs=64, page_spans=64)),
-                   (link(), req(page_spans=64)), (link(), req(page_spans=10**6, fits=False))):
-        assert choose(lk, rq).path is not Path.READ  # unchecksummed, each goes another way
-        r = choose(lk, Request(rq.nbytes, rq.run_spans, rq.page_spans, rq.fits, checksum=True))
-        assert r.path is Path.READ and "checksum" in r.reason
-
-
-def test_a_checksummed_request_that_may_not_go_read_names_why():
-    r = choose(link("cuda", ipc=True, allowed=frozenset({Path.IPC})), Request(1 << 20, 1, 1, True, checksum=True))
-    assert r.path is None and "ipc: the request is checksummed" in r.reason

@@ -28,7 +28,7 @@ before kvstage sends):
   kvstage: the decode's tokens must differ from the reference (its first token, computed by the
   prefill before the corruption, must not);
 - one byte flipped in the prefill's staging arena after kvstage's gather read it (the prefills run
-  with ``KVSTAGE_CHECKSUM=all``): the decode's chunk checksum fails the request, the client gets an
+  with ``KVSTAGE_CHECKSUM=all`` and ``KVSTAGE_PATH=read``): the decode's chunk checksum fails the request, the client gets an
   error that names the checksum and no tokens, and the next request matches;
 - the prefill server killed with eight requests in flight: within 1 s every decode rank has failed
   each one and counted it as ``connection_lost`` in kvstage's metrics, every client gets the
@@ -104,7 +104,8 @@ class Cluster:
             os.makedirs(faults)
             bootstrap = S.free_port()
             prefill = self._add(S.server(f"{name}-prefill", self.model, S.free_port(), ptp, "prefill", self.logs,
-                                         bootstrap, env={"KVSTAGE_TEST_FAULTS": faults, "KVSTAGE_CHECKSUM": "all"}))
+                                         bootstrap, env={"KVSTAGE_TEST_FAULTS": faults, "KVSTAGE_CHECKSUM": "all",
+                                                         "KVSTAGE_PATH": "read"}))  # flip-next flips a gather
             metrics = S.free_port(dtp)  # kvstage's metrics, one port per decode rank
             decode = self._add(S.server(f"{name}-decode", self.model, S.free_port(), dtp, "decode", self.logs,
                                         env={"KVSTAGE_METRICS_PORT": str(metrics)}))

@@ -137,13 +137,29 @@ def test_ipc_streamed_byte_exact(name):
     assert len(row.get("layer_groups") or []) > 1, row.get("layer_groups")
 
 
+#: the checksummed cases: ratios both ways, replication, MLA, page size and layout
+SUMMED = ["4to1", "1to4", "2to4_2heads", "mla_4to2", "page16nhd_to_page1hnd", "hnd_to_nhd"]
+#: (path, device) a checksummed request runs over in the suite: every path the device has
+SUMMED_PATHS = [("read", "cpu"), ("pages", "cpu"), pytest.param("read", "cuda", marks=pytest.mark.gpu),
+                pytest.param("ipc", "cuda", marks=pytest.mark.gpu)]
+
+
+@pytest.mark.parametrize("path,device", SUMMED_PATHS)
+@pytest.mark.parametrize("name", SUMMED)
+def test_checksummed_requests_land_byte_exact(name, path, device):
+    """``checksum=all`` on each path: the read path's gather and scatter sum every chunk, the pages path's
+    source sums its pages and the destination the pages its piece landed in, the ipc kernel sums what it
+    reads; a false mismatch would fail the request."""
+    sc = dataclasses.replace(scenario(**CASES[name], device=device), settings_extra={"path": path, "checksum": "all"})
+    _check(run(sc), path)
+
+
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("name", ["4to1", "1to4", "2to4_2heads", "mla_4to2", "page16nhd_to_page1hnd", "hnd_to_nhd"])
-def test_checksummed_requests_go_read_and_land_byte_exact(name, device):
-    """``checksum=all``: every chunk summed by the gather and checked after the scatter, for ratios both
-    ways, replication, MLA, page size and layout; a false mismatch would fail the request."""
-    sc = dataclasses.replace(scenario(**CASES[name], device=device), settings_extra={"path": "auto", "checksum": "all"})
-    _check(run(sc), "read")
+@pytest.mark.parametrize("name", sorted(DIRECT_CASES))
+def test_checksummed_direct_requests_land_byte_exact(name, device):
+    sc = dataclasses.replace(scenario(**DIRECT_CASES[name], device=device),
+                             settings_extra={"path": "direct", "checksum": "all"})
+    _check(run(sc), "direct")
 
 
 def test_a_path_the_pair_cannot_take_fails_the_request_by_name():

@@ -57,7 +57,8 @@ def engines(tmp_path_factory):
         "B": EngineProcess("B", str(root / "B.log"), *common, "--tp", "1", "--policy", "fail",
                            env=SHARED_CORES),
         "C": EngineProcess("C", str(root / "C.log"), *common, "--tp", "1", "--role", "kv_producer",
-                           env={**SHARED_CORES, "KVSTAGE_CHECKSUM": "all"}),
+                           # the read path: its flip hook is after a gather (tests/support/flips.py)
+                           env={**SHARED_CORES, "KVSTAGE_CHECKSUM": "all", "KVSTAGE_PATH": "read"}),
     }
     try:
         for p in procs.values():
@@ -177,8 +178,8 @@ def test_two_prefill_engines_feed_one_decode_engine(engines, plain):
 
 
 def test_a_chunk_corrupted_in_transit_is_recomputed_or_fails_by_policy(engines, plain):
-    """C prefills with ``KVSTAGE_CHECKSUM=all`` and flips one byte of its next gathered chunk after its gather
-    read it: the decode's checksum fails the load, so A (policy recompute) computes the prompt itself (its
+    """C prefills with ``KVSTAGE_CHECKSUM=all`` on the read path and flips one byte of its next gathered chunk
+    after its gather read it: the decode's checksum fails the load, so A (policy recompute) computes the prompt itself (its
     plain tokens) and B (policy fail) ends the request with an error and no tokens, never wrong tokens."""
     ps, ref = plain
     C = engines["C"]

@@ -51,6 +51,7 @@ from kvstage.protocol.messages import (
     Offer,
     Opened,
     Probe,
+    Sums,
 )
 from kvstage.protocol.messages import Ready as ReadyMessage
 from kvstage.protocol.reads import Leftover
@@ -102,6 +103,7 @@ class Destination(Endpoint):
         self._order: list[tuple] = []  # (request, layer group) reading through the arena, in arrival order
         self._leftovers: list[Leftover] = []  # reads of failed requests that may still land
         self.warned_checksums = Warned()  # the peers a checksum mismatch was logged for (once each)
+        self.unchecked_prefixes = Warned()  # the peers told once that a cached prefix leaves a part unchecked
         self._probes: dict[
             Connection, tuple[int, str, float]
         ] = {}  # probe connection -> (slot, prober agent, lease end)
@@ -334,7 +336,7 @@ class Destination(Endpoint):
             return dst_handshake.on_offer(self, writer, msg)
         if not writer.offered:
             raise ProtocolError(f"{msg.TYPE} before the source's offer")
-        if isinstance(msg, (ReadyMessage, Chunk)):
+        if isinstance(msg, (ReadyMessage, Chunk, Sums)):
             key = (writer.engine, msg.req)
             inc = self.requests.get(key)
             if inc is None:

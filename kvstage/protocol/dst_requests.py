@@ -16,6 +16,7 @@ from kvstage.protocol.incoming import Group, Incoming, SourceEngine, Writer, add
 from kvstage.protocol.messages import (
     Chunk,
     Done,
+    Sums,
 )
 from kvstage.protocol.messages import Ready as ReadyMessage
 from kvstage.protocol.outgoing import group_piece, overlaps, part_key
@@ -95,8 +96,9 @@ def group(dst, inc: Incoming, layers: range | None, span: range | None = None) -
     return g
 
 
-def on_request_message(dst, w: Writer, inc: Incoming, msg: ReadyMessage | Chunk) -> None:
-    """A writer's ``ready`` or ``chunk`` for an expected request, checked; a refused one fails the request."""
+def on_request_message(dst, w: Writer, inc: Incoming, msg: ReadyMessage | Chunk | Sums) -> None:
+    """A writer's ``ready``, ``chunk`` or ``sums`` for an expected request, checked; a refused one fails the
+    request."""
     p = dst.engines[w.engine].plan
     try:
         if isinstance(msg, ReadyMessage):
@@ -115,6 +117,15 @@ def on_request_message(dst, w: Writer, inc: Incoming, msg: ReadyMessage | Chunk)
                 msg, w, dst.paths, p.piece_token_bytes(piece), p.direct, None if g.span is None else len(g.span)
             )
             log.debug("dst %d: %s%s ready from %s (%s)", dst.rank, msg.req, g.name, w.name, msg.path)
+        elif isinstance(msg, Sums):
+            sg = inc.groups.get(part_key(msg.group, msg.tokens_span))
+            ready = sg.readies.get(w.rank) if sg is not None else None
+            if ready is None or ready.path is Path.READ or not ready.checksum or ready.total is not None:
+                raise ProtocolError(
+                    f"sums for {msg.req!r} from a source that did not say a checksummed ready for the ipc, direct "
+                    "or pages path, or said sums twice"
+                )
+            ready.total = msg.checksum
         else:
             cg = inc.groups.get(part_key(msg.group, msg.tokens_span))
             ready = cg.readies.get(w.rank) if cg is not None else None
@@ -131,8 +142,8 @@ def on_request_message(dst, w: Writer, inc: Incoming, msg: ReadyMessage | Chunk)
     inc.touched = time.monotonic()
 
 
-def hold_early(dst, w: Writer, key: tuple, msg: ReadyMessage | Chunk) -> None:
-    """A ``ready`` (or ``chunk``) for a request not expected yet: kept for ``expect``, at most
+def hold_early(dst, w: Writer, key: tuple, msg: ReadyMessage | Chunk | Sums) -> None:
+    """A ``ready`` (or ``chunk``, ``sums``) for a request not expected yet: kept for ``expect``, at most
     ``MAX_EARLY`` requests (the oldest go)."""
     news = dst._early.get(key)
     if news is None:
@@ -252,4 +263,6 @@ def owes(dst, inc: Incoming, w: Writer) -> bool:
             return True
         if ready is not None and ready.path is Path.READ and len(ready.gathered) < ready.chunks:
             return True
+        if ready is not None and ready.path is not Path.READ and ready.checksum and ready.total is None:
+            return True  # its ``sums``
     return False

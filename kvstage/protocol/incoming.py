@@ -106,7 +106,10 @@ class Ready:
     chunks: int = 0
     gathered: dict = field(default_factory=dict)
     order: Order = Order.HEADS  # the read path: how each chunk's piece is laid out in the source's arena
-    checksum: bool = False  # the read path: each chunk comes with the checksum its bytes must have
+    #: checksummed: on the read path each chunk comes with the checksum its bytes must have; on the others
+    #: a ``sums`` follows with ``total``, what this rank's piece must sum to
+    checksum: bool = False
+    total: int | None = None
 
 
 def check_ready(
@@ -172,7 +175,7 @@ def check_ready(
         )
     if len(set(msg.pages)) != len(msg.pages):
         raise ProtocolError(f"ready for {msg.req!r}: a page id appears twice")
-    return Ready(path, tokens, pages)
+    return Ready(path, tokens, pages, checksum=bool(msg.checksum))
 
 
 def add_chunk(ready: Ready, writer: Writer, req: str, entry, piece_bytes: int) -> None:

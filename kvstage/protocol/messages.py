@@ -29,8 +29,9 @@ from kvstage.errors import ProtocolError
 
 #: the handshake refuses a peer of another version by name. 9: the decode reads the bytes (``ready``,
 #: ``read``, ``done``); no grants. 10: layer groups (``layers``) and token spans (``span``) of streamed requests.
-#: 11: chunk checksums (``chunk.checksum``, a gathered entry's fourth item)
-PROTOCOL_VERSION = 11
+#: 11: chunk checksums (``chunk.checksum``, a gathered entry's fourth item). 12: checksums on the ipc, direct
+#: and pages paths (``sums``)
+PROTOCOL_VERSION = 12
 MAX_ID = 256
 #: an engine id names one engine's ranks on the wire and in logs: short, printable
 MAX_ENGINE_ID = 128
@@ -284,7 +285,7 @@ class Ready(Grouped, Message):
     order: str | None = None  # the read path: how each chunk's piece is laid out (``staging.region.Order``)
     layers: list | None = None
     span: list | None = None
-    checksum: bool | None = None  # the read path: every chunk's listing carries its checksum
+    checksum: bool | None = None  # read: every chunk's listing carries its checksum; else a ``sums`` follows
 
 
 @dataclass(frozen=True)
@@ -306,6 +307,20 @@ class Chunk(Grouped, Message):
     layers: list | None = None
     span: list | None = None
     checksum: int | None = None  # the sum its reader must find in the bytes it read (``protocol.checksums``)
+
+
+@dataclass(frozen=True)
+class Sums(Grouped, Message):
+    """What a destination rank reading a checksummed request (or part) by the ipc, direct or pages path
+    must find in its piece: the total of its piece over the source's pages (``protocol.checksums``), sent
+    once the source's sum pass is over."""
+
+    TYPE = "sums"
+    FIELDS = (_REQ, F("checksum", int, least=0, most=0xFFFFFFFF), _LAYERS, _SPAN)
+    req: str
+    checksum: int
+    layers: list | None = None
+    span: list | None = None
 
 
 @dataclass(frozen=True)
@@ -390,7 +405,7 @@ class Probe(Message):
 
 
 MESSAGES: dict[str, type[Message]] = {
-    m.TYPE: m for m in (Hello, Welcome, Offer, Opened, Ready, Chunk, Read, Done, Abort, Error, Ping, Probe)
+    m.TYPE: m for m in (Hello, Welcome, Offer, Opened, Ready, Chunk, Sums, Read, Done, Abort, Error, Ping, Probe)
 }
 
 

@@ -151,7 +151,7 @@ class Outgoing:
     layers: range | None = None  # the layer group it makes readable (None: every layer)
     span: range | None = None  # the request's tokens its pages hold (None: every token)
     total: int = 0  # tokens of the whole request (0: the handle's)
-    checksum: bool = False  # every chunk carries its checksum (``protocol.checksums``): it goes the read path
+    checksum: bool = False  # it carries a checksum (``protocol.checksums``), on whichever path it takes
 
     def __post_init__(self) -> None:
         import time

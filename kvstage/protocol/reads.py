@@ -18,6 +18,11 @@ kernel, so no source process is on the request's path from here on:
   and each writer's piece is checked against the total its source sent
   (``protocol.checksums``) before the chunk counts as placed.
 
+A checksummed writer on the other paths sends its piece's total in ``sums``: the
+ipc kernel sums every word it reads, the direct and pages moves sum the pages
+their pieces landed in once they are in (``Landed``), and a move is done only
+once each total is in and equal.
+
 ``stop`` (a failed request) waits for this rank's own kernels and gives up the
 transport reads; a read that may still land is handed back as a ``Leftover``,
 whose memory (a slot, or the request's pages) stays out of use until it is over.
@@ -32,7 +37,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from kvstage.errors import KVStageError, ProtocolError
-from kvstage.protocol.checksums import mismatches
+from kvstage.protocol.checksums import mismatches, page_sums
 from kvstage.protocol.incoming import Group, Incoming, Ready, page_bytes
 from kvstage.protocol.messages import Read
 from kvstage.protocol.route import Path
@@ -126,6 +131,77 @@ def _give_up(transport, handles: list, slot: int | None = None) -> list:
     return left
 
 
+def fail_checksum(dst, inc: Incoming, w, what: str, want: int, got: int) -> None:
+    """``what`` of ``w``'s piece landed with checksum ``got`` where its source summed ``want``: counted, logged
+    once per peer, and the request fails at stage ``checksum`` naming the writer."""
+    dst.metrics.checksum_failure(w.name)
+    dst.warned_checksums.once(dst.rank, w.name, inc.handle.req, what, want, got)
+    dst._fail(
+        inc.key,
+        w.name,
+        "checksum",
+        f"{what} landed with checksum {got:#010x}, its source summed {want:#010x}",
+        tell=True,
+    )
+
+
+class Landed:
+    """The check of a direct or pages move's checksummed writers: once their pieces are in this rank's
+    pages, a pass sums them there (``checksums.page_sums``) and each is compared with the total its writer
+    sent in ``sums``. A part this rank holds a cached prefix of is not checked (the source summed every
+    token of it, and these paths read only the rest): said once per peer."""
+
+    def __init__(self, writers: list):
+        self.writers = [
+            (w, piece, ready) for w, piece, ready in writers if ready.checksum and ready.path is not Path.READ
+        ]
+        self.over = not self.writers
+        self._sums: ChunkSums | None = None
+        self._fence: CopyFence | None = None
+
+    def poll(self, dst, inc: Incoming, group: Group) -> None:
+        """Sum, then compare once the pass and every writer's ``sums`` are in; ``over`` once checked."""
+        if self.over:
+            return
+        if self._fence is None:
+            if group.first:
+                self.over = True
+                for w, _, _ in self.writers:
+                    if dst.unchecked_prefixes.first(w.name):
+                        log.info(
+                            "dst %d: checksums from %s of parts whose first tokens are cached here are not "
+                            "checked on the direct and pages paths (first: %s%s, tokens 0..%d cached)",
+                            dst.rank,
+                            w.name,
+                            inc.handle.req,
+                            group.name,
+                            group.first,
+                        )
+                return
+            fence = CopyFence(dst.cache.device)
+            self._sums = page_sums(
+                dst.cache,
+                inc.pages,
+                inc.kernel_pages,
+                group.count,
+                [piece for _, piece, _ in self.writers],
+                "destination",
+                group.dst_start,
+            )
+            self._fence = fence.close()
+        if not self._fence.done() or any(ready.total is None for _, _, ready in self.writers):
+            return
+        assert self._sums is not None  # made with the fence
+        for k, (w, _, ready) in enumerate(self.writers):
+            got = self._sums.total(k)
+            if got != ready.total:
+                return fail_checksum(dst, inc, w, "its piece", ready.total, got)
+        self.over = True
+
+    def fence(self):
+        return self._fence if self._fence is not None and not self._fence.done() else None
+
+
 class IpcMove(Move):
     """Every ipc writer's pieces in one kernel launch, after each writer's ready event."""
 
@@ -136,28 +212,46 @@ class IpcMove(Move):
         self._fence: CopyFence | None = None
         self._started = 0.0
         self._timed = False
+        # checksummed: the kernel's sum of each writer's piece, checked once the fence and its ``sums`` are in
+        self._sums = ChunkSums(tuple(range(len(writers))), np.zeros(len(writers), dtype=np.uint32))
+        self._to_check = any(ready.checksum for _, _, ready in writers)
 
     def start(self, dst) -> None:
+        from kvstage.staging import checksum
         from kvstage.staging.cuda_ipc import IpcRead
 
         inc = self.inc
         copier = dst._ipc_copier(inc.engine)
         g = self.group
-        reads = [IpcRead(w.ipc, piece, ready.pages, g.first) for w, piece, ready in self.writers]
+        # a checksum covers the writers' whole part: tokens before ``first`` (cached here) are read and summed
+        skip = g.first if self._to_check else 0
+        reads = [IpcRead(w.ipc, piece, ready.pages, g.first - skip) for w, piece, ready in self.writers]
         idx = TokenIndex(dst.cache, inc.pages, g.dst_start, g.count, inc.kernel_pages)
         fence = CopyFence(dst.cache.device)
         for w, _, _ in self.writers:
             w.event.wait()  # the copy stream waits for the work the source queued before its ready
         self._started = time.perf_counter()
-        copier.launch(idx, reads)
+        if self._to_check:
+            copier.launch(idx, reads, skip, checksum.on_device(self._sums, dst.cache.device))
+            checksum.to_host(self._sums)
+        else:
+            copier.launch(idx, reads)
         self._fence = fence.close()
         log.debug(
             "dst %d: %s ipc read launched (%d source ranks, one launch)", dst.rank, inc.handle.req, len(self.writers)
         )
 
     def progress(self, dst) -> None:
-        """The launch's time once it is done: ``read`` (launch to seen done) and ``read_gpu`` (the kernel's own)."""
-        if self._timed or not self.done():
+        """The launch's time once it is done: ``read`` (launch to seen done) and ``read_gpu`` (the kernel's own);
+        a checksummed writer's piece checked once its ``sums`` is in."""
+        if self._fence is None or not self._fence.done():
+            return
+        if self._to_check and all(not r.checksum or r.total is not None for _, _, r in self.writers):
+            for k, (w, _, ready) in enumerate(self.writers):
+                if ready.checksum and ready.total != self._sums.total(k):
+                    return fail_checksum(dst, self.inc, w, "its piece", ready.total, self._sums.total(k))
+            self._to_check = False
+        if self._timed:
             return
         self._timed = True
         took = time.perf_counter() - self._started
@@ -170,7 +264,7 @@ class IpcMove(Move):
             stages["read_gpu"] = stages.get("read_gpu", 0.0) + gpu
 
     def done(self) -> bool:
-        return self._fence is not None and self._fence.done()
+        return self._fence is not None and self._fence.done() and not self._to_check
 
     def fence(self):
         return self._fence if self._fence is not None and not self._fence.done() else None
@@ -210,6 +304,7 @@ class DirectMove(Move):
         super().__init__(inc, writers, group)
         self._reads: list = []  # (writer, handle)
         self._over = 0
+        self._landed = Landed(writers)
 
     def start(self, dst) -> None:
         inc = self.inc
@@ -226,15 +321,21 @@ class DirectMove(Move):
 
     def progress(self, dst) -> None:
         still = _reap(dst, self.inc, self._reads, self._read_over)
-        if still is not None:
-            self._reads = still
+        if still is None:
+            return
+        self._reads = still
+        if self._over == len(self.writers):
+            self._landed.poll(dst, self.inc, self.group)
 
     def _read_over(self, _writer) -> None:
         self._over += 1
         self.inc.touched = time.monotonic()
 
     def done(self) -> bool:
-        return self._over == len(self.writers)
+        return self._over == len(self.writers) and self._landed.over
+
+    def fence(self):
+        return self._landed.fence()
 
     def busy(self) -> bool:
         return bool(self._reads)
@@ -294,6 +395,7 @@ class ArenaMove(Move):
         self._unwanted = [c for c in self.chunks if c.want == 0]
         self._left = sum(not c.done for c in self.chunks)
         self._starved: float | None = None  # since when its next chunk was readable and the arena had no slot
+        self._landed = Landed(writers)  # the pages writers' checksums, once every chunk is in
 
     @property
     def path(self):
@@ -376,7 +478,7 @@ class ArenaMove(Move):
             at += nbytes
         g = self.group
         idx = TokenIndex(dst.cache, inc.pages, c.want_start - g.first + g.dst_start, c.want, inc.kernel_pages)
-        if any(ready.checksum for _, _, ready in self.writers):
+        if any(ready.checksum and ready.path is Path.READ for _, _, ready in self.writers):
             c.sums = ChunkSums.of(pieces, self.writers[0][0].spec.geometry.head_bytes(), c.want)
         c.scatter = prepare_scatter(
             dst.cache, idx, pieces, dst.arena.view(dst.arena.offset(slot), at), dst._scatter_threads, c.sums
@@ -466,6 +568,8 @@ class ArenaMove(Move):
                 dst.arena.allocator.release(c.slot)
                 c.slot = None
                 log.debug("dst %d: %s chunk %d scattered", dst.rank, inc.handle.req, c.index)
+        if self._left == 0:
+            self._landed.poll(dst, inc, self.group)
 
     def _corrupt(self, dst, c: DstChunk) -> bool:
         """Whether a writer's piece of chunk ``c`` landed with another checksum than its source summed; the
@@ -476,16 +580,7 @@ class ArenaMove(Move):
         if not bad:
             return False
         k, want, got = bad[0]
-        w = self.writers[k][0]
-        dst.metrics.checksum_failure(w.name)
-        dst.warned_checksums.once(dst.rank, w.name, self.inc.handle.req, c.index, want, got)
-        dst._fail(
-            self.inc.key,
-            w.name,
-            "checksum",
-            f"chunk {c.index} landed with checksum {got:#010x}, its source summed {want:#010x}",
-            tell=True,
-        )
+        fail_checksum(dst, self.inc, self.writers[k][0], f"chunk {c.index}", want, got)
         return True
 
     def _tell_read(self, dst, c: DstChunk) -> None:
@@ -495,13 +590,14 @@ class ArenaMove(Move):
                 dst._tell(w, Read(self.inc.handle.req, c.index, *self.group.wire))
 
     def done(self) -> bool:
-        return self._left == 0
+        return self._left == 0 and self._landed.over
 
     def busy(self) -> bool:
         return any(c.reads or len(c.posted) < len(self.writers) for c in self._active)
 
     def fence(self):
-        return next((c.fence for c in self._active if c.fence is not None and not c.fence.done()), None)
+        running = (c.fence for c in self._active if c.fence is not None and not c.fence.done())
+        return next(running, None) or self._landed.fence()
 
     def slots(self) -> int:
         return len(self._active)

@@ -16,9 +16,9 @@ path is driven by the destination: the source only makes its bytes readable.
 - ``read``: this rank gathers its slices into its own arena when the request is
   ready, the destination reads one span per chunk and scatters.
 
-A checksummed request (``protocol.checksums``) goes ``read``: it is the one path
-whose source reads the bytes (its gather), which is where the checksum is summed.
-Otherwise a one-pass path wins where it can run (``ipc``); else each candidate is
+A checksummed request (``protocol.checksums``) takes the same path as any other: the
+read path's gather sums its chunks, and on the others the source sums its pages in a
+pass of its own. A one-pass path wins where it can run (``ipc``); else each candidate is
 costed as the times it copies every byte at the memory's copy speed plus its
 spans at the transport's per-span price (``COPIES``, ``COPY_BPS``), and the
 cheapest runs; a request whose gather would not fit the source's free slots now
@@ -80,7 +80,6 @@ class Request:
     run_spans: int  # spans of a direct read: page runs x buffers of the piece
     page_spans: int  # spans of a pages read of the piece (``staging.spans.piece_spans``, cheapest order)
     fits: bool  # the gather of its chunks fits this rank's free arena slots now
-    checksum: bool = False  # it carries a checksum of every chunk, summed by the gather
 
 
 @dataclass(frozen=True)
@@ -122,10 +121,6 @@ def choose(link: Link, req: Request) -> Route:
         possible[Path.PAGES] = "its spans cost a device descriptor each (pages is for host memory)"
     elif not link.pages:
         possible[Path.PAGES] = "this rank's KV buffers are not offered for one-sided reads"
-    if req.checksum:
-        for p in Path:
-            if p is not Path.READ:
-                possible[p] = possible[p] or "the request is checksummed: only the read path's gather sums the bytes"
     can = [p for p in Path if not possible[p] and p in link.allowed]
     if not can:
         why = "; ".join(
@@ -134,8 +129,6 @@ def choose(link: Link, req: Request) -> Route:
         return Route(None, f"no allowed path can carry it ({why})")
     if Path.IPC in can:
         return Route(Path.IPC, "one host, CUDA memory: the destination's kernel reads this rank's pages, one pass")
-    if req.checksum:
-        return Route(Path.READ, "checksummed: the source's gather sums every chunk as it reads it")
     costs = {p: cost_s(p, link, req) for p in can}
     est = ", ".join(f"{p.value} ~{costs[p] * 1e3:.3g} ms" for p in can)
     if not req.fits and Path.PAGES in can:

@@ -38,7 +38,7 @@ import logging
 import time
 
 from kvstage.errors import ProtocolError
-from kvstage.protocol import src_chunks, src_connect, src_requests
+from kvstage.protocol import src_chunks, src_connect, src_requests, src_sums
 from kvstage.protocol.address import Address
 from kvstage.protocol.common import check_engine, check_pages, peer_label, remember
 from kvstage.protocol.endpoint import SLOW_S, Endpoint, EndpointStats
@@ -88,6 +88,7 @@ class Source(Endpoint):
         self.requests: dict[tuple, Outgoing] = {}  # (engine or None, req) -> the request
         self._waiting: collections.deque = collections.deque()  # (request, chunk) with no free slot yet
         self._gathering: list = []  # (request, chunk) whose gather runs on the device
+        self._summing: list = []  # ``src_sums.Summing``: sum passes still running on the device
         self._held: list = []  # (release time, slot) of failed requests' chunks (``ABORT_HOLD_S``)
         self._draining: list = []  # done requests whose offers are not over yet: their slots return when they are
         self._finished: dict[tuple, str] = {}  # (engine, req) -> final state, oldest first
@@ -213,7 +214,10 @@ class Source(Endpoint):
     # -- loop thread -----------------------------------------------------------
     def _busy(self) -> bool:
         return bool(
-            self._gathering or self._draining or any(c.offers for out in self.requests.values() for c in out.chunks)
+            self._gathering
+            or self._summing
+            or self._draining
+            or any(c.offers for out in self.requests.values() for c in out.chunks)
         )
 
     def _idle_wait(self) -> float:
@@ -227,10 +231,12 @@ class Source(Endpoint):
         return any(p is not Path.IPC for out in self.requests.values() for p in out.targets.values())
 
     def _copying(self):
-        return next((c.fence for _, c in self._gathering if not c.fence.done()), None)
+        running = [c.fence for _, c in self._gathering] + [s.fence for s in self._summing]
+        return next((f for f in running if not f.done()), None)
 
     def _progress(self) -> None:
         src_chunks.poll_gathers(self)
+        src_sums.poll(self)
         src_chunks.poll_offers(self)
         if self._readable():
             self.transport.notifications()  # the drive (``_readable``): a source receives no notifications
@@ -319,6 +325,7 @@ class Source(Endpoint):
                     self.arena.allocator.release(c.slot)
                 c.slot = None
         self._gathering = [(o, c) for o, c in self._gathering if o is not out]
+        self._summing = [s for s in self._summing if s.out is not out]
         self._maybe_forget(out)
 
     def _maybe_forget(self, out: Outgoing) -> None:

@@ -10,7 +10,7 @@ import time
 import numpy as np
 
 from kvstage.errors import ProtocolError, TransferFailed
-from kvstage.protocol import route, src_chunks
+from kvstage.protocol import route, src_chunks, src_sums
 from kvstage.protocol.checksums import checksummed
 from kvstage.protocol.common import peer_label, remember
 from kvstage.protocol.messages import (
@@ -93,7 +93,7 @@ def add(
         layers=group,
         span=span,
         total=total,
-        checksum=src.settings.checksum == "all",
+        checksum=checksummed(src.settings.checksum, handle.req),
     )
     last = out.final(src.spec.geometry.layers)  # else a later part still needs the abort
     if src._take_abort(key[:2], handle, keep=not last):  # every destination hears of it
@@ -135,8 +135,6 @@ def announce(src, out: Outgoing, targets: list) -> None:
         routed.append((t, r.path))
     reads = [t for t, path in routed if path is Path.READ]
     gather = bool(reads) and not out.chunks
-    if gather and not out.checksum and checksummed(src.settings.checksum, out.handle.req):
-        out.checksum = True  # sampled: a request the route sends read anyway, summed by its gather
     if gather:
         src_chunks.plan_read(src, out, reads)
     if any(path is Path.IPC for _, path in routed) and not out.event_recorded:
@@ -145,6 +143,9 @@ def announce(src, out: Outgoing, targets: list) -> None:
     for t, path in routed:
         src._tell(t, ready_message(src, out, t, path))
         out.told.add((t.engine, t.rank))
+    paged = [t for t, path in routed if path is not Path.READ]
+    if out.checksum and paged:  # after the readies: the destinations read while this rank sums
+        src_sums.start(src, out, paged)
     if gather:  # each chunk is announced as it is gathered: the destination reads the first meanwhile
         for c in out.chunks:
             if not src_chunks.gather_chunk(src, out, c):
@@ -185,7 +186,7 @@ def choose_route(src, out: Outgoing, t: Target) -> route.Route:
             "needs KVSTAGE_AUTH_TOKEN on both sides (its KV pages are read only by a peer that "
             "presented the token), and both sides' path settings must allow it",
         )
-    r = route.choose(link, route.Request(nbytes, runs, page_spans, fits, out.checksum))
+    r = route.choose(link, route.Request(nbytes, runs, page_spans, fits))
     key = (t.engine, t.rank, r.path)
     if r.path is not None and key not in src._routes:
         remember(src._routes, key, True, MAX_IDLE_ADDRESSES)
@@ -203,6 +204,7 @@ def ready_message(src, out: Outgoing, t: Target, path: Path) -> Ready:
             out.pages.tolist(),
             layers=out.layers_wire,
             span=out.span_wire,
+            checksum=out.checksum or None,
         )
     listed = [src_chunks.listing(src, out, c, t) for c in out.chunks if c.gathered]
     assert out.box is not None  # a read-path request: plan_read made its box

@@ -139,3 +139,31 @@ void kvstage_copy_spans_sum(const uint64_t *dst_base, const uint64_t *src_base, 
         _mm_sfence();
 #endif
 }
+
+/* kvstage_copy_spans_sum's sums with no copy: the spans are read from src_base's buffers only, and
+ * at_base/at_off place each span in a region that is never touched (its segments of seg_bytes from
+ * origin give each word's key). The ipc, direct and pages paths sum a request's pages this way on
+ * both sides, as a gather of them would. */
+void kvstage_sum_spans(const uint64_t *at_base, const uint64_t *src_base, size_t blocks,
+                       const int64_t *at_off, const int64_t *src_off, const int64_t *len,
+                       size_t spans, uint64_t origin, size_t seg_bytes, uint32_t *sums)
+{
+    for (size_t b = 0; b < blocks; b++) {
+        const char *s = (const char *)(uintptr_t)src_base[b];
+        for (size_t i = 0; i < spans; i++) {
+            uint64_t at = at_base[b] + (uint64_t)at_off[i];
+            const char *sp = s + src_off[i];
+            size_t n = (size_t)len[i];
+            while (n) {
+                const uint64_t rel = at - origin;
+                const size_t in_seg = (size_t)(rel % seg_bytes);
+                size_t m = seg_bytes - in_seg;
+                if (m > n)
+                    m = n;
+                const uint32_t key = (uint32_t)(in_seg / 4) * 0x9E3779B1u + 0x7F4A7C15u;
+                sums[rel / seg_bytes] += checksum_terms((const uint32_t *)sp, m / 4, key);
+                at += m, sp += m, n -= m;
+            }
+        }
+    }
+}

@@ -24,7 +24,8 @@ anything moves (``region.check_pieces``); an implementation's ``_gather``,
 ``sums`` (a ``staging.checksum.ChunkSums``, or None): the chunk checksum of every
 piece's whole rows in the region, filled by the same call (the kernel adds it up as it
 moves the words; elsewhere a pass over the region after the copy), readable once the
-copy's fence has passed.
+copy's fence has passed. ``sum_cache`` fills the same sums with no region and no copy:
+the paths that gather nothing (ipc, direct, pages) sum a request's pages that way.
 """
 
 from __future__ import annotations
@@ -42,6 +43,13 @@ COPIERS = ("cuda", "native", "torch")
 
 def _nothing() -> None:
     return None
+
+
+class _Extent:
+    """The size of a region that ``sum_cache`` never touches, for the pieces' checks."""
+
+    def __init__(self, nbytes: int):
+        self.nbytes = nbytes
 
 
 class Copier(abc.ABC):
@@ -115,6 +123,16 @@ class Copier(abc.ABC):
             return None
         return self._prepare_piece_scatters(idx, pieces, region)
 
+    def sum_cache(self, idx: TokenIndex, pieces: Sequence[RegionPiece], sums: ChunkSums) -> None:
+        """``sums`` of every piece of the indexed tokens as they lie in the cache: what a gather of them
+        into a region of ``pieces`` would sum, but nothing is copied (the kernel and the native copier
+        only read the cache; torch gathers into a temporary region). Readable once a fence closed after
+        this call has passed."""
+        extent = max((p.offset + p.nbytes(self.cache.spec.geometry.head_bytes(), idx.count) for p in pieces), default=0)
+        pieces = self.check(idx, pieces, _Extent(extent))
+        if pieces and idx.count:
+            self._sum_cache(idx, pieces, sums, extent)
+
     def load(self) -> None:  # noqa: B027 - a default: a copier with no kernel loads nothing
         """Load what the copies run on (a kernel) now, since loading at the first copy may
         wait for work already queued on the device."""
@@ -139,6 +157,12 @@ class Copier(abc.ABC):
     @abc.abstractmethod
     def _scatter(self, idx: TokenIndex, pieces: tuple[RegionPiece, ...], region, threads=None, sums=None) -> None:
         """``scatter_chunk``'s copy, and ``sums`` of the region's pieces."""
+
+    def _sum_cache(self, idx: TokenIndex, pieces: tuple[RegionPiece, ...], sums: ChunkSums, extent: int) -> None:
+        """``sum_cache``'s sums by a gather into a temporary region on the cache's device."""
+        import torch
+
+        self._gather(idx, pieces, torch.empty(extent, dtype=torch.uint8, device=self.cache.device), sums)
 
     def _prepare_scatter(self, idx: TokenIndex, pieces: tuple[RegionPiece, ...], region, threads=None, sums=None):
         return lambda: self._scatter(idx, pieces, region, threads, sums)

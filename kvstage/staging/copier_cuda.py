@@ -36,7 +36,7 @@ class CudaCopier(TorchCopier):
     def supports(self, region, pieces, count: int) -> bool:
         return self.kernel.supports(region, pieces, count)
 
-    def prepare(self, idx, pieces, region, to_region: bool, sums_addr: int = 0) -> cuda_copy.PreparedCopy:
+    def prepare(self, idx, pieces, region, to_region: int, sums_addr: int = 0) -> cuda_copy.PreparedCopy:
         """The chunk's kernel launch for pieces already checked (``Copier.check``), built now
         and launched by calling it: the set-up leaves the path of the copy."""
         if idx.kernel_pages is None:
@@ -47,7 +47,7 @@ class CudaCopier(TorchCopier):
             idx.kernel_pages, idx.first, idx.count, pieces, region, to_region, idx.first_page, sums_addr
         )
 
-    def launch(self, idx, pieces, region, to_region: bool, sums_addr: int = 0) -> None:
+    def launch(self, idx, pieces, region, to_region: int, sums_addr: int = 0) -> None:
         """The chunk's kernel launch, at once, from this thread's own argument block, so no
         launch object is built per chunk on a source's path."""
         if idx.kernel_pages is None:
@@ -101,6 +101,14 @@ class CudaCopier(TorchCopier):
             self._after(idx, pieces, region, sums, bool(at))
 
         return run
+
+    def _sum_cache(self, idx, pieces, sums, extent: int) -> None:
+        """The kernel reading the cache and adding up the sums, with no region (``cuda_copy.SUM_ONLY``)."""
+        if not self.kernel.supports(None, pieces, idx.count):
+            return super()._sum_cache(idx, pieces, sums, extent)
+        at = checksum.on_device(sums, self.cache.device)
+        self.launch(idx, pieces, None, cuda_copy.SUM_ONLY, at)
+        checksum.to_host(sums)
 
     def _prepare_piece_scatters(self, idx, pieces, region) -> list | None:
         if not self.supports(region, pieces, idx.count):

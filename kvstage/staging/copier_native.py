@@ -61,6 +61,17 @@ class NativeCopier(TorchCopier):
         if summed[0] is None:
             self._sum(idx, pieces, region, sums)
 
+    def _sum_cache(self, idx, pieces, sums, extent: int) -> None:
+        """Each piece's spans read from its buffers and summed where a gather would put them, one native
+        call per piece and no copy (``hostcopy.SpanCopy.sum_only``)."""
+        spec, hb = self.cache.spec, self.cache.spec.geometry.head_bytes()
+        for k, piece in enumerate(pieces):
+            at_buffer, at_region, lengths = spans_per_buffer(spec, idx.page_ids, idx.start, idx.count, piece)
+            stride = piece.buffer_stride(hb, idx.count)
+            places = [i * stride for i in range(len(piece.buffers))]  # as ``_parts`` with the region at 0
+            sink = hostcopy.SpanSums(True, piece.offset, segments(piece, hb, idx.count)[1], sums.piece(k))
+            hostcopy.SpanCopy(at_region, at_buffer, lengths).sum_only(places, self._buffers(piece), sink)
+
     def _scatter(self, idx, pieces, region, threads=None, sums=None) -> None:
         """Each piece's spans, one native call per piece; ``threads`` take a share of the buffers."""
         if not self.supports(region):

@@ -41,21 +41,12 @@ _THREADS = 256
 #: a chunk on at most this many pages passes its page ids in the launch's own parameters (2 KiB of
 #: the 4 KiB a launch may pass): no upload on its path (a 128-token request at page size 1 fits)
 INLINE_PAGES = 256
+#: the kernel's ``to_region`` for a sum with no copy (1 is a gather, 0 a scatter): the cache's words are
+#: read and summed, no region is touched (the ipc, direct and pages paths' checksums, ``Copier.sum_cache``)
+SUM_ONLY = 2
 
-_SOURCE = r"""
-// grid: x = words of one buffer of the largest piece / (THREADS * UNROLL), y = buffer of a piece (as many as
-// the piece with the most; a block past its own piece's buffers returns), z = piece.
-// meta (device, int64): npieces x META (head_lo, heads, buffer_lo, nbuffers, order, rows, row_first, offset,
-// first checksum segment);
-// order 0: the piece's bytes are [heads][buffers][rows][head_words], 1: [buffers][rows][heads][head_words];
-// rows 0: the chunk's count. pages: the chunk's page ids, in device memory (kvstage_copy_words) or in the
-// launch's own parameters (kvstage_copy_words_inline).
-// sums: 0, or one uint32 per checksum segment of every piece (staging.checksum: a segment is a (head,
-// buffer) of order 0, a buffer of order 1), zeroed before the launch; each word's term is added to its
-// segment's sum, one atomic per block where the block's words share a segment, else per warp.
-// Index arithmetic is 32-bit (the host checks a piece's words fit); only the final
-// word offset inside a buffer is 64-bit.
-#define META 9
+#: the chunk checksum on the device (``staging.checksum``), shared by this kernel and ``cuda_ipc``'s
+CHECKSUM_SOURCE = r"""
 #define CHECKSUM_MULTIPLIER 0x9E3779B1u
 #define CHECKSUM_INCREMENT 0x7F4A7C15u
 
@@ -93,6 +84,48 @@ __device__ __forceinline__ void checksum_add(unsigned int* sums, const int segme
         atomicAdd(sums + segment, term);
 #endif
 }
+// add a block's words' terms (``total``: this thread's) to one sum: one atomic per block. Every thread
+// of the block calls it.
+__device__ __forceinline__ void checksum_block_add(unsigned int* sum, unsigned int total)
+{
+#ifdef __CUDA_ARCH__
+    __shared__ unsigned int warp_totals[THREADS / 32];
+    for (int d = 16; d > 0; d >>= 1)
+        total += __shfl_down_sync(0xffffffffu, total, d);
+    if ((threadIdx.x & 31) == 0)
+        warp_totals[threadIdx.x >> 5] = total;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        unsigned int block_total = 0;
+        for (int w = 0; w < THREADS / 32; w++)
+            block_total += warp_totals[w];
+        atomicAdd(sum, block_total);
+    }
+#else
+    atomicAdd(sum, total);
+#endif
+}
+"""
+
+_SOURCE = (
+    r"""
+// grid: x = words of one buffer of the largest piece / (THREADS * UNROLL), y = buffer of a piece (as many as
+// the piece with the most; a block past its own piece's buffers returns), z = piece.
+// meta (device, int64): npieces x META (head_lo, heads, buffer_lo, nbuffers, order, rows, row_first, offset,
+// first checksum segment);
+// order 0: the piece's bytes are [heads][buffers][rows][head_words], 1: [buffers][rows][heads][head_words];
+// rows 0: the chunk's count. pages: the chunk's page ids, in device memory (kvstage_copy_words) or in the
+// launch's own parameters (kvstage_copy_words_inline). to_region: 1 a gather, 0 a scatter, 2 a sum with no copy
+// (the cache is read and summed into sums; the region is neither read nor written).
+// sums: 0, or one uint32 per checksum segment of every piece (staging.checksum: a segment is a (head,
+// buffer) of order 0, a buffer of order 1), zeroed before the launch; each word's term is added to its
+// segment's sum, one atomic per block where the block's words share a segment, else per warp.
+// Index arithmetic is 32-bit (the host checks a piece's words fit); only the final
+// word offset inside a buffer is 64-bit.
+#define META 9
+"""
+    + CHECKSUM_SOURCE
+    + r"""
 struct PageIds { long long id[INLINE]; };
 
 __device__ __forceinline__ void copy_words(
@@ -155,8 +188,8 @@ __device__ __forceinline__ void copy_words(
     #pragma unroll
     for (int k = 0; k < UNROLL; k++) {
         if (at[k] >= 0) {
-            if (to_region) rg[in_region[k]] = v[k];
-            else kv[at[k]] = v[k];
+            if (to_region == 1) rg[in_region[k]] = v[k];
+            else if (to_region == 0) kv[at[k]] = v[k];
         }
     }
     if (sums_addr) {
@@ -177,7 +210,6 @@ __device__ __forceinline__ void copy_words(
         // most blocks lie in one segment (always in order 1: a block is one buffer of a piece): one atomic
         // per block then, as one per warp would queue every block of a buffer on one address
         __shared__ int block_segment;
-        __shared__ unsigned int warp_totals[THREADS / 32];
         if (threadIdx.x == 0)
             block_segment = own;  // -1: thread 0 has no word, so no thread of the block has one
         __syncthreads();
@@ -185,17 +217,7 @@ __device__ __forceinline__ void copy_words(
         if (first < 0)
             return;
         if (__syncthreads_and(!mixed && (own < 0 || own == first))) {
-            for (int d = 16; d > 0; d >>= 1)
-                total += __shfl_down_sync(0xffffffffu, total, d);
-            if ((threadIdx.x & 31) == 0)
-                warp_totals[threadIdx.x >> 5] = total;
-            __syncthreads();
-            if (threadIdx.x == 0) {
-                unsigned int block_total = 0;
-                for (int w = 0; w < THREADS / 32; w++)
-                    block_total += warp_totals[w];
-                atomicAdd(sums + first, block_total);
-            }
+            checksum_block_add(sums + first, total);
             return;
         }
 #endif
@@ -228,6 +250,7 @@ extern "C" __global__ void kvstage_copy_words_inline(
                to_region, sums_addr);
 }
 """
+)
 
 
 _PARAMS = [
@@ -456,16 +479,16 @@ class WordCopier(DeviceKernels):
         g = self.geometry
         self._fixed = (g.page_size, g.heads, g.head_words, int(g.hnd))
 
-    def supports(self, region: torch.Tensor, pieces, count: int) -> bool:
+    def supports(self, region: torch.Tensor | None, pieces, count: int) -> bool:
         """16-byte words everywhere, a region the GPU can reach, a grid the device takes, and
         32-bit word indices: every piece's words in the region (its whole rows) fit."""
         g = self.geometry
         if g is None or not self.aligned or not pieces or count < 1:
             return False
-        reachable = region.is_cuda or region.is_pinned()
+        reachable = region is None or region.is_cuda or region.is_pinned()  # None: a sum, no region
         return (
             reachable
-            and region.data_ptr() % 16 == 0
+            and (region is None or region.data_ptr() % 16 == 0)
             and len(pieces) <= _GRID_YZ
             and all(
                 p.offset % 16 == 0
@@ -483,7 +506,7 @@ class WordCopier(DeviceKernels):
         ids = np.array(page_ids, dtype=np.int64)
         return ids if len(ids) <= INLINE_PAGES else self._upload(ids)
 
-    def prepare(self, pages, first: int, count: int, pieces, region, to_region: bool, page_offset=0, sums_addr=0):
+    def prepare(self, pages, first: int, count: int, pieces, region, to_region: int, page_offset=0, sums_addr=0):
         """The launch copying tokens ``first .. first+count`` of the chunk's pages for every
         piece (``region.RegionPiece``, checked, and ``supports``); nothing runs until it is
         called. ``pages``: the chunk's page ids on the host (passed in the launch, or uploaded
@@ -496,7 +519,7 @@ class WordCopier(DeviceKernels):
         )
         return PreparedCopy(self, function, grid, params, (*keep, block))
 
-    def launch(self, pages, first: int, count: int, pieces, region, to_region: bool, page_offset=0, sums_addr=0):
+    def launch(self, pages, first: int, count: int, pieces, region, to_region: int, page_offset=0, sums_addr=0):
         """``prepare(...)()`` for a copy launched at once (a source's gather): the arguments
         go in this thread's own block, which ``cuLaunchKernel`` copies when called, so no
         argument block or ``PreparedCopy`` is built per chunk. The tensors it reads need
@@ -534,7 +557,8 @@ class WordCopier(DeviceKernels):
             else:
                 pages = self._upload(ids)
         meta = self.device_table(pieces)
-        args.table_addr, args.meta_addr, args.region_addr = self._table_addr, meta.data_ptr(), region.data_ptr()
+        region_addr = 0 if region is None else region.data_ptr()  # None: SUM_ONLY reads no region
+        args.table_addr, args.meta_addr, args.region_addr = self._table_addr, meta.data_ptr(), region_addr
         args.pages_addr = 0 if inline else pages.data_ptr() + 8 * page_offset
         args.count, args.first, args.to_region, args.sums_addr = count, first, int(to_region), sums_addr
         args.page_size, args.nheads, args.head_words, args.hnd = self._fixed

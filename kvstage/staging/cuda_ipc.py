@@ -32,6 +32,7 @@ from kvstage.staging.cuda_copy import (
     _PIECE_TABLES,
     _THREADS,
     _UNROLL,
+    CHECKSUM_SOURCE,
     INLINE_PAGES,
     DeviceKernels,
     PreparedCopy,
@@ -47,16 +48,24 @@ INLINE_IDS = INLINE_PAGES
 #: a grid's y and z extents: buffers of a piece, reads of a launch
 _MAX_GRID_YZ = 65535
 
-_SOURCE = r"""
+_SOURCE = (
+    CHECKSUM_SOURCE
+    + r"""
 // grid: x = words of the largest piece / (THREADS * UNROLL), y = buffer inside a piece's range, z = read (piece).
 // meta (device, int64): nreads x (source table address, source head_lo, destination head_lo, heads,
 // heads divider multiplier, heads divider shift, buffer_lo, nbuffers); a source's table holds the address of each
 // of its buffers, a block past its piece's nbuffers returns at once. ids (device memory for kvstage_ipc_read_words,
 // the launch's own parameters for kvstage_ipc_read_words_inline): nreads x (index in ids of the read's first source
 // page id, the offset of the read's first token in that page), then each read's source page ids. The destination's
-// page ids (shared by every read) at dst_pages. Each run-time divisor d comes as a multiplier and a shift
-// (n / d == (umulhi(n, m) + n) >> s, words.divider): no division instruction per word.
+// page ids (shared by every read) at dst_pages. The sources' pages are read through the read-only cache (__ldg):
+// nothing writes them while a read runs (the launch waits for each source's ready event). Each run-time divisor
+// d comes as a multiplier and a shift (n / d == (umulhi(n, m) + n) >> s, words.divider): no division instruction
+// per word.
 // Index arithmetic is 32-bit (the host checks a piece's words fit); the final word offsets are 64-bit.
+// A read covers skip + count tokens of its source: the first skip are read and summed but not written (a
+// checksummed part whose first tokens this rank has cached), token skip + t lands on this rank's token t.
+// sums: 0, or one uint32 per read (zeroed): the checksum (staging.checksum) of every word it read, as a
+// head-major gather of its piece would sum it (a segment per (head, buffer), its tokens from the read's first).
 struct PageIds { long long id[INLINE]; };
 
 __device__ __forceinline__ unsigned int divide(const unsigned int n, const unsigned int m, const unsigned int s)
@@ -79,7 +88,7 @@ __device__ __forceinline__ void read_words(
     const unsigned int src_page_size, const unsigned int src_page_m, const unsigned int src_page_s,
     const unsigned int src_nheads, const int src_hnd,
     const unsigned int dst_page_size, const unsigned int dst_page_m, const unsigned int dst_page_s,
-    const unsigned int dst_nheads, const int dst_hnd)
+    const unsigned int dst_nheads, const int dst_hnd, const unsigned int skip, const unsigned long long sums_addr)
 {
     const long long* meta = (const long long*)meta_addr + 8 * blockIdx.z;
     if (blockIdx.y >= (unsigned int)meta[7]) return;  // past this piece's buffers
@@ -90,10 +99,11 @@ __device__ __forceinline__ void read_words(
     uint4* dst = (uint4*)((const unsigned long long*)dst_table_addr)[b];
     const long long* src_pages = ids + ids[2 * blockIdx.z];
     const unsigned int src_first = (unsigned int)ids[2 * blockIdx.z + 1];
-    const unsigned int words = count * heads * head_words;
+    const unsigned int words = (skip + count) * heads * head_words;
     const unsigned int i0 = blockIdx.x * (THREADS * UNROLL) + threadIdx.x;
     uint4 v[UNROLL];
-    long long at[UNROLL];
+    long long at[UNROLL];  // where the word lands; -1: no word, -2: read and summed, not written
+    unsigned int p16[UNROLL];
     #pragma unroll
     for (int k = 0; k < UNROLL; k++) {
         const unsigned int i = i0 + k * THREADS;
@@ -102,16 +112,27 @@ __device__ __forceinline__ void read_words(
             const unsigned int row = divide(i, head_words_m, head_words_s), w = i - row * head_words;
             const unsigned int t = divide(row, heads_m, heads_s), j = row - t * heads;
             const unsigned int us = src_first + t, qs = divide(us, src_page_m, src_page_s);
-            const unsigned int ud = dst_first + t, qd = divide(ud, dst_page_m, dst_page_s);
-            v[k] = src[slot_word(src_pages[qs], us - qs * src_page_size, src_lo + j, w, src_page_size, src_nheads,
-                                 head_words, src_hnd)];
-            at[k] = slot_word(dst_pages[qd], ud - qd * dst_page_size, dst_lo + j, w, dst_page_size, dst_nheads,
-                              head_words, dst_hnd);
+            v[k] = __ldg(src + slot_word(src_pages[qs], us - qs * src_page_size, src_lo + j, w, src_page_size,
+                                         src_nheads, head_words, src_hnd));
+            p16[k] = t * head_words + w;
+            at[k] = -2;
+            if (t >= skip) {
+                const unsigned int ud = dst_first + t - skip, qd = divide(ud, dst_page_m, dst_page_s);
+                at[k] = slot_word(dst_pages[qd], ud - qd * dst_page_size, dst_lo + j, w, dst_page_size, dst_nheads,
+                                  head_words, dst_hnd);
+            }
         }
     }
     #pragma unroll
     for (int k = 0; k < UNROLL; k++) {
-        if (at[k] >= 0) dst[at[k]] = v[k];
+        if (at[k] >= 0) __stwb(dst + at[k], v[k]);  // global, 16 bytes: the sums' atomics hide the space
+    }
+    if (sums_addr) {  // every block lies in one read: one atomic per block
+        unsigned int total = 0;
+        #pragma unroll
+        for (int k = 0; k < UNROLL; k++)
+            total += at[k] != -1 ? checksum_terms(v[k], p16[k]) : 0u;
+        checksum_block_add((unsigned int*)sums_addr + blockIdx.z, total);
     }
 }
 
@@ -121,11 +142,11 @@ __device__ __forceinline__ void read_words(
     const unsigned int src_page_size, const unsigned int src_page_m, const unsigned int src_page_s, \
     const unsigned int src_nheads, const int src_hnd, \
     const unsigned int dst_page_size, const unsigned int dst_page_m, const unsigned int dst_page_s, \
-    const unsigned int dst_nheads, const int dst_hnd
+    const unsigned int dst_nheads, const int dst_hnd, const unsigned int skip, const unsigned long long sums_addr
 #define READ_ARGS \
     dst_table_addr, count, dst_first, head_words, head_words_m, head_words_s, \
     src_page_size, src_page_m, src_page_s, src_nheads, src_hnd, dst_page_size, dst_page_m, dst_page_s, \
-    dst_nheads, dst_hnd
+    dst_nheads, dst_hnd, skip, sums_addr
 
 extern "C" __global__ void kvstage_ipc_read_words(
     const unsigned long long meta_addr, const unsigned long long ids_addr, const unsigned long long dst_pages_addr,
@@ -143,6 +164,7 @@ extern "C" __global__ void kvstage_ipc_read_words_inline(
     read_words(meta_addr, ids.id, ids.id + dst_at, READ_ARGS);
 }
 """
+)
 
 _U32 = ctypes.c_uint32
 _PARAMS = [
@@ -165,6 +187,8 @@ _PARAMS = [
     ("dst_page_s", _U32),
     ("dst_nheads", _U32),
     ("dst_hnd", ctypes.c_int32),
+    ("skip", _U32),
+    ("sums_addr", ctypes.c_uint64),
 ]
 #: the parameters fixed for a copier's life (its own buffers, the two sides' geometry), in ``_PARAMS`` order
 _FIXED = (
@@ -279,22 +303,24 @@ class IpcReadCopier(DeviceKernels):
         table = torch.tensor([a for a, _ in spans], dtype=torch.int64, device=self.device)
         return SourcePages(table, pages, spans)
 
-    def prepare(self, idx, reads: list[IpcRead]) -> PreparedCopy:
+    def prepare(self, idx, reads: list[IpcRead], skip: int = 0, sums_addr: int = 0) -> PreparedCopy:
         """The launch reading every read's piece into this rank's tokens ``idx`` (a
         ``staging.copy.TokenIndex`` of its cache); nothing runs until it is called. Every
-        read's page ids are checked now (``ProtocolError``)."""
+        read's page ids are checked now (``ProtocolError``). ``sums_addr``: zeroed device sums,
+        one per read, that the launch adds the checksum of every word it reads into (or 0); ``skip``:
+        tokens each read reads (and sums) before those it writes to ``idx``."""
         block = self._new_block()
-        function, grid, params, keep = self._fill(block, idx, reads)
+        function, grid, params, keep = self._fill(block, idx, reads, skip, sums_addr)
         return PreparedCopy(self, function, grid, params, (*keep, block))
 
-    def launch(self, idx, reads: list[IpcRead]) -> None:
-        """``prepare(idx, reads)()`` at once, from this thread's own argument block. On the
-        caller's current torch stream: the one this rank's request page ids were uploaded on
+    def launch(self, idx, reads: list[IpcRead], skip: int = 0, sums_addr: int = 0) -> None:
+        """``prepare(idx, reads, skip, sums_addr)()`` at once, from this thread's own argument block. On
+        the caller's current torch stream: the one this rank's request page ids were uploaded on
         (``staging.copy.copy_stream``), made to wait for the sources' writes first."""
         block = getattr(self._blocks, "block", None)
         if block is None:
             block = self._blocks.block = self._new_block()
-        self._launch(*self._fill(block, idx, reads)[:3])
+        self._launch(*self._fill(block, idx, reads, skip, sums_addr)[:3])
 
     def _new_block(self) -> _ArgBlock:
         """An argument block with this copier's fixed parameters in place."""
@@ -323,7 +349,7 @@ class IpcReadCopier(DeviceKernels):
             )
         return ids
 
-    def _fill(self, block: _ArgBlock, idx, reads):
+    def _fill(self, block: _ArgBlock, idx, reads, skip: int = 0, sums_addr: int = 0):
         """Check every read and pack one launch's arguments into ``block``: the kernel to
         launch, its grid, its parameter array and the tensors it reads."""
         if not reads:
@@ -332,6 +358,8 @@ class IpcReadCopier(DeviceKernels):
             raise ValueError(f"{len(reads)} reads in one launch; at most {_MAX_GRID_YZ}")
         src, dst = self.src_spec, self.cache.spec
         count = idx.count
+        if skip < 0 or (skip and not sums_addr):
+            raise ValueError(f"skip={skip}: tokens read and not written are for a checksum (sums_addr), >= 0")
         n = len(reads)
         header = np.empty(2 * n, dtype=np.int64)
         src_ids = []
@@ -344,7 +372,12 @@ class IpcReadCopier(DeviceKernels):
                 )
             src_ids.append(
                 ipc_read.check_pages(
-                    src, r.pages, r.source.pages, r.src_start, count, f"source rank {r.piece.src_rank}'s page ids"
+                    src,
+                    r.pages,
+                    r.source.pages,
+                    r.src_start,
+                    skip + count,
+                    f"source rank {r.piece.src_rank}'s page ids",
                 )
             )
             header[2 * z + 1] = r.src_start % src.page.page_size
@@ -386,7 +419,8 @@ class IpcReadCopier(DeviceKernels):
                 self._pieces.pop(next(iter(self._pieces)))
             self._pieces[key] = meta
         args.meta_addr, args.count, args.dst_first = meta.data_ptr(), count, dst_first
-        most = max(r.piece.heads.count for r in reads) * count * self.head_words
+        args.skip, args.sums_addr = skip, sums_addr
+        most = max(r.piece.heads.count for r in reads) * (skip + count) * self.head_words
         grid = (-(-most // (_THREADS * _UNROLL)), max(len(r.piece.buffers) for r in reads), n)
         tables = tuple(r.source.table for r in reads)
         if inline:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import ctypes
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -35,23 +36,14 @@ def _load() -> None:
     lib, _why_not = load_native("kvstage.staging._spans")
     if lib is None:
         return
+    # every span call's leading arguments: both sides' buffer bases and count, the spans' offsets, lengths, count
+    spans: list[Any] = [_U64, _U64, ctypes.c_size_t, _I64, _I64, _I64, ctypes.c_size_t]
     lib.kvstage_copy_spans.restype = None
-    lib.kvstage_copy_spans.argtypes = [_U64, _U64, ctypes.c_size_t, _I64, _I64, _I64, ctypes.c_size_t, ctypes.c_int]
+    lib.kvstage_copy_spans.argtypes = [*spans, ctypes.c_int]
     lib.kvstage_copy_spans_sum.restype = None
-    lib.kvstage_copy_spans_sum.argtypes = [
-        _U64,
-        _U64,
-        ctypes.c_size_t,
-        _I64,
-        _I64,
-        _I64,
-        ctypes.c_size_t,
-        ctypes.c_int,
-        ctypes.c_int,
-        ctypes.c_uint64,
-        ctypes.c_size_t,
-        _U32,
-    ]
+    lib.kvstage_copy_spans_sum.argtypes = [*spans, ctypes.c_int, ctypes.c_int, ctypes.c_uint64, ctypes.c_size_t, _U32]
+    lib.kvstage_sum_spans.restype = None
+    lib.kvstage_sum_spans.argtypes = [*spans, ctypes.c_uint64, ctypes.c_size_t, _U32]
     lib.kvstage_checksum_segments.restype = None
     lib.kvstage_checksum_segments.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_size_t, _U32]
     _lib = lib
@@ -145,6 +137,44 @@ class SpanCopy:
         else:
             c = checksum
             _lib.kvstage_copy_spans_sum(*spans, int(c.region_is_dst), c.origin, c.seg_bytes, c.sums)
+
+    def sum_only(self, at: Sequence[int], src: Sequence[tuple[int, int]], checksum: SpanSums) -> None:
+        """``run``'s checksum with no copy: each span is read from ``src[b]`` (address, bytes there) and
+        summed as if copied to ``at[b]`` plus its destination offset, a place in ``checksum``'s segments
+        that is never written (``checksum.region_is_dst`` is ignored)."""
+        if len(at) != len(src):
+            raise ValueError(f"{len(at)} region places, {len(src)} source buffers")
+        if not src or not len(self.lengths):
+            return
+        s = np.array(src, dtype=np.uint64).reshape(-1, 2)
+        if s[:, 1].min() < self.src_end:
+            b = int(np.argmin(s[:, 1]))
+            raise IndexError(f"source buffer {b} holds {int(s[b, 1])} bytes; the spans reach {self.src_end}")
+        a = np.array(at, dtype=np.uint64)
+        lo, hi = int(a.min()) + int(self.dst_off.min()), int(a.max()) + self.dst_end
+        if lo < checksum.origin or hi - checksum.origin > checksum.seg_bytes * len(checksum.sums):
+            raise IndexError(
+                f"the spans lie at {lo}..{hi}; the sums' {len(checksum.sums)} segments of {checksum.seg_bytes} bytes "
+                f"cover {checksum.origin}..{checksum.origin + checksum.seg_bytes * len(checksum.sums)}"
+            )
+        if checksum.seg_bytes % 4 or checksum.sums.dtype != np.uint32:
+            raise ValueError(
+                f"segments of {checksum.seg_bytes} bytes into {checksum.sums.dtype}: need whole words, uint32"
+            )
+        if _lib is None:
+            raise RuntimeError(f"native span copies are not loaded: {_why_not or 'available() was not asked'}")
+        _lib.kvstage_sum_spans(
+            a,
+            np.ascontiguousarray(s[:, 0]),
+            len(s),
+            self.dst_off,
+            self.src_off,
+            self.lengths,
+            len(self.lengths),
+            checksum.origin,
+            checksum.seg_bytes,
+            checksum.sums,
+        )
 
 
 def checksum_segments(address: int, nseg: int, seg_bytes: int, out: np.ndarray) -> None:

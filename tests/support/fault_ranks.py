@@ -400,18 +400,36 @@ def two_to_one(
     Returns (destination, sources, destination pages, each source's pages), one row per
     request; ``copier`` names every cache's copier (None: the rule's), ``device`` where the caches are. The
     caller closes the endpoints."""
+    return connected(settings, n, tokens, seed, content, copier, device)
+
+
+def connected(
+    settings: Settings,
+    n: int,
+    tokens: int,
+    seed: int,
+    content: int,
+    copier: str | None = None,
+    device: str = "cpu",
+    src_tp: int = 2,
+    dst_page: int = 4,
+):
+    """``two_to_one`` with ``src_tp`` sources (page 16) and a destination of page ``dst_page``: TP 1 to TP 1 at
+    page 16 is a pair the direct path can carry (whole shards, equal paging)."""
     from kvstage.protocol.destination import Destination
     from kvstage.protocol.source import Source
 
-    dcache = RankCache.allocate(dst_spec(), 0, n * pages_needed(tokens, 4) + 4, device, copier=copier)
+    dcache = RankCache.allocate(
+        dst_spec(page=dst_page), 0, n * pages_needed(tokens, dst_page) + 4, device, copier=copier
+    )
     dst = Destination(dcache, settings)
     srcs = []
-    for rank in range(2):
-        cache = RankCache.allocate(src_spec(2), rank, n * pages_needed(tokens, 16) + 2, device, copier=copier)
+    for rank in range(src_tp):
+        cache = RankCache.allocate(src_spec(src_tp), rank, n * pages_needed(tokens, 16) + 2, device, copier=copier)
         srcs.append(Source(cache, settings))
         srcs[-1].connect([dst.address])
     rng = np.random.default_rng(seed)
-    dpages = rng.permutation(dcache.pages)[: n * pages_needed(tokens, 4)].reshape(n, -1)
+    dpages = rng.permutation(dcache.pages)[: n * pages_needed(tokens, dst_page)].reshape(n, -1)
     spages = [rng.permutation(s.cache.pages)[: n * pages_needed(tokens, 16)].reshape(n, -1) for s in srcs]
     for k in range(n):
         for s, p in zip(srcs, spages):
