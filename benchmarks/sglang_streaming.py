@@ -1,8 +1,10 @@
 """SGLang CPU servers: the time to first token with the prefill's per-chunk streaming and without,
 the same prompts in the same run.
 
-    .venv-sglang/bin/python benchmarks/sglang_streaming.py
+    .venv-sglang/bin/python -m benchmarks.sglang_streaming
         [--prefill-tp 2 --decode-tp 1 --min-len 1000 --max-len 1500 --chunk 256 --requests 6]
+
+Run from the repository root: the helpers it shares with the tests import as ``tests.support``.
 
 Two routes at once, each a prefill server (TP P) and a decode server (TP D) with the kvstage backend
 behind SGLang's router: ``streamed`` (the backend as shipped: each chunk of a chunked prefill leaves
@@ -30,8 +32,7 @@ import sys
 import tempfile
 import time
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
-from support import sglang_servers as S  # noqa: E402
+from tests.support import sglang_servers as S
 
 START_S = 600  # both routes' servers and routers up, on two cores
 

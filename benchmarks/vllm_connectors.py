@@ -14,7 +14,9 @@ The first request of each pair also pays connection setup and is reported
 apart. Plain TTFT (the decode engine computing the prompt itself) is the
 reference, and every decode's first token is checked against it.
 
-    python benchmarks/vllm_connectors.py [--prompt-len 1000] [--requests 4] [--rounds 3] [--json out.json]
+    python -m benchmarks.vllm_connectors [--prompt-len 1000] [--requests 4] [--rounds 3] [--json out.json]
+
+Run from the repository root: the helpers it shares with the tests import as ``tests.support``.
 
 Needs a venv from ``bash .ci/vllm-venv`` plus ``nixl==1.5.1`` (``--no-deps``) for NixlConnector.
 """
@@ -26,13 +28,11 @@ import json
 import os
 import secrets
 import statistics
-import sys
 import tempfile
 import time
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
-from support.vllm_engine import SHARED_CORES, EngineProcess  # noqa: E402
-from support.vllm_model import build, prompts  # noqa: E402
+from tests.support.vllm_engine import SHARED_CORES, EngineProcess
+from tests.support.vllm_model import build, prompts
 
 TOKEN = secrets.token_hex(16)
 MODEL = dict(layers=8, heads=8, kv_heads=8, head_dim=64, intermediate=1024, max_len=2048)

@@ -21,7 +21,9 @@ returned ``kv_transfer_params``.
 - Worst waits: the longest load, kvstage's "is slow" warnings, pull errors, and the endpoints'
   "did not run for S s" lines (a process starved or stopped), from both servers' logs.
 
-    python benchmarks/vllm_http.py [--requests 24] [--runs 2] [--pinned] [--json out.json]
+    python -m benchmarks.vllm_http [--requests 24] [--runs 2] [--pinned] [--json out.json]
+
+Run from the repository root: the helpers it shares with the tests import as ``tests.support``.
 """
 
 from __future__ import annotations
@@ -41,9 +43,8 @@ import time
 import urllib.error
 import urllib.request
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
-from support.vllm_engine import SHARED_CORES  # noqa: E402
-from support.vllm_model import build, prompts, text  # noqa: E402
+from tests.support.vllm_engine import SHARED_CORES
+from tests.support.vllm_model import build, prompts, text
 
 CFG = '"kv_connector":"KVStageConnector","kv_connector_module_path":"kvstage.plugin.vllm"'
 COMMON = "--dtype float32 --block-size 32 --kv-cache-memory-bytes 1073741824 --enforce-eager".split()

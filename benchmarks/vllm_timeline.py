@@ -1,6 +1,6 @@
 """One request's path through the engines, from their kvstage DEBUG lines.
 
-Run ``benchmarks/vllm_xpyd.py --trace``: every engine then logs kvstage's endpoint events, the
+Run ``python -m benchmarks.vllm_xpyd --trace``: every engine then logs kvstage's endpoint events, the
 connector's and the load clock's, stamped with the host clock (``%(created)`` and the engine's
 name). Then:
 
@@ -40,7 +40,7 @@ def main() -> None:
     args = ap.parse_args()
     evs = sorted(events(args.logdir))
     if not evs:
-        raise SystemExit(f"{args.logdir}: no timestamped lines (run benchmarks/vllm_xpyd.py with --trace)")
+        raise SystemExit(f"{args.logdir}: no timestamped lines (run python -m benchmarks.vllm_xpyd with --trace)")
     reqs = list(args.requests)
     if args.slowest:
         loads = [(float(m.group(2)), m.group(1)) for _, _, _, msg in evs if (m := CLOCK.search(msg))]

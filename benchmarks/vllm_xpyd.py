@@ -20,7 +20,9 @@ Per request: *decode TTFT* (``D``'s ``add_request`` to its first token) and *KV 
 engine step whose connector metadata starts the load to the step that reports it received: the same
 hooks around either connector, ``LoadClock``). p50/p99 are nearest-rank over the load rounds.
 
-    python benchmarks/vllm_xpyd.py [--requests 24] [--inflight 4] [--rounds 2] [--json out.json]
+    python -m benchmarks.vllm_xpyd [--requests 24] [--inflight 4] [--rounds 2] [--json out.json]
+
+Run from the repository root: the helpers it shares with the tests import as ``tests.support``.
 
 kvstage runs at its defaults (timeouts, arena) with an auth token (without one it never takes the
 direct path). ``--trace`` logs every kvstage event for benchmarks/vllm_timeline.py. Needs a venv from ``bash .ci/vllm-venv`` plus ``nixl==1.5.1`` (``--no-deps``).
@@ -34,14 +36,12 @@ import os
 import queue
 import random
 import secrets
-import sys
 import tempfile
 import threading
 import time
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
-from support.vllm_engine import SHARED_CORES, EngineProcess  # noqa: E402
-from support.vllm_model import build, prompts  # noqa: E402
+from tests.support.vllm_engine import SHARED_CORES, EngineProcess
+from tests.support.vllm_model import build, prompts
 
 MODEL = dict(layers=8, heads=8, kv_heads=8, head_dim=64, intermediate=1024, max_len=2048)
 PREFILL = {"P2": 2, "P1": 1}  # name -> TP

@@ -10,8 +10,8 @@ import csv
 
 from kvstage.bench.report import is_multi
 
-CSV_COLUMNS = (
-    "mode",
+#: a result row's size and speed, as ``summary`` names them: the same columns in both CSVs
+_SIZE_COLUMNS = (
     "src_tp",
     "dst_tp",
     "tokens",
@@ -20,6 +20,26 @@ CSV_COLUMNS = (
     "total_bytes",
     "seconds",
     "gbps",
+)
+#: the run's configuration, the same on every row (``_config_columns``)
+_CONFIG_COLUMNS = (
+    "layers",
+    "kv_heads",
+    "head_dim",
+    "dtype",
+    "mla",
+    "device",
+    "src_page_size",
+    "src_layout",
+    "dst_page_size",
+    "dst_layout",
+    "iters",
+    "warmup",
+)
+
+CSV_COLUMNS = (
+    "mode",
+    *_SIZE_COLUMNS,
     "latency_p50_ms",
     "latency_p99_ms",
     "latency_samples",
@@ -40,18 +60,7 @@ CSV_COLUMNS = (
     "arena",
     "copier",
     "bulk_degraded",
-    "layers",
-    "kv_heads",
-    "head_dim",
-    "dtype",
-    "mla",
-    "device",
-    "src_page_size",
-    "src_layout",
-    "dst_page_size",
-    "dst_layout",
-    "iters",
-    "warmup",
+    *_CONFIG_COLUMNS,
     "prefill_ms",
     "layer_groups",
 )
@@ -63,14 +72,7 @@ ENGINE_CSV_COLUMNS = (
     "engines",
     "src_engine",
     "dst_engine",
-    "src_tp",
-    "dst_tp",
-    "tokens",
-    "concurrency",
-    "bytes",
-    "total_bytes",
-    "seconds",
-    "gbps",
+    *_SIZE_COLUMNS,
     "latency_p50_ms",
     "latency_p99_ms",
     "latency_samples",
@@ -93,18 +95,7 @@ ENGINE_CSV_COLUMNS = (
     "copier",
     "src_peer_engines",
     "dst_peer_engines",
-    "layers",
-    "kv_heads",
-    "head_dim",
-    "dtype",
-    "mla",
-    "device",
-    "src_page_size",
-    "src_layout",
-    "dst_page_size",
-    "dst_layout",
-    "iters",
-    "warmup",
+    *_CONFIG_COLUMNS,
 )
 
 
@@ -151,14 +142,7 @@ def csv_rows(result: dict) -> list[dict]:
                     k: r.get(k)
                     for k in (
                         "mode",
-                        "src_tp",
-                        "dst_tp",
-                        "tokens",
-                        "concurrency",
-                        "bytes",
-                        "total_bytes",
-                        "seconds",
-                        "gbps",
+                        *_SIZE_COLUMNS,
                         "latency_samples",
                         "exposed_s",
                         "arena_bytes",
@@ -191,14 +175,7 @@ def _engine_csv_rows(result: dict) -> list[dict]:
                         "engines",
                         "src_engine",
                         "dst_engine",
-                        "src_tp",
-                        "dst_tp",
-                        "tokens",
-                        "concurrency",
-                        "bytes",
-                        "total_bytes",
-                        "seconds",
-                        "gbps",
+                        *_SIZE_COLUMNS,
                         "latency_samples",
                         "slot_wait_s",
                         "src_slot_wait_s",

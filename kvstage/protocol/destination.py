@@ -35,6 +35,7 @@ from typing import Any
 
 from kvstage.config import Settings
 from kvstage.errors import KVStageError, ProtocolError
+from kvstage.ids import EngineId, ReqId, ReqKey
 from kvstage.protocol import dst_grants, dst_handshake, dst_listener, dst_requests
 from kvstage.protocol.address import Address, new_secret
 from kvstage.protocol.checksums import Warned
@@ -97,8 +98,8 @@ class Destination(Endpoint):
         self.secret = settings.auth_token or ("" if settings.allow_unauthenticated else new_secret())
         self.engines: dict[str, SourceEngine] = {}
         self._writers: dict[Connection, Writer] = {}  # every connected writer, by its control connection
-        self.requests: dict[tuple[str, str], Incoming] = {}
-        self._early: dict[tuple[str, str], dict] = {}  # (engine, req) -> {source rank: [ready, chunks...]}
+        self.requests: dict[ReqKey, Incoming] = {}
+        self._early: dict[ReqKey, dict] = {}  # (engine, req) -> {source rank: [ready, chunks...]}
         self._gone: dict[str, str] = {}  # prefill engine whose last rank left -> why
         self._order: list[tuple] = []  # (request, layer group) reading through the arena, in arrival order
         self._leftovers: list[Leftover] = []  # reads of failed requests that may still land
@@ -182,7 +183,7 @@ class Destination(Endpoint):
         return CopyThreads(n)
 
     # -- public --------------------------------------------------------------
-    def expect(self, req: str, page_ids, tokens: int, engine: str = "", first: int = 0) -> TransferHandle:
+    def expect(self, req: ReqId, page_ids, tokens: int, engine: EngineId = "", first: int = 0) -> TransferHandle:
         """Receive ``tokens`` tokens of request ``req`` into ``page_ids`` (this rank's pages) from the ranks
         of prefill engine ``engine`` (the id its sources were made with): tokens ``first .. first + tokens``
         of what they sent (``first`` > 0: the tokens before are cached here already)."""
@@ -200,7 +201,7 @@ class Destination(Endpoint):
         )  # on this thread: it is awake, the loop may not be
         return handle
 
-    def connected(self, engine: str = "") -> bool:
+    def connected(self, engine: EngineId = "") -> bool:
         """Whether every source rank of prefill engine ``engine`` that sends to this rank is connected and
         has offered what it sends (a request of it then needs nothing but its ``ready``)."""
 
@@ -212,7 +213,7 @@ class Destination(Endpoint):
 
         return bool(self._call(check))
 
-    def release(self, req: str, engine: str = "", reason: str = "released") -> None:
+    def release(self, req: ReqId, engine: EngineId = "", reason: str = "released") -> None:
         """Tell the source ranks of ``engine`` that send to this rank that it will not read request ``req``
         (a request it never expected: cached here, or dropped), so they free what they hold for it."""
 
@@ -229,7 +230,7 @@ class Destination(Endpoint):
     def slots_free(self) -> int:
         return self.stats().slots_free
 
-    def tracks(self, req: str, engine: str = "") -> bool:
+    def tracks(self, req: ReqId, engine: EngineId = "") -> bool:
         """Whether this rank still holds request ``req`` of ``engine``: a failed request is held until no
         read of it can still land in its pages (they must not be reused before then)."""
         return bool(self._call(lambda: (engine, req) in self.requests))
@@ -244,7 +245,7 @@ class Destination(Endpoint):
         )
 
     # -- requests (``dst_requests``, ``dst_grants``; caller's thread or loop, state lock held) ----
-    def _ipc_copier(self, engine: str):
+    def _ipc_copier(self, engine: EngineId):
         eng = self.engines[engine]
         if eng.ipc_copier is None:
             from kvstage.staging.cuda_ipc import IpcReadCopier
@@ -362,7 +363,7 @@ class Destination(Endpoint):
             raise ProtocolError(f"{msg.TYPE} message from a source")
 
     # -- failures --------------------------------------------------------------
-    def _fail(self, key: tuple, peer: str, stage: str, cause: str, tell: bool, skip: int | None = None) -> None:
+    def _fail(self, key: ReqKey, peer: str, stage: str, cause: str, tell: bool, skip: int | None = None) -> None:
         inc = self.requests.get(key)
         if inc is None or inc.handle.done():
             return

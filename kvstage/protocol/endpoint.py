@@ -28,6 +28,7 @@ from dataclasses import dataclass
 
 from kvstage.config import PING_INTERVAL_S, Settings
 from kvstage.errors import ConfigError, KVStageError, ProtocolError, TransportError
+from kvstage.ids import PeerReqKey
 from kvstage.layout import token_bytes
 from kvstage.link.connect import connect_line
 from kvstage.link.facts import memory_facts, value
@@ -142,9 +143,8 @@ class Endpoint:
 
     def _init_loop(self) -> None:
         """The loop's state and thread (started by the subclass, last in its constructor)."""
-        self._aborted: dict[
-            tuple, tuple[str, str]
-        ] = {}  # (engine, req) -> (peer, cause): aborted before this side knew it
+        #: (engine, req) -> (peer, cause): aborted before this side knew it
+        self._aborted: dict[PeerReqKey, tuple[str, str]] = {}
         self._events: queue.Queue = queue.Queue()
         self._pending: dict = {}  # connection not authenticated yet -> (deadline, seconds given); insertion order = age
         self._refusals = RefusalLog(log, f"{self.role} {self.rank}")
@@ -496,13 +496,13 @@ class Endpoint:
         """The control connections to peer endpoints (pinged, watched for silence)."""
         return []
 
-    def _remember_abort(self, key: tuple, peer: str, cause: str) -> None:
+    def _remember_abort(self, key: PeerReqKey, peer: str, cause: str) -> None:
         """A peer aborted request ``key`` (peer engine, request id) before this side was told of
         it: fail it the moment it is added instead of waiting for a grant or a writer that will
         never come. At most ``MAX_ABORTED`` are kept, the oldest dropped first."""
         remember(self._aborted, key, (peer, cause), MAX_ABORTED)
 
-    def _take_abort(self, key: tuple, handle, keep: bool = False) -> bool:
+    def _take_abort(self, key: PeerReqKey, handle, keep: bool = False) -> bool:
         """Fail ``handle`` if its peer aborted request ``key`` already; ``keep``: the abort is kept for a
         later layer group of the same request."""
         got = self._aborted.get(key) if keep else self._aborted.pop(key, None)

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from kvstage.errors import ProtocolError
+from kvstage.ids import ReqKey
 from kvstage.layout import buffer_shape, pages_needed
 from kvstage.protocol.common import rank_name
 from kvstage.protocol.messages import Ready as ReadyMessage
@@ -273,7 +274,7 @@ class Incoming:
     leftover: list = field(default_factory=list)  # reads of a failed request that may still land (``reads.Leftover``)
 
     @property
-    def key(self) -> tuple[str, str]:
+    def key(self) -> ReqKey:
         return self.engine, self.handle.req
 
     @property

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from kvstage.ids import OutKey, PartKey, RangeKey
 from kvstage.protocol.common import rank_name
 from kvstage.protocol.request import TransferHandle
 from kvstage.protocol.wire import Connection
@@ -108,12 +109,12 @@ def plan_chunks(tokens: int, own: int, capacity: int, src_page: int, dst_pages: 
     return [SrcChunk(i, s, min(per, tokens - s)) for i, s in enumerate(range(0, tokens, per))]
 
 
-def group_key(group: range | None) -> tuple[int, int] | None:
+def group_key(group: range | None) -> RangeKey | None:
     """A layer group as a key (None: every layer)."""
     return None if group is None else (group.start, group.stop)
 
 
-def part_key(layers: range | None, span: range | None) -> tuple | None:
+def part_key(layers: range | None, span: range | None) -> PartKey | None:
     """A part of a streamed request as a key: its layer group and token span (None: the whole request)."""
     return None if layers is None and span is None else (group_key(layers), group_key(span))
 
@@ -161,7 +162,7 @@ class Outgoing:
             self.bound = self.engine
 
     @property
-    def key(self) -> tuple:
+    def key(self) -> OutKey:
         return self.engine, self.handle.req, part_key(self.layers, self.span)
 
     @property

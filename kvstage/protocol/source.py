@@ -38,6 +38,7 @@ import logging
 import time
 
 from kvstage.errors import ProtocolError
+from kvstage.ids import EngineId, OutKey, ReqId
 from kvstage.protocol import src_chunks, src_connect, src_requests, src_sums
 from kvstage.protocol.address import Address
 from kvstage.protocol.common import check_engine, check_pages, peer_label, remember
@@ -85,13 +86,13 @@ class Source(Endpoint):
         self.engines: dict[str, DestinationEngine] = {}
         self._targets: dict[Connection, Target] = {}  # every connected destination, by its control connection
         self._idle: dict[tuple, tuple[str, int]] = {}  # address this rank sends nothing to -> (engine, rank)
-        self.requests: dict[tuple, Outgoing] = {}  # (engine or None, req) -> the request
+        self.requests: dict[OutKey, Outgoing] = {}  # each part of each request this rank sends
         self._waiting: collections.deque = collections.deque()  # (request, chunk) with no free slot yet
         self._gathering: list = []  # (request, chunk) whose gather runs on the device
         self._summing: list = []  # ``src_sums.Summing``: sum passes still running on the device
         self._held: list = []  # (release time, slot) of failed requests' chunks (``ABORT_HOLD_S``)
         self._draining: list = []  # done requests whose offers are not over yet: their slots return when they are
-        self._finished: dict[tuple, str] = {}  # (engine, req) -> final state, oldest first
+        self._finished: dict[OutKey, str] = {}  # a request's part -> its final state, oldest first
         self._routes: dict = {}  # (engine, rank, path) whose route was logged, the latest ones
         self._ipc = src_connect.share_pages(self)
         if self._reads_pages():
@@ -131,10 +132,10 @@ class Source(Endpoint):
 
     def send(
         self,
-        req: str,
+        req: ReqId,
         page_ids,
         tokens: int,
-        engine: str | None = "",
+        engine: EngineId | None = "",
         layers: range | None = None,
         span: range | None = None,
     ) -> TransferHandle:
@@ -171,7 +172,7 @@ class Source(Endpoint):
         self._here(lambda: src_requests.add(self, handle, pages, engine, caller, group, part, int(tokens)))
         return handle
 
-    def stream(self, req: str, page_ids, tokens: int, engine: str | None = "") -> LayerStream:
+    def stream(self, req: ReqId, page_ids, tokens: int, engine: EngineId | None = "") -> LayerStream:
         """Send request ``req`` layer group by layer group while the forward writes it: call the stream's
         ``written(n)`` as the forward has written layers ``0 .. n``. The groups follow
         ``stream.layer_groups`` (a short request goes whole, once every layer is written)."""
@@ -183,7 +184,7 @@ class Source(Endpoint):
             lambda reason: self.abort(req, engine, reason),
         )
 
-    def abort(self, req: str, engine: str | None = "", reason: str = "aborted by caller") -> None:
+    def abort(self, req: ReqId, engine: EngineId | None = "", reason: str = "aborted by caller") -> None:
         """Drop request ``req`` (every layer group of it, in flight or done): its destination ranks hear
         ``abort`` and fail it (a streamed request dropped mid-forward)."""
 
@@ -293,7 +294,7 @@ class Source(Endpoint):
             log.debug("src %d: send to %s failed: %s", self.rank, t.name, e)
 
     # -- failures --------------------------------------------------------------
-    def _fail(self, key: tuple, peer: str, stage: str, cause: str, tell: bool, answered: Target | None = None) -> None:
+    def _fail(self, key: OutKey, peer: str, stage: str, cause: str, tell: bool, answered: Target | None = None) -> None:
         out = self.requests.get(key)
         if out is None or out.handle.done():
             return

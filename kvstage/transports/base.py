@@ -22,6 +22,7 @@ from __future__ import annotations
 import abc
 import enum
 from dataclasses import dataclass
+from typing import Generic, TypeVar
 
 import numpy as np
 
@@ -124,7 +125,12 @@ class ReadyWrite:
         self.post, self.drop = post, drop
 
 
-class Transport(abc.ABC):
+#: what a transport's ``read``, ``write`` and ``offer`` return and ``poll``, ``abandon`` and ``release`` take:
+#: each transport's own handle type (``NixlTransport(Transport[...])``), opaque to its callers
+Handle = TypeVar("Handle")
+
+
+class Transport(abc.ABC, Generic[Handle]):
     """One endpoint of a transport. Not thread-safe: one thread drives it."""
 
     name: str
@@ -149,7 +155,7 @@ class Transport(abc.ABC):
         that write must carry. One-sided transports: a no-op, ``b""``."""
         return b""
 
-    def offer(self, peer: PeerId, local: Spans) -> tuple[bytes, object | None]:
+    def offer(self, peer: PeerId, local: Spans) -> tuple[bytes, Handle | None]:
         """Make ``local`` (registered here) readable by ``peer``'s next ``read`` of the same spans; returns
         (ticket, handle). One-sided transports: (b"", None), registered memory is readable as it is.
         Two-sided (ucx): one tag send per span, receiver-driven (the reader pulls the bytes; this side's
@@ -182,7 +188,7 @@ class Transport(abc.ABC):
         """This endpoint's id as peers see it (``connect``'s result, notification sender)."""
 
     @abc.abstractmethod
-    def read(self, peer: PeerId, local: Spans, remote: Spans, ticket: bytes = b"") -> object:
+    def read(self, peer: PeerId, local: Spans, remote: Spans, ticket: bytes = b"") -> Handle:
         """Start reading each remote span of ``peer`` (registered there) into the matching local span
         (registered here); ``ticket``: the peer's ``offer`` (two-sided). A handle for ``poll``/``release``;
         DONE means every byte is in ``local``; a failure raises TransportError from ``poll``. Spans that
@@ -190,7 +196,7 @@ class Transport(abc.ABC):
         source's ``offer`` checked its own), raise TransportError here, before anything moves."""
 
     @abc.abstractmethod
-    def write(self, peer: PeerId, local: Spans, remote: Spans, notification: bytes, ticket: bytes = b"") -> object:
+    def write(self, peer: PeerId, local: Spans, remote: Spans, notification: bytes, ticket: bytes = b"") -> Handle:
         """Start writing each local span to the matching remote span of ``peer``;
         ``notification`` reaches the peer after all of them. ``ticket``: what the
         peer's ``expect`` returned for ``remote`` (two-sided transports). Returns
@@ -205,17 +211,17 @@ class Transport(abc.ABC):
         return ReadyWrite(lambda: self.write(peer, local, remote, notification, ticket))
 
     @abc.abstractmethod
-    def poll(self, handle: object) -> WriteState:
+    def poll(self, handle: Handle) -> WriteState:
         """State of a write, read or offer; raises ``TransportError`` if it failed."""
 
     @abc.abstractmethod
-    def abandon(self, handle: object) -> bool:
+    def abandon(self, handle: Handle) -> bool:
         """Give up a read or an offer not DONE: cancel what can be cancelled. True when nothing of it can
         land (or be taken) any more, False when bytes may still arrive (the caller keeps that memory out of
         use until ``poll`` says it is over). Either way ``release`` it once it is over."""
 
     @abc.abstractmethod
-    def release(self, handle: object) -> None:
+    def release(self, handle: Handle) -> None:
         """Free a finished transfer's resources."""
 
     @abc.abstractmethod

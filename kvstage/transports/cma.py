@@ -40,7 +40,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import numpy as np
 
 from kvstage.errors import TransportError
-from kvstage.transports.base import Failed, ReadyWrite, Region, Spans, Transport, WriteState
+from kvstage.transports.base import ReadyWrite, Region, Spans, Transport, WriteState
 
 log = logging.getLogger(__name__)
 
@@ -213,7 +213,7 @@ class _Done:
         self.nbytes = nbytes
 
 
-class CmaTransport(Transport):
+class CmaTransport(Transport["_Done | Future"]):
     name = "cma"
     host_only = True
     #: process_vm_writev walks up to 1,024 spans per call: 512-byte spans move at ~1.1 GB/s, ~0.5 us each
@@ -369,20 +369,18 @@ class CmaTransport(Transport):
             self._pool = ThreadPoolExecutor(READ_THREADS, thread_name_prefix="kvstage-cma-read")
         return self._pool.submit(self._copy, p, calls, _readv, "read from")
 
-    def poll(self, handle) -> WriteState:
-        if isinstance(handle, Failed):
-            raise TransportError(handle.cause)
+    def poll(self, handle: _Done | Future) -> WriteState:
         if isinstance(handle, Future):
             if not handle.done():
                 return WriteState.PENDING
             handle.result()  # the peer's fault, raised here as TransportError
         return WriteState.DONE
 
-    def abandon(self, handle) -> bool:
+    def abandon(self, handle: _Done | Future) -> bool:
         """A read not started is cancelled; one whose call runs ends with it (True once it returned)."""
         return not isinstance(handle, Future) or handle.cancel() or handle.done()
 
-    def release(self, handle) -> None:
+    def release(self, handle: _Done | Future) -> None:
         pass
 
     def notifications(self):

@@ -31,11 +31,20 @@ import importlib
 import logging
 import os
 import uuid
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from kvstage.errors import TransportError
 from kvstage.transports.base import Failed, ReadyWrite, Region, Spans, Transport, WriteState
+
+if TYPE_CHECKING:
+    from typing import TypeAlias
+
+    from nixl._api import nixl_xfer_handle  # the same class as nixl_cu13's and nixl_cu12's
+
+    #: a posted transfer, or a read that failed at its post (``poll`` raises its cause)
+    NixlHandle: TypeAlias = nixl_xfer_handle | Failed
 
 log = logging.getLogger(__name__)
 
@@ -70,7 +79,7 @@ def _descs(spans: Spans) -> np.ndarray:
     return arr
 
 
-class NixlTransport(Transport):
+class NixlTransport(Transport["NixlHandle"]):
     name = "nixl"
     #: one UCX get per span, as one put per span for writes: ~12 us over cuda_ipc on one H200 (measured
     #: for writes); ~2 us over cma on the 2-core CPU machine (512 B: 1.97 us a span, 32 KiB: 9.2 us)
@@ -176,7 +185,7 @@ class NixlTransport(Transport):
             raise TransportError(f"NIXL {what} {peer} failed when posted")
         return handle
 
-    def poll(self, handle) -> WriteState:
+    def poll(self, handle: NixlHandle) -> WriteState:
         if isinstance(handle, Failed):
             raise TransportError(handle.cause)
         try:
@@ -189,7 +198,7 @@ class NixlTransport(Transport):
             return WriteState.PENDING
         raise TransportError("NIXL reported the transfer failed (peer gone or link down)")
 
-    def abandon(self, handle) -> bool:
+    def abandon(self, handle: NixlHandle) -> bool:
         """NIXL's release of a running transfer asks UCX to cancel it, which UCX does not do for
         reads and writes of memory (``ucp_request_cancel`` cancels tag receives only): a read still
         running may land later, so it is kept and polled, never cancelled."""
@@ -198,7 +207,7 @@ class NixlTransport(Transport):
         except TransportError:
             return True  # failed: over
 
-    def release(self, handle) -> None:
+    def release(self, handle: NixlHandle) -> None:
         if isinstance(handle, Failed):
             return
         try:

@@ -199,7 +199,7 @@ def _canceller():
 ERROR_HANDLING = True
 
 
-class UcxTransport(Transport):
+class UcxTransport(Transport["_Transfer"]):
     name = "ucx"
     one_sided = False
     reads_offered = True
@@ -483,7 +483,7 @@ class UcxTransport(Transport):
             ) from e
         return requests, buffers
 
-    def poll(self, handle) -> WriteState:
+    def poll(self, handle: _Transfer) -> WriteState:
         if handle.failed:
             raise TransportError(f"UCX {handle.what} {handle.peer} failed: {handle.failed}")
         self._progress()
@@ -501,7 +501,7 @@ class UcxTransport(Transport):
                 raise TransportError(f"UCX {handle.what} {handle.peer} failed: {err}")
         return WriteState.DONE
 
-    def abandon(self, handle) -> bool:
+    def abandon(self, handle: _Transfer) -> bool:
         """A read's receives that no message matched yet are cancelled (nothing can land in them
         later); matched ones are fetching and end by themselves. An offer's sends cannot be
         cancelled (UCX cancels receives only): it ends when the reader took it, or fails at
@@ -519,7 +519,7 @@ class UcxTransport(Transport):
                 self._cancel(r.ucxx_ptr)
         self._progress()  # cancelled receives complete (UCS_ERR_CANCELED) in the next progress
 
-    def release(self, handle) -> None:
+    def release(self, handle: _Transfer) -> None:
         self._transfers.get(handle.peer, set()).discard(handle)
         if not all(r.completed for r in handle.requests):  # UCX may still hold the buffers: keep them alive
             self._orphans.append(handle.buffers)

@@ -105,6 +105,9 @@ class KVStagePromMetrics(KVConnectorPromMetrics):
         def per_engine(metric):
             return create_metric_per_engine(metric, self.per_engine_labelvalues)
 
+        def counter(name: str, documentation: str):
+            return per_engine(self._counter_cls(name=name, documentation=documentation, labelnames=labelnames))
+
         self.load_time = per_engine(
             self._histogram_cls(
                 name="vllm:kvstage_load_time_seconds",
@@ -113,34 +116,12 @@ class KVStagePromMetrics(KVConnectorPromMetrics):
                 labelnames=labelnames,
             )
         )
-        self.loads_done = per_engine(
-            self._counter_cls(
-                name="vllm:kvstage_loads_done",
-                documentation="KV loads through kvstage that completed (one per rank).",
-                labelnames=labelnames,
-            )
-        )
-        self.loads_failed = per_engine(
-            self._counter_cls(
-                name="vllm:kvstage_loads_failed",
-                documentation="KV loads through kvstage that failed (one per rank).",
-                labelnames=labelnames,
-            )
-        )
-        self.loaded_bytes = per_engine(
-            self._counter_cls(
-                name="vllm:kvstage_loaded_bytes",
-                documentation="KV bytes received through kvstage.",
-                labelnames=labelnames,
-            )
-        )
-        self.recomputes = per_engine(
-            self._counter_cls(
-                name="vllm:kvstage_recomputes",
-                documentation="Requests recomputed after their KV load through kvstage "
-                "failed (kv_load_failure_policy=recompute).",
-                labelnames=labelnames,
-            )
+        self.loads_done = counter("vllm:kvstage_loads_done", "KV loads through kvstage that completed (one per rank).")
+        self.loads_failed = counter("vllm:kvstage_loads_failed", "KV loads through kvstage that failed (one per rank).")
+        self.loaded_bytes = counter("vllm:kvstage_loaded_bytes", "KV bytes received through kvstage.")
+        self.recomputes = counter(
+            "vllm:kvstage_recomputes",
+            "Requests recomputed after their KV load through kvstage failed (kv_load_failure_policy=recompute).",
         )
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0):
