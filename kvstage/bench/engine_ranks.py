@@ -12,9 +12,23 @@ from typing import Any, cast
 import numpy as np
 
 from kvstage.bench.control import Link
-from kvstage.bench.ranks import _exposition, _links, _stages, _sync
+from kvstage.bench.ranks import _end, _links, _stages, _steps, _sync
 from kvstage.bench.scenario import Group, engine_id
 from kvstage.bench.steps import WAIT_S, content_seed, request_index, request_pages, tag
+
+
+def _rank_cache(g: Group, side: str, rank: int, engine: int):
+    """(device, cache) of rank ``rank`` of engine ``engine`` on ``side``, its device made current."""
+    import torch
+
+    from kvstage.staging.cache import RankCache
+
+    b = g.base
+    spec = b.side(side, engine)
+    dev = b.torch_device(side)
+    if dev.type == "cuda":
+        torch.cuda.set_device(dev)
+    return dev, RankCache.allocate(spec, rank, g.pages(spec, side), dev, copier=b.copier)
 
 
 def _endpoint(ep, step: int, g: Group) -> dict:
@@ -34,22 +48,14 @@ def dst_engines_main(
 
     from kvstage.bench.reference import check_shard
     from kvstage.protocol.destination import Destination
-    from kvstage.staging.cache import RankCache
 
     b = g.base
-    spec = b.side("dst", engine)
-    dev = b.torch_device("dst")
-    if dev.type == "cuda":
-        torch.cuda.set_device(dev)
-    cache = RankCache.allocate(spec, rank, g.pages(spec, "dst"), dev, copier=b.copier)
+    dev, cache = _rank_cache(g, "dst", rank, engine)
     ep = Destination(cache, b.settings(), listen=(listen_host, 0), engine=engine_id("dst", engine))
     sources = len(b.engines("src"))
     link.send({"type": "ready", "clock_error_s": link.sync_error, "info": {"address": list(ep.address)}})
     dirty = np.zeros(0, dtype=np.int64)
-    for step, (pi, mode, it) in enumerate(g.schedule()):
-        msg = link.recv("prep")
-        assert msg["step"] == step, (msg, step)
-        sc = g.points[pi]
+    for step, pi, mode, it, sc, _ in _steps(link, g):
         n, tokens = sc.concurrency, sc.tokens
         last = it == sc.warmup + sc.iters - 1
         reqs = request_pages(g, pi, "dst", rank, it, engine)
@@ -111,37 +117,25 @@ def dst_engines_main(
                 | _endpoint(ep, step, g),
             }
         )
-    link.recv("end")
-    text = _exposition(want_metrics)  # before the endpoint closes: its gauges and links are still there
-    ep.close()
-    return text
+    return _end(link, want_metrics, ep)
 
 
 def src_engines_main(link: Link, g: Group, rank: int, engine: int, want_metrics: bool = False) -> str | None:
     """Rank ``rank`` of source engine ``s{engine}``: one ``Source`` connected to every destination
     engine's ranks sends ``concurrency`` requests to each, interleaved (request k to d0, d1, ...,
     then k+1); results per destination engine (``sent[j][k]``, ``stages[j]``)."""
-    import torch
 
     from kvstage.bench.reference import fill_shard
     from kvstage.protocol.source import Source
-    from kvstage.staging.cache import RankCache
 
     b = g.base
-    spec = b.side("src", engine)
-    dev = b.torch_device("src")
-    if dev.type == "cuda":
-        torch.cuda.set_device(dev)
-    cache = RankCache.allocate(spec, rank, g.pages(spec, "src"), dev, copier=b.copier)
+    dev, cache = _rank_cache(g, "src", rank, engine)
     ep = Source(cache, b.settings(), engine=engine_id("src", engine))
     engines = link.recv("dsts", timeout=WAIT_S)["engines"]  # [destination engine][its rank] -> its info
     ep.connect([tuple(info["address"]) for ranks in engines for info in ranks])
     dests = len(b.engines("dst"))
     link.send({"type": "ready", "clock_error_s": link.sync_error})
-    for step, (pi, mode, it) in enumerate(g.schedule()):
-        msg = link.recv("prep")
-        assert msg["step"] == step, (msg, step)
-        sc = g.points[pi]
+    for step, pi, mode, it, sc, _ in _steps(link, g):
         n, tokens = sc.concurrency, sc.tokens
         reqs = request_pages(g, pi, "src", rank, it, engine)
         for j in range(dests):
@@ -181,7 +175,4 @@ def src_engines_main(link: Link, g: Group, rank: int, engine: int, want_metrics:
                 | _endpoint(ep, step, g),
             }
         )
-    link.recv("end")
-    text = _exposition(want_metrics)  # before the endpoint closes: its gauges and links are still there
-    ep.close()
-    return text
+    return _end(link, want_metrics, ep)

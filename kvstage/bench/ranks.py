@@ -86,6 +86,25 @@ def _exposition(want: bool) -> str | None:
     return metrics.exposition().decode()
 
 
+def _steps(link: Link, g: Group):
+    """The group's steps in order, each once the coordinator's ``prep`` for it is in: (step, point index, mode,
+    iteration, the point, the ``prep``), the head of every rank's loop."""
+    for step, (pi, mode, it) in enumerate(g.schedule()):
+        msg = link.recv("prep")
+        assert msg["step"] == step, (msg, step)
+        yield step, pi, mode, it, g.points[pi], msg
+
+
+def _end(link: Link, want_metrics: bool, *endpoints) -> str | None:
+    """A rank's end: the coordinator's ``end``, its metrics (taken before the endpoints close: their gauges and
+    links are still there), then each endpoint closed."""
+    link.recv("end")
+    text = _exposition(want_metrics)
+    for ep in endpoints:
+        ep.close()
+    return text
+
+
 def dst_main(link: Link, g: Group, rank: int, listen_host: str, want_metrics: bool = False) -> str | None:
     import torch
 
@@ -120,10 +139,7 @@ def dst_main(link: Link, g: Group, rank: int, listen_host: str, want_metrics: bo
         }
     )
     dirty = np.zeros(0, dtype=np.int64)
-    for step, (pi, mode, it) in enumerate(g.schedule()):
-        msg = link.recv("prep")
-        assert msg["step"] == step, (msg, step)
-        sc = g.points[pi]
+    for step, pi, mode, it, sc, msg in _steps(link, g):
         n, tokens = sc.concurrency, sc.tokens
         last = it == sc.warmup + sc.iters - 1
         reqs = request_pages(g, pi, "dst", rank, it)
@@ -212,11 +228,7 @@ def dst_main(link: Link, g: Group, rank: int, listen_host: str, want_metrics: bo
                 | _links(ep, step, g),
             }
         )
-    link.recv("end")
-    text = _exposition(want_metrics)  # before the endpoint closes: its gauges and links are still there
-    ep.close()
-    base.close()
-    return text
+    return _end(link, want_metrics, ep, base)
 
 
 def src_main(link: Link, g: Group, rank: int, want_metrics: bool = False) -> str | None:
@@ -253,10 +265,7 @@ def src_main(link: Link, g: Group, rank: int, want_metrics: bool = False) -> str
     bulk, bulk_region = _bulk_buffer(g, mine_tok, dev, base)
     forward = SimulatedForward(b.geometry.layers, b.prefill_ms, dev)  # a GPU's is calibrated now, outside any step
     link.send({"type": "ready", "clock_error_s": link.sync_error, "agent": base.id})
-    for step, (pi, mode, it) in enumerate(g.schedule()):
-        msg = link.recv("prep")
-        assert msg["step"] == step, (msg, step)
-        sc = g.points[pi]
+    for step, pi, mode, it, sc, _ in _steps(link, g):
         n, tokens = sc.concurrency, sc.tokens
         reqs = request_pages(g, pi, "src", rank, it)
         if mode != "bulk":
@@ -379,8 +388,4 @@ def src_main(link: Link, g: Group, rank: int, want_metrics: bool = False) -> str
             }
         )
         del prepared
-    link.recv("end")
-    text = _exposition(want_metrics)  # before the endpoint closes: its gauges and links are still there
-    ep.close()
-    base.close()
-    return text
+    return _end(link, want_metrics, ep, base)
