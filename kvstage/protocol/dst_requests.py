@@ -10,6 +10,7 @@ import time
 import numpy as np
 
 from kvstage.errors import KVStageError, ProtocolError
+from kvstage.ids import ReqKey
 from kvstage.protocol import dst_grants
 from kvstage.protocol.common import b64, peer_label, rank_name, remember
 from kvstage.protocol.incoming import Group, Incoming, SourceEngine, Writer, add_chunk, check_ready
@@ -142,7 +143,7 @@ def on_request_message(dst, w: Writer, inc: Incoming, msg: ReadyMessage | Chunk 
     inc.touched = time.monotonic()
 
 
-def hold_early(dst, w: Writer, key: tuple, msg: ReadyMessage | Chunk | Sums) -> None:
+def hold_early(dst, w: Writer, key: ReqKey, msg: ReadyMessage | Chunk | Sums) -> None:
     """A ``ready`` (or ``chunk``, ``sums``) for a request not expected yet: kept for ``expect``, at most
     ``MAX_EARLY`` requests (the oldest go)."""
     news = dst._early.get(key)
