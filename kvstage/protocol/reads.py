@@ -192,10 +192,8 @@ class Landed:
         if not self._fence.done() or any(ready.total is None for _, _, ready in self.writers):
             return
         assert self._sums is not None  # made with the fence
-        for k, (w, _, ready) in enumerate(self.writers):
-            got = self._sums.total(k)
-            if got != ready.total:
-                return fail_checksum(dst, inc, w, "its piece", ready.total, got)
+        for k, want, got in mismatches(self._sums, [ready.total for _, _, ready in self.writers])[:1]:
+            return fail_checksum(dst, inc, self.writers[k][0], "its piece", want, got)
         self.over = True
 
     def fence(self):
@@ -247,9 +245,9 @@ class IpcMove(Move):
         if self._fence is None or not self._fence.done():
             return
         if self._to_check and all(not r.checksum or r.total is not None for _, _, r in self.writers):
-            for k, (w, _, ready) in enumerate(self.writers):
-                if ready.checksum and ready.total != self._sums.total(k):
-                    return fail_checksum(dst, self.inc, w, "its piece", ready.total, self._sums.total(k))
+            expect = [r.total if r.checksum else None for _, _, r in self.writers]
+            for k, want, got in mismatches(self._sums, expect)[:1]:
+                return fail_checksum(dst, self.inc, self.writers[k][0], "its piece", want, got)
             self._to_check = False
         if self._timed:
             return

@@ -112,16 +112,8 @@ class SpanCopy:
             raise ValueError(f"{len(dst)} destination buffers, {len(src)} source buffers")
         if not dst or not len(self.lengths):
             return
-        d = np.array(dst, dtype=np.uint64).reshape(-1, 2)
-        s = np.array(src, dtype=np.uint64).reshape(-1, 2)
-        if d[:, 1].min() < self.dst_end:
-            b = int(np.argmin(d[:, 1]))
-            raise IndexError(f"destination buffer {b} holds {int(d[b, 1])} bytes; the spans reach {self.dst_end}")
-        if s[:, 1].min() < self.src_end:
-            b = int(np.argmin(s[:, 1]))
-            raise IndexError(f"source buffer {b} holds {int(s[b, 1])} bytes; the spans reach {self.src_end}")
-        if _lib is None:
-            raise RuntimeError(f"native span copies are not loaded: {_why_not or 'available() was not asked'}")
+        d = _buffers(dst, self.dst_end, "destination")
+        s = _buffers(src, self.src_end, "source")
         spans = (
             np.ascontiguousarray(d[:, 0]),
             np.ascontiguousarray(s[:, 0]),
@@ -133,10 +125,10 @@ class SpanCopy:
             int(self.streaming),
         )
         if checksum is None:
-            _lib.kvstage_copy_spans(*spans)
+            _library().kvstage_copy_spans(*spans)
         else:
             c = checksum
-            _lib.kvstage_copy_spans_sum(*spans, int(c.region_is_dst), c.origin, c.seg_bytes, c.sums)
+            _library().kvstage_copy_spans_sum(*spans, int(c.region_is_dst), c.origin, c.seg_bytes, c.sums)
 
     def sum_only(self, at: Sequence[int], src: Sequence[tuple[int, int]], checksum: SpanSums) -> None:
         """``run``'s checksum with no copy: each span is read from ``src[b]`` (address, bytes there) and
@@ -146,10 +138,7 @@ class SpanCopy:
             raise ValueError(f"{len(at)} region places, {len(src)} source buffers")
         if not src or not len(self.lengths):
             return
-        s = np.array(src, dtype=np.uint64).reshape(-1, 2)
-        if s[:, 1].min() < self.src_end:
-            b = int(np.argmin(s[:, 1]))
-            raise IndexError(f"source buffer {b} holds {int(s[b, 1])} bytes; the spans reach {self.src_end}")
+        s = _buffers(src, self.src_end, "source")
         a = np.array(at, dtype=np.uint64)
         lo, hi = int(a.min()) + int(self.dst_off.min()), int(a.max()) + self.dst_end
         if lo < checksum.origin or hi - checksum.origin > checksum.seg_bytes * len(checksum.sums):
@@ -161,9 +150,7 @@ class SpanCopy:
             raise ValueError(
                 f"segments of {checksum.seg_bytes} bytes into {checksum.sums.dtype}: need whole words, uint32"
             )
-        if _lib is None:
-            raise RuntimeError(f"native span copies are not loaded: {_why_not or 'available() was not asked'}")
-        _lib.kvstage_sum_spans(
+        _library().kvstage_sum_spans(
             a,
             np.ascontiguousarray(s[:, 0]),
             len(s),
@@ -177,13 +164,29 @@ class SpanCopy:
         )
 
 
+def _buffers(buffers: Sequence[tuple[int, int]], end: int, side: str) -> np.ndarray:
+    """``buffers`` as (address, bytes) rows, each checked to hold the spans' ``end`` bytes: the C side
+    trusts its arguments."""
+    rows = np.array(buffers, dtype=np.uint64).reshape(-1, 2)
+    if rows[:, 1].min() < end:
+        b = int(np.argmin(rows[:, 1]))
+        raise IndexError(f"{side} buffer {b} holds {int(rows[b, 1])} bytes; the spans reach {end}")
+    return rows
+
+
+def _library() -> ctypes.CDLL:
+    """The loaded library, or why it is not."""
+    if _lib is None:
+        raise RuntimeError(f"native span copies are not loaded: {_why_not or 'available() was not asked'}")
+    return _lib
+
+
 def checksum_segments(address: int, nseg: int, seg_bytes: int, out: np.ndarray) -> None:
     """``staging.checksum``'s sums of ``nseg`` segments of ``seg_bytes`` bytes from host ``address``
     into ``out`` (uint32, ``nseg``), in one native call; the caller checks the bytes are its own."""
-    if _lib is None:
-        raise RuntimeError(f"native span copies are not loaded: {_why_not or 'available() was not asked'}")
+    lib = _library()
     if seg_bytes % 4 or len(out) != nseg or out.dtype != np.uint32:
         raise ValueError(
             f"{nseg} segments of {seg_bytes} bytes into {len(out)} {out.dtype}: need uint32, bytes % 4 == 0"
         )
-    _lib.kvstage_checksum_segments(address, nseg, seg_bytes, out)
+    lib.kvstage_checksum_segments(address, nseg, seg_bytes, out)
