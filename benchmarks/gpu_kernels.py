@@ -6,7 +6,8 @@ The gather is a source's whole shard in head order; the scatter, every writer's
 piece of a destination's slot. The main figures time a chunk's copy as the
 endpoints issue it (page ids uploaded when the request was posted; the scatter
 prepared at grant time); "cold" puts every set-up step inside the timed call.
-"torch" rows run the same copies through the torch copier, for comparison.
+"torch" rows run the same copies through the torch copier, for comparison. "summed" times the same
+gather and scatter adding up their chunk checksums (``checksum=all`` on the read path).
 Usage: python benchmarks/gpu_kernels.py [--json PATH]
 """
 
@@ -21,6 +22,7 @@ import torch
 from kvstage.layout import KVGeometry, PageLayout, pages_needed
 from kvstage.staging import copy as kcopy
 from kvstage.staging.cache import RankCache
+from kvstage.staging.checksum import ChunkSums
 from kvstage.staging.region import Order, RegionPiece, end_to_end
 from kvstage.tp import SideSpec, plan
 
@@ -103,8 +105,17 @@ def case(src_tp, dst_tp, tokens, fused=True, host_region=False):
     def cold_scatter():
         kcopy.scatter_chunk(dst, kcopy.TokenIndex(dst, dp, 0, tokens), pieces, region)
 
+    gather_sums, scatter_sums = ChunkSums.of(shard, hb, tokens), ChunkSums.of(pieces, hb, tokens)
+
+    def summed_gather():
+        kcopy.gather(src, kcopy.TokenIndex(src, sp, 0, tokens, sdev), shard, region, gather_sums)
+
+    summed_scatter = kcopy.prepare_scatter(dst, kcopy.TokenIndex(dst, dp, 0, tokens, ddev), pieces, region,
+                                           sums=scatter_sums)
     g, gq = timed(do_gather)
     s, sq = timed(do_scatter)
+    gs, _ = timed(summed_gather)
+    ss, _ = timed(summed_scatter)
     gc, _ = timed(cold_gather)
     sc, _ = timed(cold_scatter)
     gh, sh = host_seconds(do_gather), host_seconds(do_scatter)
@@ -118,6 +129,8 @@ def case(src_tp, dst_tp, tokens, fused=True, host_region=False):
         "gather_gbps": nbytes_g / g / 1e9, "gather_vs_copy": cg / g, "gather_us": g * 1e6,
         "scatter_gbps": nbytes_s / s / 1e9, "scatter_vs_copy": cs / s, "scatter_us": s * 1e6,
         "copy_gbps": nbytes_s / cs / 1e9,
+        "gather_summed_us": gs * 1e6, "gather_summed_vs_plain": g / gs,
+        "scatter_summed_us": ss * 1e6, "scatter_summed_vs_plain": s / ss,
         "gather_queued_gbps": nbytes_g / gq / 1e9, "scatter_queued_gbps": nbytes_s / sq / 1e9,
         "gather_host_us": gh * 1e6, "scatter_host_us": sh * 1e6,
         "gather_cold_gbps": nbytes_g / gc / 1e9, "scatter_cold_gbps": nbytes_s / sc / 1e9,
@@ -142,7 +155,9 @@ def main():
               f"{r['gather_queued_gbps']:.1f} scatter {r['scatter_queued_gbps']:.1f} GB/s  host set-up: "
               f"gather {r['gather_host_us']:.0f} us scatter {r['scatter_host_us']:.0f} us | cold (set-up per call): gather "
               f"{r['gather_cold_gbps']:.1f} scatter {r['scatter_cold_gbps']:.1f} GB/s, host {r['gather_cold_host_us']:.0f}"
-              f"/{r['scatter_cold_host_us']:.0f} us", flush=True)
+              f"/{r['scatter_cold_host_us']:.0f} us | summed: gather {r['gather_summed_us']:.0f} us "
+              f"({r['gather_summed_vs_plain']:.3f}x) scatter {r['scatter_summed_us']:.0f} us "
+              f"({r['scatter_summed_vs_plain']:.3f}x)", flush=True)
     if a.json:
         json.dump(rows, open(a.json, "w"), indent=1)
 

@@ -136,18 +136,12 @@ def _flipped_byte_case(transport, copier, side, caplog, device):
             s.close()
 
 
-def _flip_page(cache, page: int) -> None:
-    """One bit of the first token's second byte of ``page`` in ``cache``'s first buffer (on its device)."""
-    buf = cache.buffers[0]
-    buf.view(torch.uint8).reshape(buf.shape[0], -1)[int(page), 1] ^= 0x20
-
-
 def corrupt_landed(cache, pages, count: list) -> None:
     """Every pass that sums ``cache``'s landed pages finds one byte of ``pages`` (its first) flipped first."""
     real = cache.copier.sum_cache
 
     def sum_cache(idx, pieces, sums):
-        _flip_page(cache, pages[0])
+        fr.flip_page(cache, pages[0])
         count.append(1)
         real(idx, pieces, sums)
 
@@ -155,8 +149,7 @@ def corrupt_landed(cache, pages, count: list) -> None:
 
 
 #: the paths that gather nothing, on a pair each can carry: (path, sources, destination page size). The ipc path
-#: needs its sources in other processes (CUDA cannot open its own IPC handles): its sums are checked against
-#: the sources' in ``tests/test_cuda_ipc.py``
+#: needs its sources in other processes (CUDA cannot open its own IPC handles): its own test is below
 PAGE_PATHS = [("pages", 2, 4), ("direct", 1, 16)]
 
 
@@ -180,7 +173,7 @@ def test_on_the_page_paths_a_flipped_byte_fails_its_request_by_name_and_the_next
             with caplog.at_level(logging.ERROR, logger="kvstage"):
                 sent = [s.send(f"p{k}", p[k], TOKENS) for s, p in zip(srcs, spages)]
                 if side == "source":  # summed at send; the destination reads nothing before expect
-                    _flip_page(srcs[0].cache, spages[0][k][0])
+                    fr.flip_page(srcs[0].cache, spages[0][k][0])
                     flipped.append(1)
                 h = dst.expect(f"p{k}", dpages[k], TOKENS)
                 _wait([h, *sent])
@@ -203,6 +196,58 @@ def test_on_the_page_paths_a_flipped_byte_fails_its_request_by_name_and_the_next
         dst.close()
         for s in srcs:
             s.close()
+
+
+@pytest.mark.gpu
+def test_on_the_ipc_path_a_flipped_byte_fails_its_request_by_name_and_the_next_is_byte_exact(caplog):
+    """The ipc kernel's sums end to end, TP 2 -> 1 on GPU 0, each source rank a process of its own (CUDA opens
+    no IPC handle of its own process): a byte of source rank 0's pages changes after its sum pass and before
+    the destination's kernel reads them (it reads nothing before ``expect``), and the sum the kernel adds up
+    as it reads differs from the source's ``sums``."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    from kvstage.layout import pages_needed
+    from kvstage.protocol.destination import Destination
+    from kvstage.staging.cache import RankCache
+
+    settings = fr.SETTINGS | {"path": "ipc", "checksum": "all"}
+    dcache = RankCache.allocate(fr.dst_spec(), 0, 3 * pages_needed(TOKENS, 4) + 4, "cuda:0")
+    dst = Destination(dcache, Settings(**settings))
+    dpages = np.random.default_rng(8).permutation(dcache.pages)[: 3 * pages_needed(TOKENS, 4)].reshape(3, -1)
+    srcs: list = []
+    before = _checksum_failures()
+    try:
+        for rank in (0, 1):
+            srcs.append(fr.Rank(fr.source_rank, 2, rank, 3 * pages_needed(TOKENS, 16) + 2, settings, "", fr.GEO, 16,
+                                "cuda:0"))
+            srcs[-1].call("connect", [dst.address])
+        fr.until(dst.connected, 60)
+        for k in (0, 1, 2):
+            req = f"i{k}"
+            with caplog.at_level(logging.ERROR, logger="kvstage"):
+                assert [s.call("send", [(req, TOKENS, 80 + k)]) for s in srcs] == [{req: "ipc"}] * 2
+                if k < 2:
+                    srcs[0].call("flip", req)
+                h = dst.expect(req, dpages[k], TOKENS)
+                fr.until(h.done, 30)
+            told = [s.call("wait", 30)[req] for s in srcs]
+            assert h.path == "ipc", h.path
+            if k < 2:
+                assert h.error is not None and h.error.stage == "checksum", h.error
+                assert "source rank 0" in h.error.peer and "checksum" in h.error.cause, h.error
+                assert all(err is not None for _, err in told), told
+            else:  # nothing corrupted: byte-exact, no false failure
+                assert h.error is None and told == [("done", None)] * 2, (h.error, told)
+                assert fr.check(dcache, 82, dpages[2], TOKENS) == []
+        lines = [r for r in caplog.records if "landed with checksum" in r.getMessage()]
+        assert len(lines) == 1, [r.getMessage() for r in lines]  # once per peer
+        if _metrics_on():
+            assert _checksum_failures() - before == 2
+        fr.until(lambda: fr.free(dst.stats()), 10)
+    finally:
+        for s in srcs:
+            s.close()
+        dst.close()
 
 
 def _metrics_on() -> bool:

@@ -469,7 +469,8 @@ class WordCopier(DeviceKernels):
 
     def __init__(self, spec, buffers: list[torch.Tensor]):
         super().__init__(buffers[0].device)
-        self.geometry = WordGeometry.exact(spec, 16)
+        # None: heads are not whole 16-byte words, and ``supports`` sends every call the torch way
+        self.geometry = WordGeometry.of(spec, 16)
         self.table = torch.tensor([b.data_ptr() for b in buffers], dtype=torch.int64, device=self.device)
         self._table_addr = self.table.data_ptr()
         self._blocks = threading.local()  # each launching thread's argument block (``launch``)
@@ -477,7 +478,7 @@ class WordCopier(DeviceKernels):
         self.aligned = all(b.data_ptr() % 16 == 0 for b in buffers)
         self._pieces: dict = {}
         g = self.geometry
-        self._fixed = (g.page_size, g.heads, g.head_words, int(g.hnd))
+        self._fixed = (g.page_size, g.heads, g.head_words, int(g.hnd)) if g is not None else (0, 0, 0, 0)
 
     def supports(self, region: torch.Tensor | None, pieces, count: int) -> bool:
         """16-byte words everywhere, a region the GPU can reach, a grid the device takes, and
@@ -546,9 +547,11 @@ class WordCopier(DeviceKernels):
         """Write one copy's arguments into ``block``: the kernel to launch, its grid, its
         parameter array and the tensors it reads."""
         args = block.args
+        g = self.geometry
+        assert g is not None  # ``supports``: a call of heads not whole words never reaches the kernel
         inline = False
         if not isinstance(pages, torch.Tensor):  # ids on the host: in the launch if they fit
-            need = (first + count - 1) // self.geometry.page_size + 1
+            need = (first + count - 1) // g.page_size + 1
             ids = np.asarray(pages[page_offset : page_offset + need], dtype=np.int64)
             page_offset = 0
             inline = need <= INLINE_PAGES
@@ -562,7 +565,7 @@ class WordCopier(DeviceKernels):
         args.pages_addr = 0 if inline else pages.data_ptr() + 8 * page_offset
         args.count, args.first, args.to_region, args.sums_addr = count, first, int(to_region), sums_addr
         args.page_size, args.nheads, args.head_words, args.hnd = self._fixed
-        grid = launch_grid(pieces, count, self.geometry.head_words)
+        grid = launch_grid(pieces, count, g.head_words)
         if inline:
             return "inline", grid, block.inline_pointers, (None, meta, region)
         return "pointer", grid, block.pointers, (pages, meta, region)

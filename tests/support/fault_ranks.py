@@ -15,6 +15,7 @@ import signal
 import time
 
 import numpy as np
+import torch
 
 from kvstage.bench.reference import check_shard, fill_shard
 from kvstage.config import Settings
@@ -67,6 +68,12 @@ class PagePool:
 
 def check(cache, seed: int, ids, tokens: int) -> list[str]:
     return check_shard(cache, seed, ids, tokens, untouched_fill=None)
+
+
+def flip_page(cache, page: int) -> None:
+    """One bit of the first token's second byte of ``page`` in ``cache``'s first buffer (on its device)."""
+    buf = cache.buffers[0]
+    buf.view(torch.uint8).reshape(buf.shape[0], -1)[int(page), 1] ^= 0x20
 
 
 def free(st) -> bool:
@@ -183,7 +190,7 @@ def _serve(conn, commands: dict) -> None:
 
 
 def source_rank(conn, tp: int, rank: int, pages: int, settings: dict, engine: str = "", geo=GEO,
-                page: int = 16) -> None:
+                page: int = 16, device: str = "cpu") -> None:
     """Child: source rank ``rank`` of TP ``tp`` (engine ``engine``) in this process. Commands:
 
     - ``connect`` [addresses] -> the destination ranks it sends to;
@@ -192,11 +199,13 @@ def source_rank(conn, tp: int, rank: int, pages: int, settings: dict, engine: st
       ``send`` returned, its answer already on the pipe;
     - ``wait`` timeout -> {req: (state, error text or None)} of every request sent and not reported yet;
     - ``stream`` req, tokens, seed, written -> the layer groups sent so far (``Source.stream``);
+    - ``flip`` req -> None: once ``req`` was routed (its ``ready`` said, its sum pass queued) and this process's
+      device work is over, one bit of its first page changes (a page reused before the destination read it);
     - ``stats`` -> its endpoint's stats; ``close``."""
     from kvstage.protocol.request import State
     from kvstage.protocol.source import Source
 
-    cache = RankCache.allocate(src_spec(tp, geo, page), rank, pages)
+    cache = RankCache.allocate(src_spec(tp, geo, page), rank, pages, device)
     src = Source(cache, Settings(**settings), engine=engine)
     pool = PagePool(cache.pages, 1000 + rank)
     handles: dict = {}
@@ -248,13 +257,20 @@ def source_rank(conn, tp: int, rank: int, pages: int, settings: dict, engine: st
         st.written(written)
         return [[g.start, g.stop] for g in st.groups[:len(st.handles)]]
 
+    def flip(req):
+        h, ids = handles[req]
+        until(lambda: h.path is not None)
+        if cache.device.type == "cuda":
+            torch.cuda.synchronize(cache.device)
+        flip_page(cache, ids[0])
+
     commands = {"connect": lambda addresses: src.connect([tuple(a) for a in addresses]), "send": send, "wait": wait,
-                "stream": stream, "stats": lambda: stats_dict(src.stats()), "close": src.close}
+                "stream": stream, "flip": flip, "stats": lambda: stats_dict(src.stats()), "close": src.close}
     _serve(conn, commands)
 
 
 def destination_rank(conn, tp: int, rank: int, pages: int, settings: dict, engine: str = "", geo=GEO,
-                     page: int = 4) -> None:
+                     page: int = 4, device: str = "cpu") -> None:
     """Child: destination rank ``rank`` of TP ``tp`` in this process. Commands: ``address``; ``expect``
     [(req, tokens, seed)], src_engine -> None; ``reading`` timeout -> once a request is being read (every
     writer ready and a chunk holding a slot, or its page-run reads posted); ``wait`` timeout ->
@@ -262,7 +278,7 @@ def destination_rank(conn, tp: int, rank: int, pages: int, settings: dict, engin
     from kvstage.protocol.destination import Destination
     from kvstage.protocol.request import State
 
-    cache = RankCache.allocate(dst_spec(tp, geo, page), rank, pages)
+    cache = RankCache.allocate(dst_spec(tp, geo, page), rank, pages, device)
     dst = Destination(cache, Settings(**settings), engine=engine)
     pool = PagePool(cache.pages, 2000 + rank)
     handles: dict = {}
