@@ -229,7 +229,7 @@ def test_on_the_ipc_path_a_flipped_byte_fails_its_request_by_name_and_the_next_i
                 if k < 2:
                     srcs[0].call("flip", req)
                 h = dst.expect(req, dpages[k], TOKENS)
-                fr.until(h.done, 30)
+                _wait([h])
             told = [s.call("wait", 30)[req] for s in srcs]
             assert h.path == "ipc", h.path
             if k < 2:

@@ -270,7 +270,7 @@ def source_rank(conn, tp: int, rank: int, pages: int, settings: dict, engine: st
 
 
 def destination_rank(conn, tp: int, rank: int, pages: int, settings: dict, engine: str = "", geo=GEO,
-                     page: int = 4, device: str = "cpu") -> None:
+                     page: int = 4) -> None:
     """Child: destination rank ``rank`` of TP ``tp`` in this process. Commands: ``address``; ``expect``
     [(req, tokens, seed)], src_engine -> None; ``reading`` timeout -> once a request is being read (every
     writer ready and a chunk holding a slot, or its page-run reads posted); ``wait`` timeout ->
@@ -278,7 +278,7 @@ def destination_rank(conn, tp: int, rank: int, pages: int, settings: dict, engin
     from kvstage.protocol.destination import Destination
     from kvstage.protocol.request import State
 
-    cache = RankCache.allocate(dst_spec(tp, geo, page), rank, pages, device)
+    cache = RankCache.allocate(dst_spec(tp, geo, page), rank, pages)
     dst = Destination(cache, Settings(**settings), engine=engine)
     pool = PagePool(cache.pages, 2000 + rank)
     handles: dict = {}
